@@ -196,8 +196,10 @@ class LocalStore:
         if not self.readonly:
             for sub in ("blocks", "quarantine", "tmp"):
                 (self.path / sub).mkdir(exist_ok=True)
-            with self._tx() as db:
-                db.executescript(_SCHEMA)
+            try:
+                self._db().executescript(_SCHEMA)  # idempotent; executescript manages its own transaction
+            except sqlite3.Error as exc:
+                raise self._wrap(exc) from exc
         elif not (self.path / "catalogue.sqlite").exists():
             raise StoreError(f"{self.path} is read-only and holds no catalogue")
 

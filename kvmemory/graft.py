@@ -1,0 +1,193 @@
+"""Grafting: find the longest stored chain for a token sequence, load and verify it, place it in a cache.
+
+The chain is looked up by chain hash (blocks.py), so only blocks computed after exactly the same
+tokens, under the same profile, at the same positions can be found. Blocks are read in parallel
+straight into one staging buffer, each hashed where it lies (SHA-256 against the catalogue) before
+`graft_op.graft_copy` places all of them in the per-layer cache tensors in one call. A damaged block
+is quarantined by the store and the chain is cut before it: the rest is recomputed, never guessed.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from .blocks import DTYPES, BlockMeta, chain_hashes
+from .errors import IntegrityError, NotOnGrid, UnsupportedArchitecture
+from .store import BlockRow
+
+_READ_THREADS = max(1, min(8, os.cpu_count() or 1))
+
+
+@dataclass(slots=True)
+class GraftReport:
+    """What a graft did: where the tokens came from, what was read and how long verifying took."""
+
+    tokens_total: int = 0
+    tokens_grafted: int = 0
+    tokens_computed: int = 0
+    tokens_decoded: int = 0
+    bytes_read: int = 0
+    read_verify_seconds: float = 0.0
+    copy_seconds: float = 0.0
+    compute_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    blocks_used: list[str] = field(default_factory=list)
+    entries_used: list[str] = field(default_factory=list)
+    quarantined: list[str] = field(default_factory=list)
+    fallback: str | None = None  # why less than the stored chain was grafted, if it was
+    blocks_stored: int = 0
+
+    def to_json(self) -> dict:
+        return {
+            "tokens_total": self.tokens_total,
+            "tokens_grafted": self.tokens_grafted,
+            "tokens_computed": self.tokens_computed,
+            "tokens_decoded": self.tokens_decoded,
+            "bytes_read": self.bytes_read,
+            "read_verify_seconds": round(self.read_verify_seconds, 6),
+            "copy_seconds": round(self.copy_seconds, 6),
+            "compute_seconds": round(self.compute_seconds, 6),
+            "decode_seconds": round(self.decode_seconds, 6),
+            "blocks_used": len(self.blocks_used),
+            "entries_used": list(self.entries_used),
+            "quarantined": list(self.quarantined),
+            "fallback": self.fallback,
+            "blocks_stored": self.blocks_stored,
+        }
+
+
+def plan_chain(store, profile_id: str, token_ids: Sequence[int], chunk: int) -> list[BlockRow]:
+    """The longest run of stored blocks from position 0. At least the last prompt token is always
+    recomputed (its logits start the decode), so the chain covers at most floor((n-1)/C) blocks."""
+    rows: list[BlockRow] = []
+    for h in chain_hashes(profile_id, token_ids, chunk, limit=len(token_ids) - 1):
+        row = store.get_block(h)
+        if row is None or row.quarantined:
+            break
+        rows.append(row)
+    return rows
+
+
+@dataclass(slots=True)
+class LoadedChain:
+    metas: list[BlockMeta]
+    staging: torch.Tensor  # uint8 [sum of payloads], payload i at offsets[i]
+    offsets: list[int]
+
+
+def load_chain(store, rows: Sequence[BlockRow], report: GraftReport) -> LoadedChain:
+    """Read and verify `rows` into one staging buffer; cut the chain at the first damaged block."""
+    offsets, total = [], 0
+    for r in rows:
+        offsets.append(total)
+        total += r.payload_nbytes
+    staging = torch.empty(total, dtype=torch.uint8)
+    view = memoryview(staging.numpy()) if total else None
+
+    def read(i: int):
+        r = rows[i]
+        try:
+            meta, _ = store.read_block(r, into=view[offsets[i] : offsets[i] + r.payload_nbytes])
+            return meta
+        except IntegrityError as exc:
+            return exc
+
+    t0 = time.perf_counter()
+    if len(rows) > 1 and _READ_THREADS > 1:
+        with ThreadPoolExecutor(_READ_THREADS) as pool:
+            results = list(pool.map(read, range(len(rows))))
+    else:
+        results = [read(i) for i in range(len(rows))]
+    report.read_verify_seconds += time.perf_counter() - t0
+    metas: list[BlockMeta] = []
+    for r, res in zip(rows, results):
+        if isinstance(res, Exception):
+            report.quarantined.append(r.hash)
+            report.fallback = f"block {r.index} ({r.hash[:12]}) failed verification and was quarantined: {res}; " \
+                              "recomputed from that point"
+            break
+        metas.append(res)
+        report.bytes_read += r.payload_nbytes
+    store.touch_blocks([m.hash for m in metas])
+    report.blocks_used = [m.hash for m in metas]
+    return LoadedChain(metas=metas, staging=staging, offsets=offsets[: len(metas)])
+
+
+def check_chain(metas: Sequence[BlockMeta], token_ids: Sequence[int], chunk: int, start: int = 0) -> int:
+    """Check that `metas` form one chain placed at their own positions from `start`; returns the end.
+
+    Exact mode refuses a block anywhere but where it was computed: a graft that starts elsewhere
+    than position 0, a block whose position is not index*C, a gap in the chain, or tokens that differ.
+    """
+    if start % chunk:
+        raise NotOnGrid(f"graft point {start} is not a multiple of the grid C={chunk}")
+    pos = start
+    parent = None
+    for i, m in enumerate(metas):
+        if m.position != m.index * chunk or m.n_tokens != chunk:
+            raise NotOnGrid(f"block {m.hash[:12]} is not a whole block on the grid C={chunk}")
+        if m.position != pos:
+            raise NotOnGrid(
+                f"block {m.hash[:12]} was computed at position {m.position} and cannot be grafted at {pos}: "
+                "KV are stored after RoPE, so a shifted graft would not be exact (refused in exact mode)"
+            )
+        if i and m.parent != parent:
+            raise NotOnGrid(f"block {m.hash[:12]} does not follow block {parent[:12]}: the chain has a gap")
+        if tuple(token_ids[pos : pos + chunk]) != m.token_ids:
+            raise NotOnGrid(f"block {m.hash[:12]} was computed for other tokens than positions {pos}..{pos + chunk}")
+        parent = m.hash
+        pos += chunk
+    if metas and metas[0].parent is not None:
+        raise NotOnGrid("the first grafted block must start the chain (position 0)")
+    return pos
+
+
+def build_cache(runner, chain: LoadedChain, report: GraftReport):
+    """A transformers cache holding the chain's K/V at their own positions (positions < end)."""
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+
+    from .graft_op import graft_copy
+
+    cache = runner.new_cache()
+    metas = chain.metas
+    if not metas:
+        return cache
+    end = metas[-1].position + metas[-1].n_tokens
+    m0 = metas[0]
+    dtype = DTYPES[m0.dtype]
+    model_dtype = next(runner.model.parameters()).dtype
+    if dtype != model_dtype:
+        raise UnsupportedArchitecture(f"blocks hold {m0.dtype} K/V but the model computes in {model_dtype}")
+    if len(m0.k_shapes) != len(cache.layers):
+        raise UnsupportedArchitecture(f"blocks hold {len(m0.k_shapes)} layers, the model has {len(cache.layers)}")
+    t0 = time.perf_counter()
+    dst_k, dst_v, dst_off = [], [], []
+    for layer, (kh, _, kd), (vh, _, vd) in zip(cache.layers, m0.k_shapes, m0.v_shapes):
+        keep = end
+        if isinstance(layer, DynamicSlidingWindowLayer):
+            keep = min(end, layer.sliding_window - 1)  # what the layer itself would hold after `end` tokens
+        dst_k.append(torch.empty(1, kh, keep, kd, dtype=dtype, device=runner.device))
+        dst_v.append(torch.empty(1, vh, keep, vd, dtype=dtype, device=runner.device))
+        dst_off.append(end - keep)
+    graft_copy(
+        chain.staging,
+        chain.offsets,
+        [m.position for m in metas],
+        [m.n_tokens for m in metas],
+        dst_k,
+        dst_v,
+        dst_off,
+    )
+    for layer, k, v in zip(cache.layers, dst_k, dst_v):
+        layer.lazy_initialization(k, v)
+        layer.keys, layer.values = k, v
+        if isinstance(layer, DynamicSlidingWindowLayer):
+            layer.cumulative_length = end
+    report.copy_seconds += time.perf_counter() - t0
+    return cache

@@ -1,0 +1,287 @@
+"""The memory facade: remember verified solutions, recall them, answer from them, prove it.
+
+    mem = KVMemory()                                   # embedded SmolLM2 + default store
+    entry = mem.remember("Tom has 3 boxes ...", "3 * 12 = 36 ... The answer is 36.", answer="36")
+    ans = mem.ask(entry.id, "How many apples did Tom have?")     # grafted follow-up
+    mem.verify()                                       # every entry bit-identical to a recompute
+
+Remembering runs the verifier first and refuses unverified solutions unless `allow_unverified=True`
+(then the entry is marked unverified wherever it surfaces). The entry's blocks are computed from
+scratch, written, read back through the verified path, grafted and compared with the recompute: an
+entry is stored only with an attestation that says its graft is bit-identical.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from .errors import InvalidInput, VerificationFailed
+from .graft import GraftReport, load_chain
+from .engine import Engine, VerifyReport, graft_point_for
+from .models import DEFAULT_MODEL
+from .profile import canonical_json
+from .prompts import continuation_ids, entry_messages, render_ids
+from .runner import GREEDY, Sampling
+from .store import EntryRecord
+
+DEFAULT_NAMESPACE = "default"
+MAX_TEXT_CHARS = 200_000
+
+
+@dataclass(slots=True)
+class Answer:
+    """An answer with its provenance."""
+
+    text: str
+    token_ids: list[int]
+    report: GraftReport
+    entries: list[str] = field(default_factory=list)
+    scores: list[float] = field(default_factory=list)
+    attestations: list[str] = field(default_factory=list)
+    verified: list[bool] = field(default_factory=list)
+    seconds: float = 0.0
+    stopped_by: str = "length"
+
+    def to_json(self) -> dict:
+        return {
+            "text": self.text,
+            "entries": self.entries,
+            "scores": [round(s, 4) for s in self.scores],
+            "attestations": self.attestations,
+            "verified": self.verified,
+            "seconds": round(self.seconds, 4),
+            "stopped_by": self.stopped_by,
+            **self.report.to_json(),
+        }
+
+
+@dataclass(slots=True)
+class VerifySummary:
+    checked: int = 0
+    bit_identical: int = 0
+    kl_max: float = 0.0
+    argmax_agreement: float = 1.0
+    attested_match: int = 0
+    results: list[dict] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return {
+            "checked": self.checked,
+            "bit_identical": self.bit_identical,
+            "kl_max": self.kl_max,
+            "argmax_agreement": self.argmax_agreement,
+            "attestation_match": self.attested_match,
+            "entries": self.results,
+        }
+
+
+def _check_text(name: str, text: str | None, required: bool = True) -> str | None:
+    if text is None:
+        if required:
+            raise InvalidInput(f"{name} is required")
+        return None
+    if not isinstance(text, str):
+        raise InvalidInput(f"{name} must be text, got {type(text).__name__}")
+    if required and not text.strip():
+        raise InvalidInput(f"{name} is empty")
+    if len(text) > MAX_TEXT_CHARS:
+        raise InvalidInput(f"{name} is {len(text)} characters; the limit is {MAX_TEXT_CHARS}")
+    if "\x00" in text:
+        raise InvalidInput(f"{name} contains a NUL character")
+    return text
+
+
+def entry_id_for(namespace: str, problem: str, solution: str, answer: str | None, profile_id: str) -> str:
+    body = canonical_json([namespace, problem, solution, answer, profile_id])
+    return "e" + hashlib.sha256(body.encode()).hexdigest()[:15]
+
+
+class KVMemory:
+    """Verified solutions with their exact KV cache, grafted back on demand."""
+
+    def __init__(self, engine: Engine | None = None, *, model: str = DEFAULT_MODEL, store=None,
+                 chunk: int | None = None, namespace: str = DEFAULT_NAMESPACE, probe_tokens: int = 4, **engine_kw):
+        if engine is None:
+            kw = dict(engine_kw)
+            if chunk is not None:
+                kw["chunk"] = chunk
+            engine = Engine.open(model, store, **kw)
+        self.engine = engine
+        self.store = engine.store
+        self.namespace = namespace
+        self.probe_tokens = probe_tokens
+
+    # ------------------------------------------------------------------ remember
+    def _verify_solution(self, problem: str, solution: str, answer: str | None, verifier) -> dict:
+        if verifier is None or isinstance(verifier, str):
+            from .problems import verifier_by_name
+
+            verifier = verifier_by_name(verifier or ("exact-answer" if answer is not None else "none"))
+        result = verifier(problem, solution, answer)
+        return {"name": verifier.name, "version": getattr(verifier, "version", "0"), "ok": bool(result.ok),
+                "detail": result.detail}
+
+    def remember(self, problem: str, solution: str, answer: str | None = None, *, verifier=None,
+                 namespace: str | None = None, allow_unverified: bool = False, meta: dict | None = None) -> EntryRecord:
+        """Verify a solution, compute its KV once, store it with an attestation, and return the entry."""
+        problem = _check_text("problem", problem)
+        solution = _check_text("solution", solution)
+        answer = _check_text("answer", None if answer is None else str(answer), required=False)
+        namespace = namespace or self.namespace
+        verdict = self._verify_solution(problem, solution, answer, verifier)
+        if not verdict["ok"] and not allow_unverified:
+            raise VerificationFailed(
+                f"verifier {verdict['name']!r} refused the solution: {verdict['detail']}. "
+                "Fix the solution, or pass allow_unverified=True (--allow-unverified) to store it marked unverified."
+            )
+        eng = self.engine
+        ids = render_ids(eng.tokenizer, entry_messages(problem, solution, answer))
+        eng.runner.check_ids(ids, self.probe_tokens)
+        ref, blocks = eng.compute_blocks(ids, max_new_tokens=self.probe_tokens)
+        # Write the block files, then prove the graft by reading them back through the verified path.
+        for m, payload in blocks:
+            eng.store.write_block_file(m, payload)
+        vr = self._prove(ids, blocks, ref)
+        if not vr.bit_identical:
+            raise VerificationFailed(
+                f"the grafted logits differ from the recompute (KL {vr.comparison.kl_max}, argmax agreement "
+                f"{vr.comparison.argmax_agreement:.4f}): this execution profile is not deterministic; nothing stored"
+            )
+        now = time.time()
+        entry = EntryRecord(
+            id=entry_id_for(namespace, problem, solution, answer, eng.profile_id), namespace=namespace,
+            problem=problem, solution=solution, answer=answer, verifier=verdict, verified=verdict["ok"],
+            token_ids=tuple(ids), profile_id=eng.profile_id, chain=tuple(m.hash for m, _ in blocks),
+            attestation=vr.attestation, meta=dict(meta or {}), created=now, updated=now,
+        )
+        eng.store.commit_entry(entry, blocks)
+        self._after_remember(entry)
+        return entry
+
+    def _prove(self, ids, blocks, ref) -> VerifyReport:
+        """Graft the just-written blocks (read back and hashed) and compare with the recompute `ref`."""
+        from .graft import GraftReport
+        from .verify import compare_runs, make_attestation
+
+        eng = self.engine
+        g = graft_point_for(len(ids), eng.chunk)
+        rows = eng.rows_for(blocks)[: g // eng.chunk]
+        report = GraftReport(tokens_total=len(ids))
+        chain = load_chain(eng.store, rows, report)
+        cache, start = eng.graft_chain(ids, chain, report)
+        got = eng.runner.forward(ids, start=start, cache=cache, max_new_tokens=self.probe_tokens, keep_logits=True)
+        cmp = compare_runs(ref, got)
+        att = make_attestation(ids, eng.profile_id, start, ref, cmp)
+        report.tokens_grafted, report.tokens_computed = start, len(ids) - start
+        return VerifyReport(start, len(ids), cmp, att, None, report, ref.prefill_seconds, got.prefill_seconds)
+
+    def _after_remember(self, entry: EntryRecord) -> None:
+        """Hook for the router (adds the entry's problem to the index)."""
+
+    # ------------------------------------------------------------------ ask
+    def entry(self, entry_id: str, namespace: str | None = None) -> EntryRecord:
+        return self.store.get_entry(entry_id, namespace or self.namespace)
+
+    def followup_ids(self, entries: Sequence[EntryRecord], question: str) -> list[int]:
+        """Token ids of the entries' conversation followed by the question, sharing the first entry's ids."""
+        tok = self.engine.tokenizer
+        msgs = []
+        for e in entries:
+            msgs += entry_messages(e.problem, e.solution, e.answer)
+        first = entry_messages(entries[0].problem, entries[0].solution, entries[0].answer)
+        tail = continuation_ids(tok, first, msgs[2:] + [{"role": "user", "content": question}])
+        if tail is None:  # the template does not extend the entry's rendering: no shared prefix to graft
+            return render_ids(tok, msgs + [{"role": "user", "content": question}], add_generation_prompt=True)
+        return list(entries[0].token_ids) + tail
+
+    def generate(self, ids: Sequence[int], *, max_new_tokens: int = 256, sampling: Sampling = GREEDY,
+                 stop: Sequence[str] = (), store_new_blocks: bool = False, entries: Sequence[EntryRecord] = (),
+                 scores: Sequence[float] = (), on_text=None) -> Answer:
+        """Decode from `ids` with the longest stored chain grafted; stop at EOS or any `stop` string."""
+        eng = self.engine
+        t0 = time.perf_counter()
+        generated: list[int] = []
+        emitted = [""]
+
+        def on_token(tok: int) -> bool:
+            generated.append(tok)
+            text = eng.decode(generated)
+            if on_text is not None and len(text) > len(emitted[0]):
+                on_text(text[len(emitted[0]):])
+                emitted[0] = text
+            return any(s and s in text for s in stop)
+
+        result, report = eng.forward(ids, max_new_tokens=max_new_tokens, sampling=sampling,
+                                     store_new_blocks=store_new_blocks, entries_used=[e.id for e in entries],
+                                     on_token=on_token)
+        text = eng.decode([t for t in result.generated if t not in eng.eos_token_ids])
+        for s in stop:
+            if s and s in text:
+                text = text[: text.index(s)]
+        return Answer(text=text.strip(), token_ids=result.generated, report=report,
+                      entries=[e.id for e in entries], scores=list(scores),
+                      attestations=[e.attestation.get("attestation_id", "") for e in entries],
+                      verified=[e.verified for e in entries], seconds=time.perf_counter() - t0,
+                      stopped_by=result.stopped_by)
+
+    def ask(self, entry_id: str, question: str, *, max_new_tokens: int = 256, sampling: Sampling = GREEDY,
+            namespace: str | None = None, stop: Sequence[str] = ()) -> Answer:
+        """A follow-up question on one entry: its KV is grafted, only the question is computed."""
+        question = _check_text("question", question)
+        entry = self.entry(entry_id, namespace)
+        self.engine.require_profile(entry.profile_id, f"entry {entry.id}'s blocks")
+        ids = self.followup_ids([entry], question)
+        return self.generate(ids, max_new_tokens=max_new_tokens, sampling=sampling, stop=stop, entries=[entry],
+                             scores=[1.0])
+
+    # ------------------------------------------------------------------ verify and stats
+    def verify_entry(self, entry_id: str, *, decode_tokens: int | None = None, single_pass: bool = True,
+                     namespace: str | None = None) -> VerifyReport:
+        entry = self.store.get_entry(entry_id, namespace)
+        self.engine.require_profile(entry.profile_id, f"entry {entry.id}'s blocks")
+        k = decode_tokens if decode_tokens is not None else int(entry.attestation.get("decode_tokens", self.probe_tokens))
+        vr = self.engine.verify_tokens(list(entry.token_ids), decode_tokens=k, single_pass=single_pass)
+        return vr
+
+    def verify(self, entry_ids: Sequence[str] | None = None, *, namespace: str | None = None,
+               single_pass: bool = True, progress: bool = False) -> VerifySummary:
+        """Recompute each entry from scratch and compare it with its graft (and with its attestation)."""
+        ids = list(entry_ids) if entry_ids is not None else self.store.entry_ids(namespace)
+        summary = VerifySummary()
+        it = ids
+        if progress:
+            from tqdm import tqdm
+
+            it = tqdm(ids, desc="verify", unit="entry")
+        for eid in it:
+            entry = self.store.get_entry(eid)
+            vr = self.verify_entry(eid, single_pass=single_pass)
+            c = vr.comparison
+            attested = (entry.attestation.get("logits_sha256") == c.reference_sha256
+                        and entry.attestation.get("graft_point") == vr.graft_point)
+            summary.checked += 1
+            summary.bit_identical += int(c.bit_identical)
+            summary.kl_max = max(summary.kl_max, c.kl_max)
+            summary.argmax_agreement = min(summary.argmax_agreement, c.argmax_agreement)
+            summary.attested_match += int(attested)
+            summary.results.append({"entry": eid, "attestation_match": attested, **vr.to_json()})
+        return summary
+
+    def stats(self) -> dict:
+        s = self.store.stats().to_json()
+        s["profile_id"] = self.engine.profile_id
+        s["chunk"] = self.engine.chunk
+        return s
+
+    def forget(self, entry_id: str, namespace: str | None = None) -> int:
+        """Remove an entry and the blocks no other entry references. Returns the blocks removed."""
+        self.entry(entry_id, namespace)
+        removed = self.store.delete_entries([entry_id])
+        self._after_forget([entry_id])
+        return removed
+
+    def _after_forget(self, entry_ids: Sequence[str]) -> None:
+        """Hook for the router."""
