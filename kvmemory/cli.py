@@ -1,0 +1,216 @@
+"""The `kvmemory` command line.
+
+Every reporting command takes `--json`; the store is chosen by `--store PATH`, else `KVMEMORY_STORE`,
+else a per-user data folder. Long work shows progress bars (on stderr, so `--json` output stays clean).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from .errors import KVMemoryError
+
+
+def _quiet_transformers() -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+def _memory(args):
+    _quiet_transformers()
+    from .memory import KVMemory
+    from .paths import default_store_path
+
+    store = args.store or str(default_store_path())
+    kw = {"chunk": args.chunk} if args.chunk else {}
+    if args.threads:
+        kw["threads"] = args.threads
+    return KVMemory(model=args.model, store=store, namespace=args.namespace, **kw)
+
+
+def _emit(args, obj: dict, text: str) -> None:
+    if getattr(args, "json", False):
+        print(json.dumps(obj, indent=2, sort_keys=True, default=str))
+    else:
+        print(text)
+
+
+# ---------------------------------------------------------------------- commands
+def cmd_remember(args) -> int:
+    mem = _memory(args)
+    items = []
+    if args.jsonl:
+        path = Path(args.jsonl)
+        if not path.exists():
+            raise KVMemoryError(f"no such file: {path}")
+        for i, line in enumerate(path.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                d = json.loads(line)
+                if not isinstance(d, dict):
+                    raise ValueError("not an object")
+            except ValueError as exc:
+                raise KVMemoryError(f"{path}:{i}: not a JSON object ({exc})") from exc
+            items.append(d)
+    else:
+        if not args.problem or not args.solution:
+            raise KVMemoryError("give --problem and --solution (or --jsonl FILE)")
+        items.append({"problem": args.problem, "solution": args.solution, "answer": args.answer})
+    from tqdm import tqdm
+
+    out, failed = [], []
+    for d in tqdm(items, desc="remember", unit="entry", disable=len(items) < 2, file=sys.stderr):
+        try:
+            e = mem.remember(d.get("problem"), d.get("solution"), d.get("answer"),
+                             verifier=d.get("verifier", args.verifier), namespace=d.get("namespace"),
+                             allow_unverified=args.allow_unverified)
+            out.append({"id": e.id, "namespace": e.namespace, "tokens": len(e.token_ids), "blocks": len(e.chain),
+                        "verified": e.verified, "attestation_id": e.attestation["attestation_id"],
+                        "bit_identical": e.attestation["bit_identical"]})
+        except KVMemoryError as exc:
+            if len(items) == 1:
+                raise
+            failed.append({"line": d, "error": f"{type(exc).__name__}: {exc}"})
+    text = "\n".join(f"remembered {o['id']} ({o['tokens']} tokens, {o['blocks']} blocks, "
+                     f"{'verified' if o['verified'] else 'UNVERIFIED'}, graft bit-identical: {o['bit_identical']})"
+                     for o in out)
+    if failed:
+        text += "\n" + "\n".join(f"refused: {f['error']}" for f in failed)
+    _emit(args, {"remembered": out, "refused": failed}, text)
+    return 1 if failed and not out else 0
+
+
+def cmd_ask(args) -> int:
+    mem = _memory(args)
+    stream = None if args.json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
+    if args.entry:
+        ans = mem.ask(args.entry, args.question, max_new_tokens=args.max_tokens)
+    else:
+        if not hasattr(mem, "answer"):
+            raise KVMemoryError("routing is not available; give --entry ID")
+        ans = mem.answer(args.question, k=args.k, max_new_tokens=args.max_tokens)
+    if stream is not None:
+        print(ans.text)
+        r = ans.report
+        prov = ", ".join(f"{e} ({s:.2f}{'' if v else ', UNVERIFIED'})"
+                         for e, s, v in zip(ans.entries, ans.scores, ans.verified)) or "none"
+        print(f"\n[entries: {prov} | grafted {r.tokens_grafted}, computed {r.tokens_computed}, "
+              f"decoded {r.tokens_decoded} tokens | {ans.seconds:.2f}s]", file=sys.stderr)
+    else:
+        _emit(args, ans.to_json(), "")
+    return 0
+
+
+def cmd_verify(args) -> int:
+    mem = _memory(args)
+    if not args.all and not args.entry:
+        raise KVMemoryError("give --all or --entry ID")
+    ids = None if args.all else args.entry
+    summary = mem.verify(ids, single_pass=not args.no_diagnostic, progress=not args.json)
+    s = summary.to_json()
+    if not args.details:
+        s.pop("entries")
+    lines = [f"checked {summary.checked}: {summary.bit_identical} bit-identical, KL max {summary.kl_max}, "
+             f"argmax agreement {summary.argmax_agreement:.4f}, attestation match {summary.attested_match}"]
+    for r in summary.results:
+        lines.append(f"  {r['entry']}: grafted {r['graft_point']} of {r['tokens']} tokens, {r['positions']} logits "
+                     f"compared, bit-identical {r['bit_identical']}, single-pass gap (diagnostic) "
+                     f"{r['single_pass_max_abs_diff']}")
+    _emit(args, s, "\n".join(lines))
+    return 0 if summary.bit_identical == summary.checked else 1
+
+
+def cmd_stats(args) -> int:
+    from .store import LocalStore
+    from .paths import default_store_path
+
+    store = LocalStore(args.store or default_store_path())
+    s = store.stats().to_json()
+    s["store"] = str(store.path)
+    _emit(args, s, "\n".join(f"{k:>20}: {v}" for k, v in s.items()))
+    return 0
+
+
+def cmd_demo(args) -> int:
+    _quiet_transformers()
+    from .demo import run_demo
+
+    result = run_demo(model=args.model, store=args.store, chunk=args.chunk, progress=not args.json)
+    _emit(args, result, result.pop("table", "") if not args.json else "")
+    return 0 if result["verify"]["bit_identical"] == result["verify"]["checked"] else 1
+
+
+# ---------------------------------------------------------------------- parser
+def build_parser() -> argparse.ArgumentParser:
+    from .models import DEFAULT_MODEL
+
+    p = argparse.ArgumentParser(prog="kvmemory", description="Exact KV-cache grafting memory for agents.")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--store", help="store folder (default: $KVMEMORY_STORE or a per-user data folder)")
+    common.add_argument("--model", default=DEFAULT_MODEL, help="HF model id or local folder (default: embedded SmolLM2)")
+    common.add_argument("--chunk", type=int, default=None, help="chunk grid C (default 64)")
+    common.add_argument("--threads", type=int, default=None, help="torch threads (part of the profile)")
+    common.add_argument("--namespace", default="default", help="namespace (agent / tenant)")
+    common.add_argument("--json", action="store_true", help="print JSON")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    r = sub.add_parser("remember", parents=[common], help="store a verified solution with its KV cache")
+    r.add_argument("--problem")
+    r.add_argument("--solution")
+    r.add_argument("--answer")
+    r.add_argument("--jsonl", help="a file of {problem, solution, answer[, namespace, verifier]} lines")
+    r.add_argument("--verifier", default=None, help="exact-answer (default with --answer), arithmetic, none")
+    r.add_argument("--allow-unverified", action="store_true", help="store a solution the verifier refused, marked")
+    r.set_defaults(func=cmd_remember)
+
+    a = sub.add_parser("ask", parents=[common], help="ask a question (grafting stored solutions)")
+    a.add_argument("question")
+    a.add_argument("--entry", help="ask a follow-up on this entry")
+    a.add_argument("--k", type=int, default=2, help="entries to route to")
+    a.add_argument("--max-tokens", type=int, default=256)
+    a.set_defaults(func=cmd_ask)
+
+    v = sub.add_parser("verify", parents=[common], help="recompute entries from scratch and compare logits")
+    v.add_argument("--all", action="store_true")
+    v.add_argument("--entry", action="append")
+    v.add_argument("--details", action="store_true", help="per-entry results in the JSON")
+    v.add_argument("--no-diagnostic", action="store_true", help="skip the single-pass gap diagnostic")
+    v.set_defaults(func=cmd_verify)
+
+    s = sub.add_parser("stats", parents=[common], help="entries, blocks, bytes, tokens, dedup ratio")
+    s.set_defaults(func=cmd_stats)
+
+    d = sub.add_parser("demo", parents=[common], help="remember, ask with grafts, verify, in a temporary store")
+    d.set_defaults(func=cmd_demo)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except KVMemoryError as exc:
+        msg = {"error": type(exc).__name__, "message": str(exc)}
+        if getattr(args, "json", False):
+            print(json.dumps(msg))
+        print(f"kvmemory: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
