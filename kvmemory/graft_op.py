@@ -276,7 +276,8 @@ def cuda_graft_copy(staging: torch.Tensor, block_offsets: Sequence[int],
                     dst_offsets: Sequence[int] | None = None) -> None:
     """The kvgraft kernel: same contract as `graft_copy`, CUDA destinations only.
 
-    staging: pinned host memory (read by the GPU over the link) or memory of the destination's GPU.
+    staging: pinned host memory (read by the GPU over the link) or memory of the destination's GPU;
+    pageable host memory works too but is first copied to the device in one (synchronous) transfer.
     Runs on `torch.cuda.current_stream(dst device)` and returns before the copy finishes: do not
     modify the staging bytes until that stream has passed this point (`pinned_staging` waits for it).
     """
@@ -286,14 +287,21 @@ def cuda_graft_copy(staging: torch.Tensor, block_offsets: Sequence[int],
     device = dst_k[0].device
     if device.type != "cuda":
         raise ValueError(f"the CUDA graft op needs CUDA destinations, got {device}")
-    if staging.device.type == "cpu":
-        if staging.numel() and not staging.is_pinned():
-            raise ValueError("host staging must be pinned (torch.empty(..., pin_memory=True) or "
-                             "kvmemory.graft_op.pinned_staging) for the GPU to read it")
-    elif staging.device != device:
+    if staging.device.type == "cuda" and staging.device != device:
         raise ValueError(f"staging is on {staging.device} but the destination is on {device}")
+    if staging.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"staging must be host or CUDA memory, got {staging.device}")
     if not plan.blocks:
         return
+    if staging.device.type == "cpu" and not staging.is_pinned():
+        # The GPU cannot read pageable memory: move the span the blocks use to the device in one
+        # transfer (synchronous for pageable memory) and graft from there. Correct, but slower than
+        # pinned staging read in place; use pinned_staging() on CUDA machines.
+        lo = min(o for o, _, _ in plan.blocks)
+        hi = max(o + t * plan.bytes_per_token for o, _, t in plan.blocks)
+        staging = staging[lo:hi].to(device)
+        plan = _Plan(plan.esize, plan.bytes_per_token, plan.layers,
+                     tuple((o - lo, p, t) for o, p, t in plan.blocks))
     _ensure_covered(device)
     blocks, layers = _kernel_tables(plan, dst_k, dst_v)
     with torch.cuda.device(device):

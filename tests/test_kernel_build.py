@@ -188,8 +188,8 @@ def test_gpu_check_script_dry_run(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("pinned", [True, False], ids=["pinned-host", "device"])
-def test_kernel_matches_twin_on_gpu(dtype, pinned):
+@pytest.mark.parametrize("kind", ["pinned", "device", "pageable"])
+def test_kernel_matches_twin_on_gpu(dtype, kind):
     from kvmemory import graft_op
 
     if graft_op._kernel is None:
@@ -204,10 +204,11 @@ def test_kernel_matches_twin_on_gpu(dtype, pinned):
     offsets = [1, 1 + T * per_tok + 3, 5 + 2 * T * per_tok]
     positions = [0, T, 2 * T + 5]
     staging = torch.randint(0, 256, (offsets[-1] + T * per_tok,), dtype=torch.uint8, generator=gen)
-    staging = staging.pin_memory() if pinned else staging.cuda()
+    staging = {"pinned": staging.pin_memory(), "device": staging.cuda(), "pageable": staging}[kind]
 
     k1, v1, k2, v2 = (_sentinel(shapes, dtype, "cuda") for _ in range(4))
     side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())  # sentinel fills and the staging upload come first
     with torch.cuda.stream(side):
         graft_op.cuda_graft_copy(staging, offsets, positions, [T] * 3, k1, v1, offs)
     side.synchronize()
