@@ -337,11 +337,14 @@ def _select(env: str) -> tuple[str, bool, str]:
         except ImportError as exc:
             why = f"the kvgraft package is not installed ({exc}); pip install -e kernels/kvgraft"
         else:
-            st = kvgraft.status()
-            if st.available:
-                _kernel, _kernel_arch = kvgraft.load(), st.arch_list
-                return "cuda", forced, f"kvgraft kernel {st.library} ({st.arch_list or 'prebuilt'})"
-            why = st.reason
+            try:  # may compile the library once (cached); any failure means "unavailable"
+                st = kvgraft.status()
+                if st.available:
+                    _kernel, _kernel_arch = kvgraft.load(), st.arch_list
+                    return "cuda", forced, f"kvgraft kernel {st.library} ({st.arch_list or 'prebuilt'})"
+                why = st.reason
+            except Exception as exc:
+                why = f"{type(exc).__name__}: {exc}"
     if forced:
         raise GraftOpUnavailable(f"KVMEMORY_GRAFT_OP=cuda but the CUDA graft kernel cannot be used: {why}")
     return "twin", False, f"twin (kernel unavailable: {why})"

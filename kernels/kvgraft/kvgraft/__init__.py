@@ -127,10 +127,10 @@ def covers(arch_list: str | None, capability: tuple[int, int]) -> bool:
 
 def status(arch_list: str | None = None, build_if_missing: bool = True) -> Status:
     """Loads (or builds) the library if possible and reports whether it can run here."""
-    want = merge_arch_lists(arch_list or default_arch_list(), BASE_ARCH_LIST)
     try:
+        want = merge_arch_lists(arch_list or default_arch_list(), BASE_ARCH_LIST)
         lib = load(want, build_if_missing=build_if_missing)
-    except KvgraftUnavailable as exc:
+    except (KvgraftUnavailable, BuildError) as exc:
         return Status(False, str(exc), None, None, 0, 0)
     built_for = _loaded.get(want, (None, None))[1]
     code, rt, drv = lib.cuda_versions()

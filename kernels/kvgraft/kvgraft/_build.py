@@ -28,6 +28,9 @@ SOURCE = Path(__file__).resolve().parent / "csrc" / "kvgraft.cu"
 BASE_ARCH_LIST = "9.0+PTX"
 
 _ARCH_RE = re.compile(r"^(\d+)\.(\d+)([af]?)(\+PTX)?$")
+# The architecture names TORCH_CUDA_ARCH_LIST accepts (as torch.utils.cpp_extension expands them).
+_NAMED = {"turing": "7.5+PTX", "ampere": "8.0;8.6+PTX", "ada": "8.9+PTX", "hopper": "9.0+PTX",
+          "blackwell": "10.0;12.0+PTX"}
 
 
 class BuildError(RuntimeError):
@@ -54,6 +57,10 @@ def parse_arch_list(arch_list: str) -> list[tuple[str, bool]]:
     out: list[tuple[str, bool]] = []
     for raw in re.split(r"[;,\s]+", arch_list.strip()):
         if not raw:
+            continue
+        named = _NAMED.get(raw.lower().removesuffix("+ptx"))
+        if named is not None:
+            out += parse_arch_list(named)
             continue
         m = _ARCH_RE.match(raw)
         if not m:
