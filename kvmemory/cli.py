@@ -65,8 +65,10 @@ def cmd_remember(args) -> int:
                 raise KVMemoryError(f"{path}:{i}: not a JSON object ({exc})") from exc
             items.append(d)
     else:
-        if not args.problem or not args.solution:
-            raise KVMemoryError("give --problem and --solution (or --jsonl FILE)")
+        if args.problem is None or args.solution is None:
+            from .errors import InvalidInput
+
+            raise InvalidInput("give --problem and --solution (or --jsonl FILE)")
         items.append({"problem": args.problem, "solution": args.solution, "answer": args.answer})
     from tqdm import tqdm
 
