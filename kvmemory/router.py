@@ -887,6 +887,8 @@ class Router:
 
     def search_vector(self, vec: np.ndarray, k: int, namespace: str, threshold: float) -> list[RouteHit]:
         """`search` for an already-embedded (normalised) query vector."""
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise InvalidInput(f"k must be a positive integer, got {k!r}")
         q = np.ascontiguousarray(np.asarray(vec, dtype=np.float32).reshape(1, -1))
         with self._lock:
             self._refresh()
