@@ -115,6 +115,55 @@ def cmd_ask(args) -> int:
     return 0
 
 
+def cmd_recall(args) -> int:
+    mem = _memory(args)
+    hits = mem.recall(args.query, k=args.k, threshold=args.threshold)
+    out = {"query": args.query, "namespace": mem.namespace, "hits": [h.to_json() for h in hits]}
+    text = "\n".join(f"{h.score:.3f}  {h.entry.id}  {'' if h.entry.verified else '[UNVERIFIED] '}"
+                      f"{h.entry.problem[:90]}" for h in hits) or "no entry routes here (all below the threshold)"
+    _emit(args, out, text)
+    return 0
+
+
+def cmd_forget(args) -> int:
+    mem = _memory(args)
+    if args.all_in_namespace:
+        removed = mem.forget_namespace(mem.namespace)
+        out = {"namespace": mem.namespace, "blocks_removed": removed}
+    else:
+        removed = mem.forget(args.entry)
+        out = {"entry": args.entry, "blocks_removed": removed}
+    _emit(args, out, f"forgotten; {removed} blocks no longer referenced were removed")
+    return 0
+
+
+def cmd_reindex(args) -> int:
+    mem = _memory(args)
+    n = mem.reindex(progress=not args.json)
+    _emit(args, {"reindexed": n}, f"router rebuilt: {n} texts embedded")
+    return 0
+
+
+def cmd_bench(args) -> int:
+    _quiet_transformers()
+    if args.which == "recurring":
+        from .bench_recurring import format_table, run_recurring_bench
+
+        mem = _memory(args) if args.store else None
+        r = run_recurring_bench(mem, problems=args.problems, rewordings=args.rewordings, unrelated=args.unrelated,
+                                seed=args.seed, base_budget=args.base_budget, progress=not args.json)
+        _emit(args, r, format_table(r))
+    elif args.which == "router":
+        from .bench_router import run_router_bench
+
+        sizes = tuple(int(x) for x in args.sizes.split(",")) if args.sizes else (10_000, 100_000, 1_000_000)
+        r = run_router_bench(sizes=sizes, queries=args.queries, seed=args.seed, progress=not args.json)
+        _emit(args, r, json.dumps(r, indent=2, default=str))
+    else:
+        raise KVMemoryError(f"unknown benchmark {args.which!r}")
+    return 0
+
+
 def cmd_verify(args) -> int:
     mem = _memory(args)
     if not args.all and not args.entry:
@@ -190,6 +239,31 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--details", action="store_true", help="per-entry results in the JSON")
     v.add_argument("--no-diagnostic", action="store_true", help="skip the single-pass gap diagnostic")
     v.set_defaults(func=cmd_verify)
+
+    rc = sub.add_parser("recall", parents=[common], help="entries routed to a question, with scores")
+    rc.add_argument("query")
+    rc.add_argument("--k", type=int, default=5)
+    rc.add_argument("--threshold", type=float, default=None, help="cosine threshold (default: calibrated)")
+    rc.set_defaults(func=cmd_recall)
+
+    f = sub.add_parser("forget", parents=[common], help="remove an entry (or a whole namespace)")
+    f.add_argument("--entry")
+    f.add_argument("--all-in-namespace", action="store_true")
+    f.set_defaults(func=cmd_forget)
+
+    ri = sub.add_parser("reindex", parents=[common], help="rebuild the router (after changing the embedder)")
+    ri.set_defaults(func=cmd_reindex)
+
+    b = sub.add_parser("bench", parents=[common], help="benchmarks: recurring, router")
+    b.add_argument("which", choices=["recurring", "router"])
+    b.add_argument("--problems", type=int, default=12)
+    b.add_argument("--rewordings", type=int, default=2)
+    b.add_argument("--unrelated", type=int, default=40)
+    b.add_argument("--base-budget", type=int, default=256)
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--sizes", help="router sizes, comma separated (default 10000,100000,1000000)")
+    b.add_argument("--queries", type=int, default=1000)
+    b.set_defaults(func=cmd_bench)
 
     s = sub.add_parser("stats", parents=[common], help="entries, blocks, bytes, tokens, dedup ratio")
     s.set_defaults(func=cmd_stats)

@@ -18,7 +18,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .errors import InvalidInput, VerificationFailed
+from .errors import InvalidInput, UnknownEntry, VerificationFailed
 from .graft import GraftReport, load_chain
 from .engine import Engine, VerifyReport, graft_point_for
 from .models import DEFAULT_MODEL
@@ -28,6 +28,9 @@ from .runner import GREEDY, Sampling
 from .store import EntryRecord
 
 DEFAULT_NAMESPACE = "default"
+# When `answer` / `chat` store the grid-aligned blocks they newly computed, so that the same context
+# is grafted next time: never, only when several entries were combined (default), or always.
+BLOCK_POLICIES = {"none", "multi", "always"}
 MAX_TEXT_CHARS = 200_000
 
 
@@ -56,6 +59,21 @@ class Answer:
             "stopped_by": self.stopped_by,
             **self.report.to_json(),
         }
+
+
+@dataclass(slots=True, frozen=True)
+class Recalled:
+    """A routed entry and its cosine score."""
+
+    entry: EntryRecord
+    score: float
+    matched_text: str
+
+    def to_json(self) -> dict:
+        e = self.entry
+        return {"id": e.id, "score": round(self.score, 4), "namespace": e.namespace, "problem": e.problem,
+                "solution": e.solution, "answer": e.answer, "verified": e.verified,
+                "attestation_id": e.attestation.get("attestation_id"), "matched_text": self.matched_text}
 
 
 @dataclass(slots=True)
@@ -103,7 +121,8 @@ class KVMemory:
     """Verified solutions with their exact KV cache, grafted back on demand."""
 
     def __init__(self, engine: Engine | None = None, *, model: str = DEFAULT_MODEL, store=None,
-                 chunk: int | None = None, namespace: str = DEFAULT_NAMESPACE, probe_tokens: int = 4, **engine_kw):
+                 chunk: int | None = None, namespace: str = DEFAULT_NAMESPACE, probe_tokens: int = 4,
+                 router=None, threshold: float | None = None, block_policy: str = "multi", **engine_kw):
         if engine is None:
             kw = dict(engine_kw)
             if chunk is not None:
@@ -113,6 +132,20 @@ class KVMemory:
         self.store = engine.store
         self.namespace = namespace
         self.probe_tokens = probe_tokens
+        self._router = router
+        self.threshold = threshold
+        if block_policy not in BLOCK_POLICIES:
+            raise InvalidInput(f"block_policy must be one of {sorted(BLOCK_POLICIES)}, got {block_policy!r}")
+        self.block_policy = block_policy
+
+    @property
+    def router(self):
+        """The FAISS router over entries' problems (created on first use, in `<store>/router/`)."""
+        if self._router is None:
+            from .router import Router
+
+            self._router = Router(self.store.path / "router")
+        return self._router
 
     # ------------------------------------------------------------------ remember
     def _verify_solution(self, problem: str, solution: str, answer: str | None, verifier) -> dict:
@@ -125,7 +158,8 @@ class KVMemory:
                 "detail": result.detail}
 
     def remember(self, problem: str, solution: str, answer: str | None = None, *, verifier=None,
-                 namespace: str | None = None, allow_unverified: bool = False, meta: dict | None = None) -> EntryRecord:
+                 namespace: str | None = None, allow_unverified: bool = False, meta: dict | None = None,
+                 aliases: Sequence[str] = ()) -> EntryRecord:
         """Verify a solution, compute its KV once, store it with an attestation, and return the entry."""
         problem = _check_text("problem", problem)
         solution = _check_text("solution", solution)
@@ -155,7 +189,8 @@ class KVMemory:
             id=entry_id_for(namespace, problem, solution, answer, eng.profile_id), namespace=namespace,
             problem=problem, solution=solution, answer=answer, verifier=verdict, verified=verdict["ok"],
             token_ids=tuple(ids), profile_id=eng.profile_id, chain=tuple(m.hash for m, _ in blocks),
-            attestation=vr.attestation, meta=dict(meta or {}), created=now, updated=now,
+            attestation=vr.attestation, meta={**(meta or {}), "aliases": [a for a in aliases if a and a.strip()]},
+            created=now, updated=now,
         )
         eng.store.commit_entry(entry, blocks)
         self._after_remember(entry)
@@ -179,7 +214,8 @@ class KVMemory:
         return VerifyReport(start, len(ids), cmp, att, None, report, ref.prefill_seconds, got.prefill_seconds)
 
     def _after_remember(self, entry: EntryRecord) -> None:
-        """Hook for the router (adds the entry's problem to the index)."""
+        """Route the entry: its problem and aliases go into its namespace's index."""
+        self.router.update(entry.id, entry.namespace, [entry.problem, *entry.meta.get("aliases", [])])
 
     # ------------------------------------------------------------------ ask
     def entry(self, entry_id: str, namespace: str | None = None) -> EntryRecord:
@@ -284,4 +320,109 @@ class KVMemory:
         return removed
 
     def _after_forget(self, entry_ids: Sequence[str]) -> None:
-        """Hook for the router."""
+        for eid in entry_ids:
+            self.router.delete(eid)
+
+    def forget_namespace(self, namespace: str) -> int:
+        """Remove every entry of a namespace and the blocks no other entry references."""
+        ids = self.store.entry_ids(namespace)
+        removed = self.store.delete_entries(ids)
+        self.router.delete_namespace(namespace)
+        return removed
+
+    # ------------------------------------------------------------------ routing
+    def recall(self, query: str, k: int = 5, *, namespace: str | None = None,
+               threshold: float | None = None) -> list[Recalled]:
+        """Entries whose problem is close to `query`, best first, with cosine scores; an unrelated
+        query returns [] (scores below the calibrated threshold are dropped)."""
+        query = _check_text("query", query)
+        if not isinstance(k, int) or k < 1:
+            raise InvalidInput(f"k must be a positive integer, got {k!r}")
+        ns = namespace or self.namespace
+        th = threshold if threshold is not None else self.threshold
+        out = []
+        for hit in self.router.search(query, k=k, namespace=ns, threshold=th):
+            try:
+                entry = self.store.get_entry(hit.entry_id, ns)
+            except UnknownEntry:
+                continue  # routed but forgotten meanwhile
+            out.append(Recalled(entry=entry, score=float(hit.score), matched_text=hit.matched_text))
+        return out
+
+    def answer(self, query: str, *, k: int = 1, namespace: str | None = None, threshold: float | None = None,
+               max_new_tokens: int = 256, sampling: Sampling = GREEDY, stop: Sequence[str] = (),
+               on_text=None, use_memory: bool = True, answer_prefix: str | None = None) -> Answer:
+        """Route `query`, put the best entries before it, graft the longest stored chain, decode.
+
+        With several entries the first one's chain is grafted and the rest computed; the newly
+        computed grid-aligned blocks are stored (per `block_policy`) so the same combination is
+        grafted next time. With no entry above the threshold the model answers on its own.
+        `answer_prefix` (e.g. "The answer is") starts the assistant's turn, so that with a verified
+        solution in context the model only has to decode the answer itself.
+        """
+        query = _check_text("query", query)
+        hits = self.recall(query, k, namespace=namespace, threshold=threshold) if use_memory else []
+        entries = [h.entry for h in hits]
+        for e in entries:
+            self.engine.require_profile(e.profile_id, f"entry {e.id}'s blocks")
+        if entries:
+            ids = self.followup_ids(entries, query)
+        else:
+            ids = render_ids(self.engine.tokenizer, [{"role": "user", "content": query}], add_generation_prompt=True)
+        if answer_prefix:
+            ids = ids + self.engine.encode(answer_prefix)
+        store_new = self.block_policy == "always" or (self.block_policy == "multi" and len(entries) > 1)
+        ans = self.generate(ids, max_new_tokens=max_new_tokens, sampling=sampling, stop=stop,
+                            store_new_blocks=store_new, entries=entries, scores=[h.score for h in hits],
+                            on_text=on_text)
+        if answer_prefix:
+            ans.text = f"{answer_prefix.strip()} {ans.text}".strip()
+        return ans
+
+    def chat(self, messages: Sequence[dict], *, route: bool = True, k: int = 1, namespace: str | None = None,
+             threshold: float | None = None, max_new_tokens: int = 256, sampling: Sampling = GREEDY,
+             stop: Sequence[str] = (), on_text=None) -> Answer:
+        """Continue a chat (a list of {"role", "content"}), routing on its last user message.
+
+        Routed entries go before the conversation (after its system message, if any). Without a
+        system message the first entry's stored ids are the prompt's prefix and are grafted as is;
+        with one, whatever grid-aligned prefix was stored before (same system prompt, same entries)
+        is grafted, and the new blocks are stored per `block_policy`.
+        """
+        msgs = [{"role": str(m["role"]), "content": str(m.get("content") or "")} for m in messages]
+        if not msgs:
+            raise InvalidInput("empty conversation")
+        last_user = next((m["content"] for m in reversed(msgs) if m["role"] == "user"), "")
+        hits = self.recall(last_user, k, namespace=namespace, threshold=threshold) if route and last_user.strip() else []
+        entries = [h.entry for h in hits]
+        for e in entries:
+            self.engine.require_profile(e.profile_id, f"entry {e.id}'s blocks")
+        tok = self.engine.tokenizer
+        ids = None
+        if entries and msgs[0]["role"] != "system":
+            first = entry_messages(entries[0].problem, entries[0].solution, entries[0].answer)
+            extra = [m for e in entries[1:] for m in entry_messages(e.problem, e.solution, e.answer)]
+            tail = continuation_ids(tok, first, extra + msgs)
+            if tail is not None:
+                ids = list(entries[0].token_ids) + tail
+        if ids is None:
+            context = [m for e in entries for m in entry_messages(e.problem, e.solution, e.answer)]
+            head = msgs[:1] if msgs[0]["role"] == "system" else []
+            ids = render_ids(tok, head + context + msgs[len(head):], add_generation_prompt=True)
+        store_new = self.block_policy == "always" or (self.block_policy == "multi" and (len(entries) > 1 or (
+            bool(entries) and msgs[0]["role"] == "system")))
+        return self.generate(ids, max_new_tokens=max_new_tokens, sampling=sampling, stop=stop,
+                             store_new_blocks=store_new, entries=entries, scores=[h.score for h in hits],
+                             on_text=on_text)
+
+    def reindex(self, progress: bool = False) -> int:
+        """Rebuild the router from the catalogue (after changing the embedder)."""
+        from .router import RouteRow, Router
+
+        # Open without the embedder check: a router built by another embedder is what reindex fixes.
+        self._router = Router(self.store.path / "router", allow_mismatch=True)
+        rows = []
+        for e in self.store.list_entries():
+            rows.append(RouteRow(e.id, e.namespace, e.problem, "problem"))
+            rows.extend(RouteRow(e.id, e.namespace, a, "alias") for a in e.meta.get("aliases", []))
+        return self.router.rebuild(rows, progress=progress)

@@ -1,0 +1,172 @@
+"""`kvmemory bench recurring`: does memory make a frozen model right, and cheap, on recurring problems?
+
+1. A seeded generator makes multi-step arithmetic word problems with exact answers (problems.py).
+2. The base model tries each original problem with a generous token budget (no memory).
+3. A library of verified solutions is built: the model's own solution when its answer was right,
+   else the generator's worked solution; each is checked against the exact answer before it is stored.
+4. Reworded versions are asked twice: by the base model alone (same generous budget), and through
+   `KVMemory.answer`, which routes to the library, grafts the entry's KV, computes the question, and
+   starts the assistant's turn with "The answer is" so the answer takes a few decode tokens.
+5. Unrelated questions are routed to measure how often memory correctly stays out of the way.
+
+Reported side by side from one run: accuracy, prefill and decode tokens per question, wall and CPU
+seconds per question, routing recall@1 on rewordings, and the unrelated-rejection rate.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from tqdm import tqdm
+
+ANSWER_PREFIX = "The answer is"
+
+
+@dataclass
+class _Tally:
+    questions: int = 0
+    correct: int = 0
+    prefill_tokens: int = 0
+    grafted_tokens: int = 0
+    decode_tokens: int = 0
+    wall: float = 0.0
+    cpu: float = 0.0
+    samples: list = field(default_factory=list)
+
+    def add(self, correct: bool, prefill: int, grafted: int, decode: int, wall: float, cpu: float) -> None:
+        self.questions += 1
+        self.correct += int(correct)
+        self.prefill_tokens += prefill
+        self.grafted_tokens += grafted
+        self.decode_tokens += decode
+        self.wall += wall
+        self.cpu += cpu
+
+    def to_json(self) -> dict:
+        n = max(self.questions, 1)
+        return {
+            "questions": self.questions,
+            "accuracy": self.correct / n,
+            "prefill_tokens_per_question": self.prefill_tokens / n,
+            "grafted_tokens_per_question": self.grafted_tokens / n,
+            "decode_tokens_per_question": self.decode_tokens / n,
+            "wall_seconds_per_question": self.wall / n,
+            "cpu_seconds_per_question": self.cpu / n,
+        }
+
+
+def _timed(fn):
+    w, c = time.perf_counter(), time.process_time()
+    out = fn()
+    return out, time.perf_counter() - w, time.process_time() - c
+
+
+def run_recurring_bench(mem=None, *, problems: int = 12, rewordings: int = 2, unrelated: int = 40, seed: int = 0,
+                        base_budget: int = 256, answer_budget: int = 8, progress: bool = True) -> dict:
+    """Run the benchmark on `mem` (a KVMemory; a temporary one on the embedded model by default)."""
+    import tempfile
+
+    from .memory import KVMemory
+    from .problems import extract_answer, generate_problems, unrelated_questions
+
+    tmp = None
+    if mem is None:
+        tmp = tempfile.TemporaryDirectory(prefix="kvmemory-bench-")
+        mem = KVMemory(store=f"{tmp.name}/store", namespace=f"bench-recurring-{seed}")
+    try:
+        eng = mem.engine
+        probs = generate_problems(problems, seed, rewordings=rewordings)
+        bar = dict(disable=not progress, unit="question")
+
+        def base(question: str):
+            return mem.answer(question, use_memory=False, max_new_tokens=base_budget)
+
+        # 2. the base model on the originals
+        library_from_model = 0
+        entry_of: dict[str, str] = {}
+        base_original = _Tally()
+        for p in tqdm(probs, desc="base: originals", **bar):
+            ans, w, c = _timed(lambda: base(p.text))
+            got = extract_answer(ans.text)
+            base_original.add(got == p.answer, ans.report.tokens_computed, 0, ans.report.tokens_decoded, w, c)
+            # 3. the library: the model's own solution if right, else the worked solution; verified either way
+            if got == p.answer:
+                solution, verifier = ans.text, "exact-answer"
+                library_from_model += 1
+            else:
+                solution, verifier = p.solution, "arithmetic"
+            e = mem.remember(p.text, solution, answer=str(p.answer), verifier=verifier)
+            entry_of[p.id] = e.id
+
+        # 4. rewordings: base alone vs through memory
+        base_rw, mem_rw = _Tally(), _Tally()
+        routed_right = 0
+        for p in tqdm(probs, desc="rewordings", **bar):
+            for q in p.rewordings[:rewordings]:
+                ans, w, c = _timed(lambda: base(q))
+                base_rw.add(extract_answer(ans.text) == p.answer, ans.report.tokens_computed, 0,
+                            ans.report.tokens_decoded, w, c)
+                ans, w, c = _timed(lambda: mem.answer(q, k=1, max_new_tokens=answer_budget,
+                                                      answer_prefix=ANSWER_PREFIX, stop=["\n"]))
+                r = ans.report
+                ok = extract_answer(ans.text) == p.answer
+                mem_rw.add(ok, r.tokens_computed, r.tokens_grafted, r.tokens_decoded, w, c)
+                routed_right += int(ans.entries[:1] == [entry_of[p.id]])
+                if len(mem_rw.samples) < 5:
+                    mem_rw.samples.append({"question": q, "answer": ans.text, "expected": p.answer,
+                                           "entries": ans.entries, "scores": ans.scores})
+
+        # 5. unrelated questions route to nothing
+        unrel = unrelated_questions(unrelated, seed + 7919)
+        rejected = sum(1 for q in tqdm(unrel, desc="unrelated", **bar) if not mem.recall(q, k=1))
+
+        b, m = base_rw.to_json(), mem_rw.to_json()
+        return {
+            "model": eng.loaded.source,
+            "profile_id": eng.profile_id,
+            "problems": problems,
+            "rewordings_per_problem": rewordings,
+            "seed": seed,
+            "base_budget_tokens": base_budget,
+            "answer_budget_tokens": answer_budget,
+            "answer_prefix": ANSWER_PREFIX,
+            "base_on_originals": base_original.to_json(),
+            "library": {"entries": len(entry_of), "from_model": library_from_model,
+                        "from_worked_solution": len(entry_of) - library_from_model},
+            "base": b,
+            "grafted": m,
+            "grafted_samples": mem_rw.samples,
+            "routing_recall_at_1": routed_right / max(mem_rw.questions, 1),
+            "unrelated_questions": len(unrel),
+            "unrelated_routed_to_nothing": rejected / max(len(unrel), 1),
+            "ratios": {
+                "decode_tokens_base_over_grafted": b["decode_tokens_per_question"] / max(m["decode_tokens_per_question"], 1e-9),
+                "prefill_tokens_base_over_grafted_computed": b["prefill_tokens_per_question"] / max(m["prefill_tokens_per_question"], 1e-9),
+                "wall_base_over_grafted": b["wall_seconds_per_question"] / max(m["wall_seconds_per_question"], 1e-9),
+                "cpu_base_over_grafted": b["cpu_seconds_per_question"] / max(m["cpu_seconds_per_question"], 1e-9),
+            },
+        }
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+
+
+def format_table(r: dict) -> str:
+    b, m = r["base"], r["grafted"]
+    rows = [
+        ("accuracy on rewordings", f"{b['accuracy']:.1%}", f"{m['accuracy']:.1%}"),
+        ("prefill tokens computed / question", f"{b['prefill_tokens_per_question']:.1f}",
+         f"{m['prefill_tokens_per_question']:.1f} (+{m['grafted_tokens_per_question']:.1f} grafted)"),
+        ("decode tokens / question", f"{b['decode_tokens_per_question']:.1f}", f"{m['decode_tokens_per_question']:.1f}"),
+        ("wall s / question", f"{b['wall_seconds_per_question']:.3f}", f"{m['wall_seconds_per_question']:.3f}"),
+        ("CPU s / question", f"{b['cpu_seconds_per_question']:.3f}", f"{m['cpu_seconds_per_question']:.3f}"),
+    ]
+    out = ["| metric | base model | with kvmemory |", "|---|---|---|"]
+    out += [f"| {a} | {x} | {y} |" for a, x, y in rows]
+    out.append("")
+    out.append(f"routing recall@1 on rewordings: {r['routing_recall_at_1']:.1%}; unrelated questions routed to "
+               f"nothing: {r['unrelated_routed_to_nothing']:.1%} of {r['unrelated_questions']}; base accuracy on the "
+               f"originals: {r['base_on_originals']['accuracy']:.1%}; library: {r['library']['from_model']} of "
+               f"{r['library']['entries']} solutions are the model's own")
+    return "\n".join(out)
