@@ -184,7 +184,7 @@ class Engine:
         n = len(token_ids)
         report = GraftReport(tokens_total=n, entries_used=list(entries_used))
         rows = plan_chain(self.store, self.profile_id, token_ids, self.chunk) if graft else []
-        chain = load_chain(self.store, rows, report)
+        chain = load_chain(self.store, rows, report, runner=self.runner)
         cache, start = self.graft_chain(token_ids, chain, report)
         new_blocks: list = []
         result = self.runner.forward(

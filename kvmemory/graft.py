@@ -77,34 +77,61 @@ def plan_chain(store, profile_id: str, token_ids: Sequence[int], chunk: int) -> 
 @dataclass(slots=True)
 class LoadedChain:
     metas: list[BlockMeta]
-    staging: torch.Tensor  # uint8 [sum of payloads], payload i at offsets[i]
+    staging: torch.Tensor  # uint8 [sum of payloads], payload i at offsets[i] (verified)
     offsets: list[int]
+    cache: object | None = None  # a cache already holding the chain, when built while loading
 
 
-def load_chain(store, rows: Sequence[BlockRow], report: GraftReport) -> LoadedChain:
-    """Read and verify `rows` into one staging buffer; cut the chain at the first damaged block."""
+def _staging(nbytes: int, device: torch.device) -> torch.Tensor:
+    """Host staging for the payloads: pinned when they go to a GPU (the kernel reads it in place)."""
+    if device.type == "cuda":
+        from .graft_op import pinned_staging
+
+        return pinned_staging(nbytes)
+    return torch.empty(nbytes, dtype=torch.uint8)
+
+
+def load_chain(store, rows: Sequence[BlockRow], report: GraftReport, runner=None) -> LoadedChain:
+    """Read and verify `rows` into one staging buffer; cut the chain at the first damaged block.
+
+    With a `runner`, the cache is built while loading: each worker reads a block straight into its
+    slice of the staging buffer, hashes it there (SHA-256 against the catalogue), and as soon as it is
+    verified copies it to its own positions in the cache with `graft_op.graft_copy`. Reading, hashing
+    and copying of different blocks overlap across the threads; nothing unverified is ever copied.
+    """
     offsets, total = [], 0
     for r in rows:
         offsets.append(total)
         total += r.payload_nbytes
-    staging = torch.empty(total, dtype=torch.uint8)
+    device = runner.device if runner is not None else torch.device("cpu")
+    staging = _staging(total, device)
     view = memoryview(staging.numpy()) if total else None
+    dst = None
 
     def read(i: int):
         r = rows[i]
         try:
             meta, _ = store.read_block(r, into=view[offsets[i] : offsets[i] + r.payload_nbytes])
-            return meta
         except IntegrityError as exc:
             return exc
+        if dst is not None:
+            _copy_blocks(staging, [offsets[i]], [meta], dst)
+        return meta
 
     t0 = time.perf_counter()
-    if len(rows) > 1 and _READ_THREADS > 1:
-        with ThreadPoolExecutor(_READ_THREADS) as pool:
-            results = list(pool.map(read, range(len(rows))))
-    else:
-        results = [read(i) for i in range(len(rows))]
-    report.read_verify_seconds += time.perf_counter() - t0
+    results: list = []
+    if rows:
+        first = read(0)  # its header gives the shapes the cache is allocated with
+        results.append(first)
+        if runner is not None and not isinstance(first, Exception):
+            dst = _allocate(runner, first, len(rows) * first.n_tokens)
+            _copy_blocks(staging, [0], [first], dst)
+        rest = range(1, len(rows))
+        if len(rows) > 2 and _READ_THREADS > 1:
+            with ThreadPoolExecutor(_READ_THREADS) as pool:
+                results += list(pool.map(read, rest))
+        else:
+            results += [read(i) for i in rest]
     metas: list[BlockMeta] = []
     for r, res in zip(rows, results):
         if isinstance(res, Exception):
@@ -114,9 +141,13 @@ def load_chain(store, rows: Sequence[BlockRow], report: GraftReport) -> LoadedCh
             break
         metas.append(res)
         report.bytes_read += r.payload_nbytes
+    report.read_verify_seconds += time.perf_counter() - t0
     store.touch_blocks([m.hash for m in metas])
     report.blocks_used = [m.hash for m in metas]
-    return LoadedChain(metas=metas, staging=staging, offsets=offsets[: len(metas)])
+    chain = LoadedChain(metas=metas, staging=staging, offsets=offsets[: len(metas)])
+    if dst is not None and len(metas) == len(rows):
+        chain.cache = dst  # complete: the cache was built while loading
+    return chain
 
 
 def check_chain(metas: Sequence[BlockMeta], token_ids: Sequence[int], chunk: int, start: int = 0) -> int:
@@ -148,43 +179,62 @@ def check_chain(metas: Sequence[BlockMeta], token_ids: Sequence[int], chunk: int
     return pos
 
 
+@dataclass(slots=True)
+class _Dest:
+    """Per-layer cache tensors being filled, and where the chain ends."""
+
+    end: int
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    offsets: list[int]  # first absolute position each layer holds (sliding layers keep a suffix)
+
+
+def _allocate(runner, m0: BlockMeta, end: int) -> _Dest:
+    """Cache tensors for positions [0, end) shaped as the model's cache layers will hold them."""
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+
+    dtype = DTYPES[m0.dtype]
+    model_dtype = next(runner.model.parameters()).dtype
+    if dtype != model_dtype:
+        raise UnsupportedArchitecture(f"blocks hold {m0.dtype} K/V but the model computes in {model_dtype}")
+    layers = runner.new_cache().layers
+    if len(m0.k_shapes) != len(layers):
+        raise UnsupportedArchitecture(f"blocks hold {len(m0.k_shapes)} layers, the model has {len(layers)}")
+    keys, values, offs = [], [], []
+    for layer, (kh, _, kd), (vh, _, vd) in zip(layers, m0.k_shapes, m0.v_shapes):
+        keep = end
+        if isinstance(layer, DynamicSlidingWindowLayer):
+            keep = min(end, layer.sliding_window - 1)  # what the layer itself would hold after `end` tokens
+        keys.append(torch.empty(1, kh, keep, kd, dtype=dtype, device=runner.device))
+        values.append(torch.empty(1, vh, keep, vd, dtype=dtype, device=runner.device))
+        offs.append(end - keep)
+    return _Dest(end, keys, values, offs)
+
+
+def _copy_blocks(staging: torch.Tensor, offsets: Sequence[int], metas: Sequence[BlockMeta], dst: _Dest) -> None:
+    from .graft_op import graft_copy
+
+    graft_copy(staging, list(offsets), [m.position for m in metas], [m.n_tokens for m in metas],
+               dst.keys, dst.values, dst.offsets)
+
+
 def build_cache(runner, chain: LoadedChain, report: GraftReport):
     """A transformers cache holding the chain's K/V at their own positions (positions < end)."""
     from transformers.cache_utils import DynamicSlidingWindowLayer
-
-    from .graft_op import graft_copy
 
     cache = runner.new_cache()
     metas = chain.metas
     if not metas:
         return cache
-    end = metas[-1].position + metas[-1].n_tokens
-    m0 = metas[0]
-    dtype = DTYPES[m0.dtype]
-    model_dtype = next(runner.model.parameters()).dtype
-    if dtype != model_dtype:
-        raise UnsupportedArchitecture(f"blocks hold {m0.dtype} K/V but the model computes in {model_dtype}")
-    if len(m0.k_shapes) != len(cache.layers):
-        raise UnsupportedArchitecture(f"blocks hold {len(m0.k_shapes)} layers, the model has {len(cache.layers)}")
     t0 = time.perf_counter()
-    dst_k, dst_v, dst_off = [], [], []
-    for layer, (kh, _, kd), (vh, _, vd) in zip(cache.layers, m0.k_shapes, m0.v_shapes):
-        keep = end
-        if isinstance(layer, DynamicSlidingWindowLayer):
-            keep = min(end, layer.sliding_window - 1)  # what the layer itself would hold after `end` tokens
-        dst_k.append(torch.empty(1, kh, keep, kd, dtype=dtype, device=runner.device))
-        dst_v.append(torch.empty(1, vh, keep, vd, dtype=dtype, device=runner.device))
-        dst_off.append(end - keep)
-    graft_copy(
-        chain.staging,
-        chain.offsets,
-        [m.position for m in metas],
-        [m.n_tokens for m in metas],
-        dst_k,
-        dst_v,
-        dst_off,
-    )
-    for layer, k, v in zip(cache.layers, dst_k, dst_v):
+    dst = chain.cache
+    end = metas[-1].position + metas[-1].n_tokens
+    if dst is None or dst.end != end:  # not built while loading (or the chain was cut): copy now
+        dst = _allocate(runner, metas[0], end)
+        _copy_blocks(chain.staging, chain.offsets, metas, dst)
+    if runner.device.type == "cuda":
+        torch.cuda.current_stream(runner.device).synchronize()  # copies may have run on worker threads
+    for layer, k, v in zip(cache.layers, dst.keys, dst.values):
         layer.lazy_initialization(k, v)
         layer.keys, layer.values = k, v
         if isinstance(layer, DynamicSlidingWindowLayer):

@@ -190,9 +190,13 @@ def _twin_apply(staging: torch.Tensor, plan: _Plan, dst_k: Sequence[torch.Tensor
         lo = min(o for o, _, _ in plan.blocks)
         hi = max(o + t * plan.bytes_per_token for o, _, t in plan.blocks)
         staging, base = staging[lo:hi].to(device), lo
-    # uint8 views: [1, H, S, D*esize]. Copies between uint8 tensors are memcpy, never value casts.
-    kb = [t.view(torch.uint8) for t in dst_k]
-    vb = [t.view(torch.uint8) for t in dst_v]
+    # Integer views: [1, H, S, D*esize/w] of the widest integer type w that divides the row bytes.
+    # Copies between integer tensors move bytes, never values (no casts, NaN payloads survive); the
+    # wide type lets the copy kernel move 8 bytes per element instead of 1.
+    word = _word_dtype(plan, dst_k, dst_v, staging)
+    wsize = torch.empty(0, dtype=word).element_size()
+    kb = [t.view(torch.uint8).view(word) for t in dst_k]
+    vb = [t.view(torch.uint8).view(word) for t in dst_v]
     for o, pos, t in plan.blocks:
         for li, layer in enumerate(plan.layers):
             p, t0, t1 = _window(pos, t, layer)
@@ -201,10 +205,21 @@ def _twin_apply(staging: torch.Tensor, plan: _Plan, dst_k: Sequence[torch.Tensor
             start = o - base + t * layer.payload_prefix
             krow, vrow = layer.k_dim * plan.esize, layer.v_dim * plan.esize
             mid = start + layer.k_heads * t * krow
-            k_src = staging[start:mid].view(layer.k_heads, t, krow)
-            v_src = staging[mid:mid + layer.v_heads * t * vrow].view(layer.v_heads, t, vrow)
+            k_src = staging[start:mid].view(word).view(layer.k_heads, t, krow // wsize)
+            v_src = staging[mid:mid + layer.v_heads * t * vrow].view(word).view(layer.v_heads, t, vrow // wsize)
             kb[li][0, :, p + t0:p + t1, :].copy_(k_src[:, t0:t1, :])
             vb[li][0, :, p + t0:p + t1, :].copy_(v_src[:, t0:t1, :])
+
+
+def _word_dtype(plan: _Plan, dst_k, dst_v, staging: torch.Tensor) -> torch.dtype:
+    """The widest of int64/int32/int16/uint8 whose size divides every row and every start offset."""
+    sizes = [layer.k_dim * plan.esize for layer in plan.layers] + [layer.v_dim * plan.esize for layer in plan.layers]
+    sizes += [o for o, _, _ in plan.blocks] + [staging.storage_offset()]
+    sizes += [t.storage_offset() * t.element_size() for t in (*dst_k, *dst_v)]
+    for dt, w in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
+        if all(x % w == 0 for x in sizes):
+            return dt
+    return torch.uint8
 
 
 def twin_graft_copy(staging: torch.Tensor, block_offsets: Sequence[int],

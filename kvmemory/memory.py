@@ -205,7 +205,7 @@ class KVMemory:
         g = graft_point_for(len(ids), eng.chunk)
         rows = eng.rows_for(blocks)[: g // eng.chunk]
         report = GraftReport(tokens_total=len(ids))
-        chain = load_chain(eng.store, rows, report)
+        chain = load_chain(eng.store, rows, report, runner=eng.runner)
         cache, start = eng.graft_chain(ids, chain, report)
         got = eng.runner.forward(ids, start=start, cache=cache, max_new_tokens=self.probe_tokens, keep_logits=True)
         cmp = compare_runs(ref, got)
