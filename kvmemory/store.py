@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .blocks import BlockMeta, encode_header, read_header
+from .blocks import BlockMeta, chain_hash, encode_header, read_header
 from .errors import IntegrityError, StoreError, StoreFormatError, StoreFull, StoreReadOnly, UnknownEntry
 
 STORE_FORMAT = 1
@@ -170,7 +170,62 @@ class StoreStats:
 
 
 def _ids_from_blob(blob: bytes) -> tuple[int, ...]:
+    if not isinstance(blob, bytes) or len(blob) % 4:
+        raise ValueError("token ids are not a whole number of little-endian uint32")
     return tuple(int(x) for x in np.frombuffer(blob, dtype="<u4"))
+
+
+def check_meta(meta: BlockMeta, row: BlockRow) -> None:
+    """Raise IntegrityError unless a block header agrees with its catalogue row and with itself: every
+    field the row repeats, and the chain hash recomputed from the header's profile, parent and tokens
+    (so a damaged token id, parent or profile in a header is caught here, not later in the graft)."""
+    if (meta.hash != row.hash or meta.payload_sha256 != row.payload_sha256 or meta.payload_nbytes != row.payload_nbytes
+            or meta.parent != row.parent or meta.profile_id != row.profile_id or meta.index != row.index
+            or meta.n_tokens != row.n_tokens):
+        raise IntegrityError("block header does not match the catalogue")
+    try:
+        ok = chain_hash(meta.profile_id, meta.parent, meta.token_ids) == meta.hash
+    except (ValueError, OverflowError):  # non-hex profile / parent, token ids outside uint32
+        ok = False
+    if not ok or meta.position != meta.index * meta.n_tokens:
+        raise IntegrityError("block header is not self-consistent (chain hash or position)")
+
+
+def _is_hex64(x: object) -> bool:
+    return isinstance(x, str) and len(x) == 64 and all(c in "0123456789abcdef" for c in x)
+
+
+def block_row_from(row: Sequence) -> BlockRow:
+    """A BlockRow from catalogue values (hash, parent, profile, idx, n_tokens, sha, nbytes, file nbytes,
+    verified, pinned, quarantined), type-checked: a damaged row raises IntegrityError, never reaches a read."""
+    h, parent, profile, idx, n_tok, sha, nbytes, fbytes, ver, pin, quar = row
+    ints = (idx, n_tok, nbytes, fbytes, ver, pin, quar)
+    if not (_is_hex64(h) and (parent is None or _is_hex64(parent)) and _is_hex64(sha) and isinstance(profile, str)
+            and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in ints)):
+        name = h[:12] if isinstance(h, str) else repr(h)[:20]
+        raise IntegrityError(f"the catalogue row of block {name} is damaged; run `kvmemory fsck`")
+    return BlockRow(h, parent, profile, idx, n_tok, sha, nbytes, fbytes, bool(ver), bool(pin), bool(quar))
+
+
+def entry_from_fields(row: Sequence, chain: Sequence[str]) -> EntryRecord:
+    """An EntryRecord from catalogue values (the order of `LocalStore._ENTRY_COLS`), type-checked."""
+    try:
+        (eid, ns, problem, solution, answer, verifier, verified, ids, profile, att, meta, created, updated) = row
+        rec = EntryRecord(
+            id=eid, namespace=ns, problem=problem, solution=solution, answer=answer,
+            verifier=json.loads(verifier), verified=bool(verified), token_ids=_ids_from_blob(ids),
+            profile_id=profile, chain=tuple(chain), attestation=json.loads(att), meta=json.loads(meta),
+            created=float(created), updated=float(updated),
+        )
+        if not (all(isinstance(x, str) for x in (eid, ns, problem, solution, profile))
+                and (answer is None or isinstance(answer, str)) and isinstance(verified, int)
+                and all(isinstance(x, dict) for x in (rec.verifier, rec.attestation, rec.meta))
+                and all(_is_hex64(h) for h in rec.chain)):
+            raise ValueError("a field has the wrong type")
+        return rec
+    except (TypeError, ValueError) as exc:
+        name = row[0] if row and isinstance(row[0], str) else "?"
+        raise IntegrityError(f"the catalogue row of entry {name!r} is damaged ({exc}); run `kvmemory fsck`") from exc
 
 
 class LocalStore:
@@ -179,8 +234,16 @@ class LocalStore:
     kind = "local"
 
     def __init__(self, path: str | os.PathLike, *, readonly: bool = False, create: bool = True):
+        try:
+            self._open(path, readonly, create)
+        except (OSError, ValueError) as exc:  # a path that is a file, holds a NUL, is unreadable, ...
+            raise StoreError(f"cannot open a store at {str(path)!r}: {exc}") from exc
+
+    def _open(self, path, readonly: bool, create: bool) -> None:
         self.path = Path(path).expanduser()
         self.readonly = readonly
+        if self.path.exists() and not self.path.is_dir():
+            raise StoreError(f"{self.path} is a file, not a store folder")
         if not self.path.exists():
             if readonly or not create:
                 raise StoreError(f"no store at {self.path}")
@@ -234,13 +297,23 @@ class LocalStore:
             uri = f"file:{self.path / 'catalogue.sqlite'}"
             if self.readonly:
                 uri += "?mode=ro"
-            db = sqlite3.connect(uri, uri=True, timeout=60.0, isolation_level=None, check_same_thread=False)
-            db.execute("PRAGMA busy_timeout=60000")
-            if not self.readonly:
-                db.execute("PRAGMA journal_mode=WAL")
-                db.execute("PRAGMA synchronous=NORMAL")
+            try:
+                db = sqlite3.connect(uri, uri=True, timeout=60.0, isolation_level=None, check_same_thread=False)
+                db.execute("PRAGMA busy_timeout=60000")
+                if not self.readonly:
+                    db.execute("PRAGMA journal_mode=WAL")
+                    db.execute("PRAGMA synchronous=NORMAL")
+            except sqlite3.Error as exc:
+                raise self._wrap(exc) from exc
             self._local.db = db
         return db
+
+    def _q(self, sql: str, args: tuple = ()) -> list[tuple]:
+        """A read query; a damaged or unreadable catalogue surfaces as a typed StoreError."""
+        try:
+            return self._db().execute(sql, args).fetchall()
+        except sqlite3.Error as exc:
+            raise self._wrap(exc) from exc
 
     @contextmanager
     def _tx(self):
@@ -269,6 +342,8 @@ class LocalStore:
             return StoreFull(f"the disk holding {self.path} is full; nothing was written ({msg})")
         if "readonly" in msg or "read-only" in msg:
             return StoreReadOnly(f"the store at {self.path} is read-only ({msg})")
+        if "malformed" in msg or "not a database" in msg or "corrupt" in msg:
+            return StoreError(f"the catalogue at {self.path} is damaged ({msg}); run `kvmemory fsck`")
         return StoreError(f"store catalogue error at {self.path}: {msg}")
 
     def _require_writable(self) -> None:
@@ -290,22 +365,28 @@ class LocalStore:
             )
 
     def get_profile(self, profile_id: str) -> dict | None:
-        row = self._db().execute("SELECT profile_json FROM profiles WHERE profile_id=?", (profile_id,)).fetchone()
-        return json.loads(row[0]) if row else None
+        rows = self._q("SELECT profile_json FROM profiles WHERE profile_id=?", (profile_id,))
+        if not rows:
+            return None
+        try:
+            d = json.loads(rows[0][0])
+        except (TypeError, ValueError) as exc:
+            raise IntegrityError(f"the catalogue row of profile {profile_id[:12]} is damaged ({exc})") from exc
+        if not isinstance(d, dict):
+            raise IntegrityError(f"the catalogue row of profile {profile_id[:12]} is damaged (not an object)")
+        return d
 
     # ----------------------------------------------------------------- blocks
     def block_path(self, h: str) -> Path:
         return self.path / "blocks" / h[:2] / f"{h}.kvb"
 
     def get_block(self, h: str) -> BlockRow | None:
-        row = self._db().execute(
+        rows = self._q(
             "SELECT hash, parent, profile_id, idx, n_tokens, payload_sha256, payload_nbytes, file_nbytes, "
             "verified, pinned, quarantined FROM blocks WHERE hash=?",
             (h,),
-        ).fetchone()
-        if row is None:
-            return None
-        return BlockRow(*row[:8], bool(row[8]), bool(row[9]), bool(row[10]))
+        )
+        return block_row_from(rows[0]) if rows else None
 
     def known_blocks(self, hashes: Sequence[str]) -> dict[str, BlockRow]:
         """Rows of the given hashes that exist and are not quarantined."""
@@ -387,9 +468,12 @@ class LocalStore:
         try:
             with open(path, "rb", buffering=0) as fh:
                 meta, off = read_header(fh)
-                if meta.hash != row.hash or meta.payload_sha256 != row.payload_sha256 \
-                        or meta.payload_nbytes != row.payload_nbytes:
-                    raise IntegrityError("block header does not match the catalogue")
+                # The header must be byte-for-byte the canonical encoding of what it says: a flipped bit
+                # in the prefix, the JSON or the padding is caught here, not only one that breaks parsing.
+                fh.seek(0)
+                if fh.read(off) != encode_header(meta):
+                    raise IntegrityError("block header is not in canonical form (damaged)")
+                check_meta(meta, row)
                 buf = into if into is not None else memoryview(bytearray(row.payload_nbytes))
                 if len(buf) != row.payload_nbytes:
                     raise ValueError("destination buffer has the wrong size")
@@ -470,20 +554,15 @@ class LocalStore:
                            [(entry.id, i, h) for i, h in enumerate(entry.chain)])
 
     def _entry_from_row(self, row) -> EntryRecord:
-        chain = tuple(h for (h,) in self._db().execute(
-            "SELECT hash FROM entry_blocks WHERE entry_id=? ORDER BY idx", (row[0],)))
-        return EntryRecord(
-            id=row[0], namespace=row[1], problem=row[2], solution=row[3], answer=row[4],
-            verifier=json.loads(row[5]), verified=bool(row[6]), token_ids=_ids_from_blob(row[7]),
-            profile_id=row[8], chain=chain, attestation=json.loads(row[9]), meta=json.loads(row[10]),
-            created=row[11], updated=row[12],
-        )
+        chain = tuple(h for (h,) in self._q("SELECT hash FROM entry_blocks WHERE entry_id=? ORDER BY idx", (row[0],)))
+        return entry_from_fields(row, chain)
 
     _ENTRY_COLS = ("id, namespace, problem, solution, answer, verifier_json, verified, token_ids, profile_id, "
                    "attestation_json, meta_json, created, updated")
 
     def get_entry(self, entry_id: str, namespace: str | None = None) -> EntryRecord:
-        row = self._db().execute(f"SELECT {self._ENTRY_COLS} FROM entries WHERE id=?", (entry_id,)).fetchone()
+        rows = self._q(f"SELECT {self._ENTRY_COLS} FROM entries WHERE id=?", (entry_id,))
+        row = rows[0] if rows else None
         if row is None or (namespace is not None and row[1] != namespace):
             where = f" in namespace {namespace!r}" if namespace is not None else ""
             raise UnknownEntry(f"no entry {entry_id!r}{where}; `kvmemory stats` or `kvmemory recall` lists entries")
@@ -495,13 +574,12 @@ class LocalStore:
         if namespace is not None:
             q += " WHERE namespace=?"
             args = (namespace,)
-        return [self._entry_from_row(r) for r in self._db().execute(q + " ORDER BY created, id", args).fetchall()]
+        return [self._entry_from_row(r) for r in self._q(q + " ORDER BY created, id", args)]
 
     def entry_ids(self, namespace: str | None = None) -> list[str]:
         if namespace is None:
-            return [r[0] for r in self._db().execute("SELECT id FROM entries ORDER BY created, id")]
-        return [r[0] for r in self._db().execute("SELECT id FROM entries WHERE namespace=? ORDER BY created, id",
-                                                 (namespace,))]
+            return [r[0] for r in self._q("SELECT id FROM entries ORDER BY created, id")]
+        return [r[0] for r in self._q("SELECT id FROM entries WHERE namespace=? ORDER BY created, id", (namespace,))]
 
     def update_attestation(self, entry_id: str, attestation: dict, verified: bool) -> None:
         with self._tx() as db:
@@ -526,14 +604,17 @@ class LocalStore:
 
     # ----------------------------------------------------------------- accounting and eviction
     def stats(self) -> StoreStats:
-        db = self._db()
-        entries, verified = db.execute("SELECT COUNT(*), COALESCE(SUM(verified),0) FROM entries").fetchone()
-        blocks, quarantined, nbytes, tokens = db.execute(
+        ((entries, verified),) = self._q("SELECT COUNT(*), COALESCE(SUM(verified),0) FROM entries")
+        ((blocks, quarantined, nbytes, tokens),) = self._q(
             "SELECT COUNT(*), COALESCE(SUM(quarantined),0), COALESCE(SUM(file_nbytes),0), "
-            "COALESCE(SUM(n_tokens),0) FROM blocks").fetchone()
-        referenced = db.execute(
-            "SELECT COALESCE(SUM(b.n_tokens),0) FROM entry_blocks eb JOIN blocks b ON b.hash=eb.hash").fetchone()[0]
-        return StoreStats(entries, verified, blocks, quarantined, nbytes, tokens, referenced)
+            "COALESCE(SUM(n_tokens),0) FROM blocks")
+        ((referenced,),) = self._q(
+            "SELECT COALESCE(SUM(b.n_tokens),0) FROM entry_blocks eb JOIN blocks b ON b.hash=eb.hash")
+        try:
+            return StoreStats(int(entries), int(verified), int(blocks), int(quarantined), int(nbytes), int(tokens),
+                              int(referenced))
+        except (TypeError, ValueError) as exc:  # text where numbers belong: a damaged row
+            raise IntegrityError(f"the catalogue at {self.path} holds damaged rows ({exc}); run `kvmemory fsck`") from exc
 
     def evict(self, max_bytes: int) -> int:
         """Delete least-recently-used blocks that are neither pinned nor verified until the store
