@@ -6,7 +6,7 @@
    else the generator's worked solution; each is checked against the exact answer before it is stored.
 4. Reworded versions are asked twice: by the base model alone (same generous budget), and through
    `KVMemory.answer`, which routes to the library, grafts the entry's KV, computes the question, and
-   starts the assistant's turn with "The answer is" so the answer takes a few decode tokens.
+   starts the assistant's turn with ANSWER_PREFIX so the answer takes a few decode tokens.
 5. Unrelated questions are routed to measure how often memory correctly stays out of the way.
 
 Reported side by side from one run: accuracy, prefill and decode tokens per question, wall and CPU
@@ -20,7 +20,9 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
-ANSWER_PREFIX = "The answer is"
+# Chosen on generated sets (seeds 3 and 5, 64 rewordings): "The answer is" 87.5 %, "As in my solution
+# above, the answer is" 93.8 %, "As in my solution above, the final answer is" 98.4 % (SmolLM2-135M).
+ANSWER_PREFIX = "As in my solution above, the final answer is"
 
 
 @dataclass

@@ -159,6 +159,26 @@ def cmd_bench(args) -> int:
         sizes = tuple(int(x) for x in args.sizes.split(",")) if args.sizes else (10_000, 100_000, 1_000_000)
         r = run_router_bench(sizes=sizes, queries=args.queries, seed=args.seed, progress=not args.json)
         _emit(args, r, json.dumps(r, indent=2, default=str))
+    elif args.which == "graft":
+        from .bench_graft import DEFAULT_LENGTHS, format_table, plot, run_graft_bench
+
+        lengths = tuple(int(x) for x in args.lengths.split(",")) if args.lengths else DEFAULT_LENGTHS
+        r = run_graft_bench(lengths, repeats=args.repeats, model=None if args.model == "embedded:smollm2-135m-instruct"
+                            else args.model, progress=not args.json)
+        if args.plot:
+            plot(r, args.plot)
+            r["plot"] = args.plot
+        _emit(args, r, format_table(r))
+    elif args.which == "store":
+        from .bench_store import format_table, run_store_bench
+
+        r = run_store_bench(blocks=args.blocks)
+        _emit(args, r, format_table(r))
+    elif args.which == "capacity":
+        from .bench_capacity import run_capacity_bench
+
+        r = run_capacity_bench(target_tokens=args.target_tokens, progress=not args.json)
+        _emit(args, r, json.dumps(r, indent=2))
     else:
         raise KVMemoryError(f"unknown benchmark {args.which!r}")
     return 0
@@ -255,7 +275,12 @@ def build_parser() -> argparse.ArgumentParser:
     ri.set_defaults(func=cmd_reindex)
 
     b = sub.add_parser("bench", parents=[common], help="benchmarks: recurring, router")
-    b.add_argument("which", choices=["recurring", "router"])
+    b.add_argument("which", choices=["recurring", "router", "graft", "store", "capacity"])
+    b.add_argument("--lengths", help="graft: stored prefix lengths, comma separated (default 256..16384)")
+    b.add_argument("--repeats", type=int, default=3)
+    b.add_argument("--plot", help="graft: write a PNG plot here")
+    b.add_argument("--blocks", type=int, default=64, help="store: blocks per measurement")
+    b.add_argument("--target-tokens", type=int, default=3_000_000, help="capacity: tokens to fill the store with")
     b.add_argument("--problems", type=int, default=12)
     b.add_argument("--rewordings", type=int, default=2)
     b.add_argument("--unrelated", type=int, default=40)

@@ -176,8 +176,7 @@ class KVMemory:
         eng.runner.check_ids(ids, self.probe_tokens)
         ref, blocks = eng.compute_blocks(ids, max_new_tokens=self.probe_tokens)
         # Write the block files, then prove the graft by reading them back through the verified path.
-        for m, payload in blocks:
-            eng.store.write_block_file(m, payload)
+        eng.store.write_block_files(blocks)
         vr = self._prove(ids, blocks, ref)
         if not vr.bit_identical:
             raise VerificationFailed(

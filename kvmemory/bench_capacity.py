@@ -1,0 +1,97 @@
+"""`kvmemory bench capacity`: graft latency and resident memory stay flat as the store grows.
+
+A tiny random-init Llama (built from a config, so the disk use stays modest) computes real KV for
+many distinct token sequences. A probe prompt's chain is stored first; its graft latency (median over
+several queries) and the process's resident memory around a query are measured with the store at
+about 10 k tokens, then again after filling it to the target (3 M tokens by default).
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import tempfile
+import time
+
+import psutil
+import torch
+from tqdm import tqdm
+
+
+def _tiny_engine(store_path: str, chunk: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from .engine import Engine
+    from .models import LoadedModel
+
+    class _Tok:  # the engine speaks token ids here; a tokenizer is only fingerprinted
+        chat_template = None
+        special_tokens_map: dict = {}
+
+        def get_vocab(self):
+            return {str(i): i for i in range(1024)}
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=1024, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=8192)
+    model = LlamaForCausalLM(cfg).eval().requires_grad_(False)
+    from .store import LocalStore
+
+    # One thread: a model this small gains nothing from more, and the run stays steady on a busy machine.
+    return Engine(LoadedModel(model, _Tok(), "tiny-llama", "tiny-llama"), LocalStore(store_path), chunk=chunk,
+                  threads=1)
+
+
+def _measure(eng, probe: list[int], queries: int) -> dict:
+    proc = psutil.Process()
+    times = []
+    gc.collect()
+    eng.forward(probe, max_new_tokens=1, stop_token_ids=())  # warm: first-call allocations are not latency
+    rss0 = proc.memory_info().rss
+    peak = rss0
+    for _ in range(queries):
+        t = time.perf_counter()
+        _, rep = eng.forward(probe, max_new_tokens=1, stop_token_ids=())
+        times.append(time.perf_counter() - t)
+        peak = max(peak, proc.memory_info().rss)
+    times.sort()
+    return {"graft_p50_s": statistics.median(times), "graft_p90_s": times[int(0.9 * (len(times) - 1))],
+            "tokens_grafted": rep.tokens_grafted, "rss_mb": rss0 / 2**20, "rss_growth_during_queries_mb": (peak - rss0) / 2**20,
+            "store_tokens": eng.store.stats().tokens_stored, "store_bytes": eng.store.stats().bytes}
+
+
+def run_capacity_bench(target_tokens: int = 3_000_000, seq_tokens: int = 4096, probe_tokens: int = 1024,
+                       queries: int = 20, chunk: int = 64, progress: bool = True, folder: str | None = None) -> dict:
+    tmp = tempfile.TemporaryDirectory(prefix="kvmemory-bench-capacity-", dir=folder)
+    try:
+        eng = _tiny_engine(f"{tmp.name}/store", chunk)
+        g = torch.Generator().manual_seed(1)
+        probe = torch.randint(0, 1024, (probe_tokens + 16,), generator=g).tolist()
+        eng.store_prefix(probe[:probe_tokens], pinned=False)
+        seq = 0
+        small_target = 10_000
+
+        def fill(until: int, desc: str) -> None:
+            nonlocal seq
+            have = eng.store.stats().tokens_stored
+            with tqdm(total=until, initial=have, desc=desc, unit="tok", disable=not progress) as bar:
+                while have < until:
+                    ids = torch.randint(0, 1024, (seq_tokens,), generator=torch.Generator().manual_seed(1000 + seq)).tolist()
+                    seq += 1
+                    eng.store_prefix(ids, pinned=False)
+                    now = eng.store.stats().tokens_stored
+                    bar.update(now - have)
+                    have = now
+
+        fill(small_target, "fill to 10k")
+        small = _measure(eng, probe, queries)
+        t0 = time.perf_counter()
+        fill(target_tokens, f"fill to {target_tokens:,}")
+        fill_s = time.perf_counter() - t0
+        large = _measure(eng, probe, queries)
+        return {"target_tokens": target_tokens, "fill_seconds": fill_s, "small": small, "large": large,
+                "latency_ratio_large_over_small": large["graft_p50_s"] / small["graft_p50_s"],
+                "rss_growth_large_mb": large["rss_growth_during_queries_mb"],
+                "rss_growth_small_mb": small["rss_growth_during_queries_mb"]}
+    finally:
+        tmp.cleanup()

@@ -1,0 +1,234 @@
+"""`kvmemory bench graft`: time to first token with a graft from the store vs the alternatives.
+
+Workload: a prompt whose first L tokens are already stored (L on the grid) followed by 16 new tokens,
+on the embedded model. Measured side by side in one process (one run, one machine):
+
+- graft: `Engine.forward` — plan the chain, read + SHA-256-verify + copy the blocks into the cache
+  (verification on, always), compute the 16 new tokens on the grid, pick the first token;
+- canonical recompute: the reference runner from scratch over L + 16 tokens;
+- single pass: a plain transformers forward `model(ids, logits_to_keep=1)` (what a user without
+  kvmemory would run; not bit-comparable, shown for scale);
+- llama.cpp restore (optional extra `llama-cpp-python`, same GGUF file): read the saved state of the
+  first L tokens from a file, restore it, evaluate the same 16 tokens.
+
+Also reported: the graft throughput (bytes grafted / seconds reading, verifying and copying) against
+the machine's raw read-and-hash bandwidth over the same block files with the same threads. The block
+files are hot in the page cache (just written), as they are for a store in regular use.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import statistics
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+DEFAULT_LENGTHS = (256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+def machine_info() -> dict:
+    import transformers
+
+    cpu = platform.processor()
+    try:
+        cpu = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
+            "memory_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)}
+
+
+def _median(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def raw_read_hash_bandwidth(files: list[Path], threads: int) -> float:
+    """GB/s for reading each file into a buffer and SHA-256-hashing it (no kvmemory code)."""
+    def one(f: Path) -> int:
+        with open(f, "rb", buffering=0) as fh:
+            b = fh.read()
+        hashlib.sha256(b).digest()
+        return len(b)
+
+    t = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        n = sum(pool.map(one, files))
+    return n / (time.perf_counter() - t) / 1e9
+
+
+class _LlamaCpp:
+    """llama.cpp's own state save / restore through llama-cpp-python, on the same GGUF file."""
+
+    def __init__(self, gguf: str, n_ctx: int, threads: int):
+        from llama_cpp import Llama
+
+        self.llm = Llama(model_path=gguf, n_ctx=n_ctx, n_threads=threads, n_batch=512, verbose=False,
+                         logits_all=False)
+
+    def save(self, ids: list[int], path: Path) -> None:
+        self.llm.reset()
+        self.llm.eval(ids)
+        state = self.llm.save_state()
+        path.write_bytes(bytes(state.llama_state))
+        self._meta = (state.input_ids.copy(), state.scores.copy(), state.n_tokens, state.seed)
+
+    def restore_and_eval(self, path: Path, tail: list[int]) -> int:
+        from llama_cpp import LlamaState
+
+        data = path.read_bytes()
+        ids, scores, n, seed = self._meta
+        self.llm.load_state(LlamaState(ids, scores, n, data, len(data), seed))
+        self.llm.eval(tail)
+        return int(self.llm.scores[self.llm.n_tokens - 1].argmax())
+
+
+def run_graft_bench(lengths=DEFAULT_LENGTHS, *, new_tokens: int = 16, repeats: int = 3, model: str | None = None,
+                    llamacpp: bool = True, progress: bool = True, seed: int = 0) -> dict:
+    from .engine import Engine
+    from .models import DEFAULT_MODEL, embedded_gguf_path
+
+    lengths = sorted(int(x) for x in lengths)
+    tmp = tempfile.TemporaryDirectory(prefix="kvmemory-bench-graft-")
+    try:
+        eng = Engine.open(model or DEFAULT_MODEL, f"{tmp.name}/store", max_positions=lengths[-1] + new_tokens + 64)
+        C = eng.chunk
+        bad = [L for L in lengths if L % C]
+        if bad:
+            raise ValueError(f"lengths must be multiples of the grid C={C}: {bad}")
+        if new_tokens >= C:
+            raise ValueError(f"new_tokens must be below the grid C={C}")
+        vocab = eng.runner.vocab_size
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.randint(100, min(vocab, 40000), (lengths[-1] + new_tokens,), generator=g).tolist()
+        t0 = time.perf_counter()
+        eng.store_prefix(ids[: lengths[-1]])  # the blocks of every L (shorter L are prefixes of the chain)
+        store_seconds = time.perf_counter() - t0
+
+        lcpp = None
+        lcpp_note = "not requested"
+        if llamacpp and (model is None or model == DEFAULT_MODEL):
+            try:
+                lcpp = _LlamaCpp(str(embedded_gguf_path()), lengths[-1] + new_tokens + 64, torch.get_num_threads())
+                lcpp_note = "llama-cpp-python on the same GGUF file"
+            except ImportError:
+                lcpp_note = "llama-cpp-python not installed (pip install 'kvmemory[llamacpp]')"
+        rows = []
+        for L in tqdm(lengths, desc="lengths", disable=not progress):
+            prompt = ids[: L + new_tokens]
+            first = {}
+
+            def graft():
+                res, rep = eng.forward(prompt, max_new_tokens=1, keep_logits=False, stop_token_ids=())
+                first["graft"], first["report"] = res.generated[0], rep
+
+            def recompute():
+                res = eng.recompute(prompt, max_new_tokens=1, keep_logits=False)
+                first["recompute"] = res.generated[0]
+
+            def single_pass():
+                with torch.inference_mode():
+                    out = eng.model(input_ids=torch.tensor([prompt]), logits_to_keep=1)
+                first["single"] = int(out.logits[0, -1].argmax())
+
+            graft()  # warm (first call allocates)
+            t_graft = _median(graft, repeats)
+            rep = first["report"]
+            assert rep.tokens_grafted == L, (rep.tokens_grafted, L)
+            t_rec = _median(recompute, 1 if L >= 4096 else repeats)
+            t_single = _median(single_pass, 1 if L >= 4096 else repeats)
+            row = {
+                "L": L, "tokens_grafted": rep.tokens_grafted, "tokens_computed": rep.tokens_computed,
+                "bytes_grafted": rep.bytes_read,
+                "graft_ttft_s": t_graft, "recompute_ttft_s": t_rec, "single_pass_ttft_s": t_single,
+                "graft_read_verify_s": rep.read_verify_seconds, "graft_copy_s": rep.copy_seconds,
+                "graft_compute_s": rep.compute_seconds,
+                "speedup_vs_recompute": t_rec / t_graft, "speedup_vs_single_pass": t_single / t_graft,
+                "first_token_equal_recompute": first["graft"] == first["recompute"],
+            }
+            if lcpp is not None:
+                state = Path(tmp.name) / f"llamacpp-{L}.state"
+                lcpp.save(ids[:L], state)
+                lcpp.restore_and_eval(state, ids[L : L + new_tokens])  # warm
+                row["llamacpp_restore_ttft_s"] = _median(
+                    lambda: lcpp.restore_and_eval(state, ids[L : L + new_tokens]), repeats)
+                row["llamacpp_state_bytes"] = state.stat().st_size
+                row["speedup_vs_llamacpp"] = row["llamacpp_restore_ttft_s"] / t_graft
+            rows.append(row)
+
+        # Throughput at the largest L against the raw read-and-hash bandwidth of the same files.
+        from .graft import _READ_THREADS, plan_chain
+
+        chain = plan_chain(eng.store, eng.profile_id, ids[: lengths[-1] + 1], C)
+        files = [eng.store.block_path(r.hash) for r in chain]
+        raw = statistics.median(raw_read_hash_bandwidth(files, _READ_THREADS) for _ in range(3))
+        last = rows[-1]
+        graft_bw = last["bytes_grafted"] / (last["graft_read_verify_s"] + last["graft_copy_s"]) / 1e9
+        return {
+            "model": eng.loaded.source, "profile_id": eng.profile_id, "chunk": C, "new_tokens": new_tokens,
+            "repeats": repeats, "machine": machine_info(), "store_seconds_for_largest_L": store_seconds,
+            "llamacpp": lcpp_note, "rows": rows,
+            "throughput": {"graft_gb_s": graft_bw, "raw_read_hash_gb_s": raw, "ratio": graft_bw / raw,
+                           "threads": _READ_THREADS, "at_L": last["L"]},
+        }
+    finally:
+        tmp.cleanup()
+
+
+def format_table(r: dict) -> str:
+    has_l = any("llamacpp_restore_ttft_s" in row for row in r["rows"])
+    head = "| L | graft TTFT s | recompute s | single pass s |" + (" llama.cpp restore s |" if has_l else "") + \
+           " vs recompute | vs single pass |" + (" vs llama.cpp |" if has_l else "")
+    out = [head, "|" + "---|" * (head.count("|") - 1)]
+    for x in r["rows"]:
+        cells = [str(x["L"]), f"{x['graft_ttft_s']:.4f}", f"{x['recompute_ttft_s']:.3f}", f"{x['single_pass_ttft_s']:.3f}"]
+        if has_l:
+            cells.append(f"{x.get('llamacpp_restore_ttft_s', float('nan')):.4f}")
+        cells += [f"{x['speedup_vs_recompute']:.1f}x", f"{x['speedup_vs_single_pass']:.1f}x"]
+        if has_l:
+            cells.append(f"{x.get('speedup_vs_llamacpp', float('nan')):.2f}x")
+        out.append("| " + " | ".join(cells) + " |")
+    t = r["throughput"]
+    out.append("")
+    out.append(f"graft throughput at L={t['at_L']}: {t['graft_gb_s']:.2f} GB/s read + SHA-256 verified + copied, "
+               f"raw read-and-hash bandwidth {t['raw_read_hash_gb_s']:.2f} GB/s ({t['ratio']:.0%}), {t['threads']} threads")
+    out.append(f"llama.cpp: {r['llamacpp']}")
+    return "\n".join(out)
+
+
+def plot(r: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    Ls = [x["L"] for x in r["rows"]]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ax.plot(Ls, [x["recompute_ttft_s"] for x in r["rows"]], "o-", label="canonical recompute")
+    ax.plot(Ls, [x["single_pass_ttft_s"] for x in r["rows"]], "s-", label="single-pass transformers forward")
+    if any("llamacpp_restore_ttft_s" in x for x in r["rows"]):
+        ax.plot(Ls, [x.get("llamacpp_restore_ttft_s") for x in r["rows"]], "^-", label="llama.cpp state restore")
+    ax.plot(Ls, [x["graft_ttft_s"] for x in r["rows"]], "D-", label="kvmemory graft (SHA-256 verified)")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("stored prefix length L (tokens), + 16 new tokens")
+    ax.set_ylabel("time to first token (s)")
+    ax.set_title(f"Time to first token, {r['model']}\n{r['machine']['cpu']}, {r['machine']['torch_threads']} threads",
+                 fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,64 @@
+"""Each benchmark runs on a tiny size and reports well-formed results (benchmarks are not timed tests:
+the figures themselves are measured by `kvmemory bench ...` and recorded in BENCHMARKS.md)."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+
+def _positive(*xs):
+    return all(isinstance(x, float) and x > 0 for x in xs)
+
+
+def test_bench_graft_tiny(tmp_path):
+    from kvmemory.bench_graft import format_table, plot, run_graft_bench
+
+    threads = torch.get_num_threads()
+    r = run_graft_bench((64, 128), repeats=1, llamacpp=False, progress=False)
+    torch.set_num_threads(threads)
+    json.dumps(r)
+    assert [row["L"] for row in r["rows"]] == [64, 128]
+    for row in r["rows"]:
+        assert row["tokens_grafted"] == row["L"] and row["tokens_computed"] == 16
+        assert _positive(row["graft_ttft_s"], row["recompute_ttft_s"], row["single_pass_ttft_s"])
+        assert row["first_token_equal_recompute"] is True
+    assert _positive(r["throughput"]["graft_gb_s"], r["throughput"]["raw_read_hash_gb_s"])
+    assert "| 128 |" in format_table(r)
+    plot(r, str(tmp_path / "graft.png"))
+    assert (tmp_path / "graft.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_store_tiny():
+    from kvmemory.bench_store import format_table, run_store_bench
+
+    r = run_store_bench(blocks=4, block_bytes=1 << 16, threads=(1, 2))
+    assert [x["threads"] for x in r["results"]] == [1, 2]
+    for x in r["results"]:
+        assert _positive(x["write_store_gb_s"], x["write_raw_gb_s"], x["read_verified_store_gb_s"],
+                         x["read_raw_gb_s"], x["read_raw_plus_sha256_gb_s"], x["sha256_only_gb_s"])
+    assert format_table(r).count("\n") == 3
+
+
+def test_bench_capacity_tiny():
+    from kvmemory.bench_capacity import run_capacity_bench
+
+    threads = torch.get_num_threads()
+    r = run_capacity_bench(target_tokens=20_000, seq_tokens=512, probe_tokens=128, queries=3, progress=False)
+    torch.set_num_threads(threads)
+    assert r["small"]["store_tokens"] >= 10_000 and r["large"]["store_tokens"] >= 20_000
+    assert r["small"]["tokens_grafted"] == r["large"]["tokens_grafted"] == 128
+    assert _positive(r["small"]["graft_p50_s"], r["large"]["graft_p50_s"], r["latency_ratio_large_over_small"])
+
+
+def test_bench_recurring_tiny(real_memory):
+    from kvmemory.bench_recurring import format_table, run_recurring_bench
+
+    r = run_recurring_bench(real_memory, problems=2, rewordings=1, unrelated=4, base_budget=24, progress=False)
+    json.dumps(r)
+    assert r["library"]["entries"] == 2 and r["grafted"]["questions"] == 2 and r["base"]["questions"] == 2
+    assert 0.0 <= r["grafted"]["accuracy"] <= 1.0 and 0.0 <= r["routing_recall_at_1"] <= 1.0
+    assert r["grafted"]["grafted_tokens_per_question"] > 0
+    assert r["grafted"]["decode_tokens_per_question"] <= 8
+    assert "with kvmemory" in format_table(r)
