@@ -1,0 +1,105 @@
+"""The memory facade with routing on the embedded model: recall, answer, namespaces, forget, policies."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvmemory.errors import InvalidInput, RouterMismatch
+from kvmemory.problems import extract_answer, generate_problems
+
+
+@pytest.fixture
+def library(real_memory):
+    probs = generate_problems(4, seed=11, rewordings=2)
+    entries = {p.id: real_memory.remember(p.text, p.solution, answer=str(p.answer), verifier="arithmetic")
+               for p in probs}
+    return real_memory, probs, entries
+
+
+def test_recall_ranks_the_right_entry_and_refuses_unrelated(library):
+    mem, probs, entries = library
+    for p in probs:
+        hits = mem.recall(p.rewordings[0], k=3)
+        assert hits and hits[0].entry.id == entries[p.id].id
+        assert all(a.score >= b.score for a, b in zip(hits, hits[1:]))
+    assert mem.recall("What is the capital of Australia?", k=3) == []
+    assert mem.recall("Write a haiku about autumn leaves.", k=3) == []
+    with pytest.raises(InvalidInput):
+        mem.recall("", k=3)
+    with pytest.raises(InvalidInput):
+        mem.recall("hello", k=0)
+
+
+def test_answer_grafts_and_reports_provenance(library):
+    mem, probs, entries = library
+    p = probs[0]
+    ans = mem.answer(p.rewordings[1], answer_prefix="As in my solution above, the final answer is",
+                     max_new_tokens=8, stop=["\n"])
+    e = entries[p.id]
+    assert ans.entries == [e.id] and ans.attestations == [e.attestation["attestation_id"]]
+    assert ans.verified == [True] and 0.83 <= ans.scores[0] <= 1.0001
+    assert ans.report.tokens_grafted >= 64 and ans.report.tokens_decoded <= 8
+    assert ans.text.startswith("As in my solution above") and extract_answer(ans.text) is not None
+    # (accuracy over many rewordings is measured by `kvmemory bench recurring`, not on one case)
+
+
+def test_unrelated_question_answers_without_memory(library):
+    mem, _, _ = library
+    ans = mem.answer("Name a primary colour.", max_new_tokens=6)
+    assert ans.entries == [] and ans.report.tokens_grafted == 0
+
+
+def test_several_entries_store_the_combination_for_next_time(library):
+    mem, probs, entries = library
+    q = probs[1].rewordings[0]
+    first = mem.answer(q, k=2, threshold=0.0, max_new_tokens=2)
+    assert len(first.entries) == 2 and first.report.blocks_stored > 0  # block_policy "multi"
+    second = mem.answer(q, k=2, threshold=0.0, max_new_tokens=2)
+    assert second.entries == first.entries
+    assert second.report.tokens_grafted > first.report.tokens_grafted
+    assert second.token_ids == first.token_ids  # same logits, so the same greedy tokens
+
+
+def test_namespaces_isolate_tenants(library):
+    mem, probs, entries = library
+    p = probs[2]
+    assert mem.recall(p.rewordings[0], k=5, namespace="tenant-b") == []
+    other = mem.remember(p.text, p.solution, answer=str(p.answer), verifier="arithmetic", namespace="tenant-b")
+    hits = mem.recall(p.rewordings[0], k=5, namespace="tenant-b")
+    assert [h.entry.id for h in hits] == [other.id]
+    assert all(h.entry.namespace == "default" for h in mem.recall(p.rewordings[0], k=5))
+    with pytest.raises(KeyError):
+        mem.entry(other.id)  # default namespace cannot read tenant-b's entry
+    mem.forget_namespace("tenant-b")
+    assert mem.recall(p.rewordings[0], k=5, namespace="tenant-b") == []
+    assert mem.recall(p.rewordings[0], k=1)[0].entry.id == entries[p.id].id
+
+
+def test_forget_removes_blocks_and_route(library):
+    mem, probs, entries = library
+    p = probs[3]
+    e = entries[p.id]
+    before = mem.store.stats()
+    removed = mem.forget(e.id)
+    assert removed >= 1 and mem.store.stats().blocks == before.blocks - removed
+    assert all(h.entry.id != e.id for h in mem.recall(p.rewordings[0], k=5, threshold=0.0))
+    for h in e.chain:
+        assert not mem.store.block_path(h).exists() or mem.store.get_block(h) is not None
+
+
+def test_router_refuses_another_embedder_until_reindex(library, tmp_path):
+    from kvmemory.router import Router
+
+    mem, probs, _ = library
+    folder = mem.store.path / "router"
+    manifest = folder / "manifest.json"
+    import json
+
+    data = json.loads(manifest.read_text())
+    data["embedder"]["weights_sha256"] = "0" * 64  # as if another embedder had built it
+    manifest.write_text(json.dumps(data))
+    with pytest.raises(RouterMismatch, match="reindex"):
+        Router(folder)
+    mem._router = None
+    assert mem.reindex() == 4
+    assert mem.recall(probs[0].rewordings[0], k=1)
