@@ -177,6 +177,13 @@ _BLOCK_COLS = ("hash, parent, profile_id, idx, n_tokens, payload_sha256, payload
                "pinned, quarantined")
 
 
+def _fsck_tables(db) -> None:
+    """fsck's own tables, created when a repair first needs them (not before: the disk may be full)."""
+    for stmt in _FSCK_SCHEMA.strip().split(";"):
+        if stmt.strip():
+            db.execute(stmt)
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -197,13 +204,24 @@ def _fsck_local(store: LocalStore, repair: bool, grace: float) -> FsckReport:
     if res != ["ok"]:
         rep.catalogue = "; ".join(str(r) for r in res[:5])
         return rep  # a damaged SQLite file: nothing below could be trusted (restore it, or .recover it)
-    if repair:
-        with store._tx() as db:
-            for stmt in _FSCK_SCHEMA.strip().split(";"):
-                if stmt.strip():
-                    db.execute(stmt)
     signer = _master_signer(store)
     now = time.time()
+
+    # -- orphan block files and stale tmp files first: removing them frees room on a full disk for the rest
+    catalogued = {h for (h,) in store._q("SELECT hash FROM blocks")}
+    for f in sorted((store.path / "blocks").rglob("*")) if (store.path / "blocks").exists() else []:
+        if f.is_dir():
+            continue
+        h = f.stem if f.suffix == ".kvb" else None
+        if h is not None and h in catalogued and f == store.block_path(h):
+            continue
+        _orphan(rep, f, repair, grace, now, "orphan_payloads", "no catalogue row names this file")
+    for f in sorted((store.path / "tmp").iterdir()) if (store.path / "tmp").exists() else []:
+        parts = f.name.split(".")
+        pid = int(parts[1]) if len(parts) >= 3 and parts[1].isdigit() else None
+        dead = pid is None or not _pid_alive(pid)
+        _orphan(rep, f, repair, grace if not dead else 0.0, now, "stale_tmp_files",
+                "unfinished write of a writer that is gone" if dead else "unfinished write")
 
     # -- block rows and their files
     rows: dict[str, BlockRow] = {}
@@ -251,24 +269,13 @@ def _fsck_local(store: LocalStore, repair: bool, grace: float) -> FsckReport:
         rep.add("blocks_ok")
         usable.add(row.hash)
 
-    # -- orphan block files and stale tmp files
-    for f in sorted((store.path / "blocks").rglob("*")) if (store.path / "blocks").exists() else []:
-        if f.is_dir():
-            continue
-        h = f.stem if f.suffix == ".kvb" else None
-        if h is not None and h in rows and f == store.block_path(h):
-            continue
-        _orphan(rep, f, repair, grace, now, "orphan_payloads", "no catalogue row names this file")
-    for f in sorted((store.path / "tmp").iterdir()) if (store.path / "tmp").exists() else []:
-        parts = f.name.split(".")
-        pid = int(parts[1]) if len(parts) >= 3 and parts[1].isdigit() else None
-        dead = pid is None or not _pid_alive(pid)
-        _orphan(rep, f, repair, grace if not dead else 0.0, now, "stale_tmp_files",
-                "unfinished write of a writer that is gone" if dead else "unfinished write")
-
     # -- entries
     cols = LocalStore._ENTRY_COLS
     marks_ok: list[str] = []
+    try:
+        marked = {e for (e,) in store._q("SELECT entry_id FROM fsck_damaged_entries")}
+    except StoreError:
+        marked = set()  # never repaired: no marks table yet
     for (eid,) in store._q("SELECT id FROM entries ORDER BY created, id"):
         rep.add("entries_checked")
         try:
@@ -290,12 +297,16 @@ def _fsck_local(store: LocalStore, repair: bool, grace: float) -> FsckReport:
             first = entry.chain.index(bad[0])
             why = (f"{len(bad)} of {len(entry.chain)} chain blocks missing, quarantined or damaged; grafts stop at "
                    f"block {first}")
-            if repair:
-                with store._tx() as db:
-                    db.execute("INSERT OR REPLACE INTO fsck_damaged_entries(entry_id, reason, at) VALUES(?,?,?)",
-                               (eid, why, now))
-                rep.add("entries_marked")
-            rep.problem("entries_broken_chain", eid, why, fixed=repair)
+            if eid in marked:
+                rep.add("entries_broken_chain")  # known and marked by an earlier repair: not a new problem
+            else:
+                if repair:
+                    with store._tx() as db:
+                        _fsck_tables(db)
+                        db.execute("INSERT OR REPLACE INTO fsck_damaged_entries(entry_id, reason, at) "
+                                   "VALUES(?,?,?)", (eid, why, now))
+                    rep.add("entries_marked")
+                rep.problem("entries_broken_chain", eid, why, fixed=repair)
         else:
             rep.add("entries_ok")
             marks_ok.append(eid)
@@ -306,7 +317,7 @@ def _fsck_local(store: LocalStore, repair: bool, grace: float) -> FsckReport:
             with store._tx() as db:
                 db.execute("DELETE FROM entry_blocks WHERE entry_id NOT IN (SELECT id FROM entries)")
         rep.problem("index_drift", "entry_blocks", f"{dangling} chain rows of entries that do not exist", fixed=repair)
-    if repair and marks_ok:
+    if repair and marks_ok and marked:
         with store._tx() as db:
             for eid in marks_ok:
                 if db.execute("DELETE FROM fsck_damaged_entries WHERE entry_id=?", (eid,)).rowcount:
@@ -334,6 +345,7 @@ def _orphan(rep: FsckReport, f: Path, repair: bool, grace: float, now: float, ki
 def _set_aside_local(store: LocalStore, eid, cols: str, reason: str) -> None:
     """Move an entry row out of the catalogue into `quarantined_entries` (kept, never served)."""
     with store._tx() as db:
+        _fsck_tables(db)
         row = db.execute(f"SELECT {cols} FROM entries WHERE id=?", (eid,)).fetchone()
         names = [c.strip() for c in cols.split(",")]
         body = {n: (v.hex() if isinstance(v, bytes) else v) for n, v in zip(names, row or ())}
@@ -470,10 +482,13 @@ def _fsck_redis(store, repair: bool, grace: float) -> FsckReport:
             first = entry.chain.index(bad[0])
             why = (f"{len(bad)} of {len(entry.chain)} chain blocks missing, quarantined or damaged; grafts stop at "
                    f"block {first}")
-            if repair:
-                r.hset(store.k_damaged(), eid, why)
-                rep.add("entries_marked")
-            rep.problem("entries_broken_chain", eid, why, fixed=repair)
+            if eid in marked:
+                rep.add("entries_broken_chain")  # known and marked by an earlier repair: not a new problem
+            else:
+                if repair:
+                    r.hset(store.k_damaged(), eid, why)
+                    rep.add("entries_marked")
+                rep.problem("entries_broken_chain", eid, why, fixed=repair)
         else:
             rep.add("entries_ok")
             if repair and eid in marked:

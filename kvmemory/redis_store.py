@@ -544,7 +544,12 @@ class RedisStore:
     def _row_from_raw(self, h: str, raw: dict) -> BlockRow | None:
         if not raw:
             return None
-        row, sigs = self.parse_block_row(h, raw)
+        try:
+            row, sigs = self.parse_block_row(h, raw)
+        except IntegrityError as exc:
+            # A damaged row is a block that is not there: the graft stops before it and recomputes.
+            log.warning("%s", exc)
+            return None
         if not self._visible(row, sigs):
             return None  # unsigned, forged, or another tenant's: not there for this reader
         self._vouch(row)
@@ -800,10 +805,11 @@ class RedisStore:
                 raise ValueError("the entry names another id")
             if len(chain_sha) != len(chain) or not all(_HEX64.fullmatch(x) for x in chain_sha):
                 raise ValueError("chain payload hashes do not match the chain")
+            sig = _s(d.get(b"sig", b"")) or ""
         except (KeyError, ValueError, UnicodeDecodeError, AttributeError, TypeError) as exc:
             raise IntegrityError(f"the Redis entry {eid!r} is damaged ({exc}); run `kvmemory fsck`") from exc
         entry = entry_from_fields(row, chain)
-        return entry, chain_sha, _s(d.get(b"sig", b"")) or ""
+        return entry, chain_sha, sig
 
     def check_entry(self, entry: EntryRecord, chain_sha: Sequence[str], sig: str) -> EntryRecord:
         if self.signer is not None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import logging
 import os
 import sqlite3
 import threading
@@ -41,6 +42,7 @@ from .blocks import BlockMeta, chain_hash, encode_header, read_header
 from .errors import IntegrityError, StoreError, StoreFormatError, StoreFull, StoreReadOnly, UnknownEntry
 
 STORE_FORMAT = 1
+_log = logging.getLogger("kvmemory.store")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta(key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -413,12 +415,20 @@ class LocalStore:
         return self.path / "blocks" / h[:2] / f"{h}.kvb"
 
     def get_block(self, h: str) -> BlockRow | None:
+        """The catalogue row of block `h`, or None. A damaged row counts as no row (the graft stops
+        before it and recomputes; `kvmemory fsck` reports and removes it)."""
         rows = self._q(
             "SELECT hash, parent, profile_id, idx, n_tokens, payload_sha256, payload_nbytes, file_nbytes, "
             "verified, pinned, quarantined FROM blocks WHERE hash=?",
             (h,),
         )
-        return block_row_from(rows[0]) if rows else None
+        if not rows:
+            return None
+        try:
+            return block_row_from(rows[0])
+        except IntegrityError as exc:
+            _log.warning("%s", exc)
+            return None
 
     def known_blocks(self, hashes: Sequence[str]) -> dict[str, BlockRow]:
         """Rows of the given hashes that exist and are not quarantined."""
