@@ -72,6 +72,14 @@ def chain_hashes(profile_id: str, token_ids: Sequence[int], chunk: int, limit: i
     return out
 
 
+def _shapes(v) -> tuple[tuple[int, int, int], ...]:
+    """Per-layer [H, T, D] shapes: three non-negative integers each (anything else is a damaged header)."""
+    out = tuple(tuple(int(x) for x in s) for s in v)
+    if not all(len(s) == 3 and min(s) >= 0 for s in out):
+        raise ValueError("a layer shape is not three non-negative integers")
+    return out
+
+
 @dataclass(slots=True, frozen=True)
 class BlockMeta:
     """Everything about a block but its payload bytes."""
@@ -108,12 +116,12 @@ class BlockMeta:
                 position=int(d["position"]),
                 token_ids=tuple(int(t) for t in d["token_ids"]),
                 dtype=str(d["dtype"]),
-                k_shapes=tuple(tuple(int(x) for x in s) for s in d["k_shapes"]),
-                v_shapes=tuple(tuple(int(x) for x in s) for s in d["v_shapes"]),
+                k_shapes=_shapes(d["k_shapes"]),
+                v_shapes=_shapes(d["v_shapes"]),
                 payload_nbytes=int(d["payload_nbytes"]),
                 payload_sha256=str(d["payload_sha256"]),
             )
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:  # OverflowError: int(Infinity)
             raise IntegrityError(f"malformed block header: {exc}") from exc
 
     def expected_nbytes(self) -> int:

@@ -372,7 +372,7 @@ def _fsck_redis(store, repair: bool, grace: float) -> FsckReport:
     pre = store.k_block("")
 
     # -- index drift: row keys the blocks zset does not list, and the reverse
-    indexed = set(store.all_block_hashes())
+    indexed = set(_index(store, rep, repair, store.k_blocks(), lambda: store.all_block_hashes()))
     keyed = {k.decode()[len(pre):] for k in r.scan_iter(match=pre + "*", count=1000)}
     for h in sorted(keyed - indexed):
         if repair:
@@ -388,7 +388,7 @@ def _fsck_redis(store, repair: bool, grace: float) -> FsckReport:
     hashes = sorted(keyed)
     for i in range(0, len(hashes), 200):
         chunk = hashes[i : i + 200]
-        raws = store._raw_rows(chunk)
+        raws = store._fetch(lambda c=chunk: store._raw_rows(c), "fsck")
         p = r.pipeline(transaction=False)
         for h in chunk:
             p.get(store.k_payload(h))
@@ -404,6 +404,7 @@ def _fsck_redis(store, repair: bool, grace: float) -> FsckReport:
                 if repair:
                     r.rename(store.k_block(h), f"{store._pre}qb:{h}")
                     r.zrem(store.k_blocks(), h)
+                    r.rpush(store.k_qlog(), json.dumps({"hash": h, "reason": f"fsck: {exc}", "at": now}))
                 rep.problem("block_rows_damaged", h, str(exc), fixed=repair)
                 continue
             rows[h] = row
@@ -448,16 +449,17 @@ def _fsck_redis(store, repair: bool, grace: float) -> FsckReport:
     # -- entries and their indexes
     epre = store.k_entry("")
     ekeys = {k.decode()[len(epre):] for k in r.scan_iter(match=epre + "*", count=1000)}
-    listed = {x.decode() for x in r.zrange(store.k_entries(), 0, -1)}
+    listed = set(_index(store, rep, repair, store.k_entries(),
+                        lambda: [x.decode() for x in r.zrange(store.k_entries(), 0, -1)]))
     refs: dict[str, int] = {}
-    marked = {k.decode() for k in r.hkeys(store.k_damaged())}
+    marked = set(_index(store, rep, repair, store.k_damaged(), lambda: [k.decode() for k in r.hkeys(store.k_damaged())]))
     for eid in sorted(listed - ekeys):
         if repair:
             r.zrem(store.k_entries(), eid)
         rep.problem("index_drift", eid, "entries index names an entry that does not exist", fixed=repair)
     for eid in sorted(ekeys):
         rep.add("entries_checked")
-        raw = r.hgetall(store.k_entry(eid))
+        raw = store._hgetall_many([store.k_entry(eid)])[0]
         try:
             parsed = store.parse_entry(eid, raw)
             if store.namespace is not None and parsed[0].namespace != store.namespace:
@@ -470,7 +472,14 @@ def _fsck_redis(store, repair: bool, grace: float) -> FsckReport:
                 _set_aside_redis(store, eid, raw, f"fsck: {exc}")
             rep.problem(kind, eid, str(exc), fixed=repair)
             continue
-        if eid not in listed or not r.zscore(store.k_ns(entry.namespace), eid):
+        try:
+            in_ns = r.zscore(store.k_ns(entry.namespace), eid) is not None
+        except store._resp_err:  # the namespace index is not a sorted set: damaged
+            if repair:
+                r.delete(store.k_ns(entry.namespace))
+            rep.problem("index_drift", entry.namespace, "namespace index key is damaged", fixed=repair)
+            in_ns = False
+        if eid not in listed or not in_ns:
             if repair:
                 r.zadd(store.k_entries(), {eid: entry.created})
                 r.zadd(store.k_ns(entry.namespace), {eid: entry.created})
@@ -498,17 +507,35 @@ def _fsck_redis(store, repair: bool, grace: float) -> FsckReport:
     for h, row in rows.items():
         raw_refs = r.hget(store.k_block(h), "refs")
         want = refs.get(h, 0)
-        if raw_refs is not None and int(raw_refs) != want:
+        try:
+            have = int(raw_refs) if raw_refs is not None else None
+        except ValueError:
+            have = -1
+        if have is not None and have != want:
             if repair:
                 r.hset(store.k_block(h), "refs", want)
                 rep.add("refs_fixed")
     return rep
 
 
+def _index(store, rep: FsckReport, repair: bool, key: str, read) -> list[str]:
+    """Read an index key; a key of the wrong type is damage: reported, and with repair deleted (fsck then
+    re-adds what it finds under the keys it scans)."""
+    try:
+        return read()
+    except (IntegrityError, store._resp_err):  # WRONGTYPE, through the store or the raw client
+        pass
+    if repair:
+        store.client.delete(key)
+    rep.problem("index_drift", key, "index key is damaged (wrong type)", fixed=repair)
+    return []
+
+
 def _set_aside_redis(store, eid: str, raw: dict, reason: str) -> None:
     r = store.client
-    ns = raw.get(b"namespace", b"").decode("utf-8", "replace")
-    r.hset(store.k_entry(eid), mapping={"fsck_reason": reason, "fsck_at": time.time()})
+    ns = raw.get(b"namespace", b"").decode("utf-8", "replace") if b"\x00damaged" not in raw else ""
+    if b"\x00damaged" not in raw:
+        r.hset(store.k_entry(eid), mapping={"fsck_reason": reason, "fsck_at": time.time()})
     r.rename(store.k_entry(eid), store.k_qentry(eid))
     r.zrem(store.k_entries(), eid)
     if ns:

@@ -556,22 +556,16 @@ class RedisStore:
         return row
 
     def get_block(self, h: str) -> BlockRow | None:
-        got = self._read(lambda: self._r.hgetall(self.k_block(h)), "reading a block row")
+        got = self._read(lambda: self._raw_rows([h]), "reading a block row")
         if got is None:
             return self._tier.get_block(h)
-        return self._row_from_raw(h, got[0])
+        return self._row_from_raw(h, got[0][0])
 
     def known_blocks(self, hashes: Sequence[str]) -> dict[str, BlockRow]:
         """Rows of the given hashes that exist, are visible to this reader and are not quarantined."""
         hashes = list(hashes)
 
-        def fetch():
-            p = self._r.pipeline(transaction=False)
-            for h in hashes:
-                p.hgetall(self.k_block(h))
-            return p.execute()
-
-        got = self._read(fetch, "reading block rows") if hashes else ([],)
+        got = self._read(lambda: self._raw_rows(hashes), "reading block rows") if hashes else ([],)
         out = {}
         if got is None:
             for h in hashes:
@@ -586,10 +580,15 @@ class RedisStore:
         return out
 
     def _raw_rows(self, hashes: Sequence[str]) -> list[dict]:
+        """Rows as raw hashes; a key that is not a hash (damage) comes back as {"\x00damaged": why}."""
+        return self._hgetall_many([self.k_block(h) for h in hashes])
+
+    def _hgetall_many(self, keys: Sequence[str]) -> list[dict]:
         p = self._r.pipeline(transaction=False)
-        for h in hashes:
-            p.hgetall(self.k_block(h))
-        return p.execute()
+        for k in keys:
+            p.hgetall(k)
+        out = p.execute(raise_on_error=False)  # connection errors still raise; WRONGTYPE comes back per key
+        return [{b"\x00damaged": str(x).encode()} if isinstance(x, Exception) else x for x in out]
 
     # ------------------------------------------------------------------ block payloads
     def write_block_file(self, meta: BlockMeta, payload: torch.Tensor) -> int:
@@ -602,6 +601,41 @@ class RedisStore:
         blob = b"".join((header, data))
         self._write(lambda: self._r.set(self.k_payload(meta.hash), blob), f"writing block {meta.hash[:12]}")
         return len(blob)
+
+    def write_block_files(self, blocks: Sequence[tuple[BlockMeta, torch.Tensor]]) -> dict[str, int]:
+        """Write block files to Redis in one round trip (no catalogue change); {hash: file size}.
+        A payload already there with the same size is kept (content addressing; reads verify it)."""
+        if not blocks:
+            return {}
+        heads = [encode_header(m) for m, _ in blocks]
+
+        def probe():
+            p = self._r.pipeline(transaction=False)
+            for m, _ in blocks:
+                p.strlen(self.k_payload(m.hash))
+            return p.execute(raise_on_error=False)
+
+        have = self._write(probe, "checking block payloads")
+        sizes, todo = {}, []
+        for (m, payload), head, n in zip(blocks, heads, have):
+            size = len(head) + m.payload_nbytes
+            sizes[m.hash] = size
+            if n != size:
+                data = memoryview(payload.contiguous().numpy()).cast("B")
+                if len(data) != m.payload_nbytes:
+                    raise InvalidInput(f"block {m.hash[:12]}: payload has {len(data)} bytes, its header says "
+                                       f"{m.payload_nbytes}")
+                todo.append((m.hash, b"".join((head, data))))
+
+        def put():
+            p = self._r.pipeline(transaction=False)
+            for h, blob in todo:
+                p.set(self.k_payload(h), blob)
+            p.execute()
+
+        if todo:
+            self._write(put, f"writing {len(todo)} blocks")
+        return sizes
 
     def _ensure_payloads(self, blocks: Sequence[tuple[BlockMeta, torch.Tensor]]) -> dict[str, int]:
         """Write the payloads Redis lacks (or holds for a quarantined or different row); sizes by hash."""
@@ -865,13 +899,8 @@ class RedisStore:
         if ids is None:
             return self._tier.list_entries(namespace)
 
-        def fetch():
-            p = self._r.pipeline(transaction=False)
-            for eid in ids:
-                p.hgetall(self.k_entry(eid))
-            return p.execute()
-
-        got = self._read(fetch, "reading entries") if ids else ([],)
+        got = self._read(lambda: self._hgetall_many([self.k_entry(e) for e in ids]), "reading entries") if ids \
+            else ([],)
         if got is None:
             return self._tier.list_entries(namespace)
         out, rejected = [], []
@@ -1013,10 +1042,13 @@ class RedisStore:
             p = self._r.pipeline(transaction=False)
             for eid in ids:
                 p.hmget(self.k_entry(eid.decode()), "verified", "chain")
-            return p.execute()
+            return p.execute(raise_on_error=False)
 
         entries = verified = referenced = 0
-        for ver, chain in (self._fetch(fetch, "reading entries") if ids else []):
+        for got in (self._fetch(fetch, "reading entries") if ids else []):
+            if isinstance(got, Exception):
+                raise IntegrityError(f"a Redis entry key is damaged ({got}); run `kvmemory fsck`")
+            ver, chain = got
             if ver is None:
                 continue
             entries += 1

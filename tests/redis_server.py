@@ -77,7 +77,9 @@ class RedisServer:
                 self.wait_ready(timeout)
                 return self
             except RuntimeError:
-                if not self._auto_port or attempt == 4 or self.proc.poll() is None:
+                exited = self.proc.poll() is not None
+                self.stop()  # never leave a half-started server behind
+                if not self._auto_port or attempt == 4 or not exited:
                     raise
                 self.port = free_port(self._below)
         return self
@@ -140,6 +142,13 @@ class RedisCluster:
         return f"redis://127.0.0.1:{self.nodes[0].port}/0"
 
     def start(self, timeout: float = 30.0) -> "RedisCluster":
+        try:
+            return self._start(timeout)
+        except BaseException:
+            self.close()  # no node outlives a failed start
+            raise
+
+    def _start(self, timeout: float) -> "RedisCluster":
         import redis
 
         for n in self.nodes:
