@@ -1,0 +1,282 @@
+"""Decoding on the facade: free text, choices scored by the model, and schema-guided JSON.
+
+A tiny model does not reliably emit a tool call or a JSON object by itself, so the structure is
+written for it and only the content is left to it, as constrained-decoding back ends do:
+
+- `Decoder.free` decodes text (greedy or seeded sampling) with the longest stored chain grafted.
+- `Decoder.choose` picks one of a few continuations (a tool name, an enum value, true/false) by the
+  model's own log-likelihood of each: the model chooses, among options the schema allows.
+- `JsonGuide` writes a JSON value for a JSON schema: braces, keys, quotes and commas are written
+  ("forced" tokens), every value is decoded by the model (a string up to its closing quote, a number
+  as digits) or chosen by it (enums, booleans). A value the model does not write as its type raises
+  `GuidedDecodingError`: nothing is made up.
+
+Every pass goes through `KVMemory.generate` / `Engine.forward`, the canonical runner, so whatever the
+store holds for the prompt (a routed entry, a stored system prompt) is grafted on each pass; the
+counts of grafted, computed, decoded and forced tokens are added up in `DecodeStats`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvmemory.memory import Answer, KVMemory
+from kvmemory.runner import Sampling
+from kvmemory.store import EntryRecord
+
+from .errors import GuidedDecodingError
+
+# Per-value token caps: digits never need many tokens; strings share the call's budget.
+_NUMBER_TOKENS = 12
+_MIN_STRING_TOKENS = 4
+_INT = re.compile(r'\s*"?\s*(-?\d+)')
+_NUM = re.compile(r'\s*"?\s*(-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?)')
+
+
+@dataclass(slots=True)
+class DecodeStats:
+    """What one chat call cost, over all its passes through the model."""
+
+    prompt_tokens: int
+    prompt_grafted: int | None = None  # tokens of the prompt grafted on the first pass
+    passes: int = 0
+    tokens_grafted: int = 0
+    tokens_computed: int = 0
+    tokens_decoded: int = 0
+    tokens_forced: int = 0
+    bytes_read: int = 0
+    seconds: float = 0.0
+    stopped_by: str = "stop"
+    blocks_stored: int = 0
+
+    def to_json(self) -> dict:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "prompt_tokens_grafted": self.prompt_grafted or 0,
+            "passes": self.passes,
+            "tokens_grafted": self.tokens_grafted,
+            "tokens_computed": self.tokens_computed,
+            "tokens_decoded": self.tokens_decoded,
+            "tokens_forced": self.tokens_forced,
+            "bytes_read": self.bytes_read,
+            "blocks_stored": self.blocks_stored,
+            "seconds": round(self.seconds, 4),
+            "stopped_by": self.stopped_by,
+        }
+
+
+@dataclass(slots=True)
+class Decoder:
+    """Decoding passes over one prompt (`prompt_ids`, the rendered conversation up to the assistant turn)."""
+
+    memory: KVMemory
+    prompt_ids: list[int]
+    sampling: Sampling
+    entries: Sequence[EntryRecord] = ()
+    scores: Sequence[float] = ()
+    store_new_blocks: bool = False
+    stats: DecodeStats = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.stats = DecodeStats(prompt_tokens=len(self.prompt_ids))
+
+    def encode(self, text: str) -> list[int]:
+        return self.memory.engine.encode(text) if text.strip() else (
+            list(self.memory.engine.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else [])
+
+    def _account(self, report, decoded: int) -> None:
+        s = self.stats
+        if s.prompt_grafted is None:
+            s.prompt_grafted = min(report.tokens_grafted, s.prompt_tokens)
+        s.passes += 1
+        s.tokens_grafted += report.tokens_grafted
+        s.tokens_computed += report.tokens_computed
+        s.tokens_decoded += decoded
+        s.bytes_read += report.bytes_read
+        s.blocks_stored += report.blocks_stored
+
+    def free(self, assistant_text: str, *, max_new_tokens: int, stop: Sequence[str] = (),
+             on_text: Callable[[str], None] | None = None) -> Answer:
+        """Decode after the prompt and `assistant_text` (what the assistant turn already holds)."""
+        t0 = time.perf_counter()
+        ids = self.prompt_ids + self.encode(assistant_text)
+        first = self.stats.passes == 0
+        ans = self.memory.generate(ids, max_new_tokens=max(1, max_new_tokens), sampling=self.sampling,
+                                   stop=stop, store_new_blocks=self.store_new_blocks and first,
+                                   entries=self.entries, scores=self.scores, on_text=on_text)
+        self._account(ans.report, len(ans.token_ids))
+        self.stats.seconds += time.perf_counter() - t0
+        self.stats.stopped_by = ans.stopped_by
+        return ans
+
+    def choose(self, assistant_text: str, options: Sequence[str]) -> int:
+        """The index of the option the model finds most likely after the prompt and `assistant_text`."""
+        if len(options) == 1:
+            return 0
+        t0 = time.perf_counter()
+        eng = self.memory.engine
+        base = self.prompt_ids + self.encode(assistant_text)
+        best, best_score = 0, float("-inf")
+        for i, opt in enumerate(options):
+            tail = self.encode(opt)
+            ids = base + tail
+            res, report = eng.forward(ids, keep_logits=True)
+            if res.start > len(base) - 1:  # the store held the option itself: score it from scratch
+                res, report = eng.forward(ids, keep_logits=True, graft=False)
+            self._account(report, 0)
+            rows = res.prefill_logits[len(base) - 1 - res.start: len(ids) - 1 - res.start].float()
+            logp = torch.log_softmax(rows, -1)
+            score = float(sum(logp[j, t] for j, t in enumerate(tail)))
+            if score > best_score:
+                best, best_score = i, score
+        self.stats.seconds += time.perf_counter() - t0
+        return best
+
+    def force(self, text: str) -> str:
+        """Count `text` as written for the model (not decoded); returns it for chaining."""
+        self.stats.tokens_forced += len(self.encode(text)) if text else 0
+        return text
+
+
+def resolve(schema: dict, root: dict) -> dict:
+    """Follow `$ref`s into `$defs` / `definitions` and pick the non-null branch of unions."""
+    for _ in range(32):
+        if not isinstance(schema, dict):
+            return {}
+        ref = schema.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#/"):
+            node: Any = root
+            for part in ref[2:].split("/"):
+                node = node.get(part, {}) if isinstance(node, dict) else {}
+            schema = {**node, **{k: v for k, v in schema.items() if k != "$ref"}}
+            continue
+        for key in ("anyOf", "oneOf"):
+            if key in schema:
+                branches = [b for b in schema[key] if resolve(b, root).get("type") != "null"]
+                rest = {k: v for k, v in schema.items() if k != key}
+                schema = {**rest, **(branches[0] if branches else {"type": "null"})}
+                break
+        else:
+            if "allOf" in schema and len(schema["allOf"]) == 1:
+                rest = {k: v for k, v in schema.items() if k != "allOf"}
+                schema = {**rest, **schema["allOf"][0]}
+                continue
+            t = schema.get("type")
+            if isinstance(t, list):
+                non_null = [x for x in t if x != "null"]
+                schema = {**schema, "type": non_null[0] if non_null else "null"}
+            return schema
+    return schema
+
+
+def fields_of(schema: dict) -> list[str]:
+    """The properties a guided object holds: the required ones (all of them when none is required)."""
+    props = schema.get("properties") or {}
+    required = [k for k in schema.get("required", []) if k in props]
+    return required or list(props)
+
+
+class JsonGuide:
+    """Writes one JSON value for a schema, the model deciding every value (see the module docstring)."""
+
+    def __init__(self, decoder: Decoder, text: str, root: dict, budget: int):
+        self.d = decoder
+        self.text = text  # the assistant turn so far (grows as values are written)
+        self.root = root
+        self.remaining = max(1, budget)
+        self.strings_left = max(1, self._count_strings(root, depth=0))
+        self.truncated = False
+
+    def _count_strings(self, schema: dict, depth: int) -> int:
+        s = resolve(schema, self.root)
+        if depth > 8:
+            return 0
+        if s.get("type") == "object" or "properties" in s:
+            return sum(self._count_strings(s["properties"][k], depth + 1) for k in fields_of(s))
+        return 1 if s.get("type", "string") == "string" and "enum" not in s and "const" not in s else 0
+
+    def _write(self, piece: str) -> None:
+        self.text += self.d.force(piece)
+
+    def value(self, schema: dict, depth: int = 0) -> Any:
+        s = resolve(schema, self.root)
+        if depth > 8:
+            raise GuidedDecodingError("the schema nests deeper than 8 levels")
+        if "const" in s:
+            self._write(json.dumps(s["const"], ensure_ascii=False))
+            return s["const"]
+        if "enum" in s:
+            options = [json.dumps(v, ensure_ascii=False) for v in s["enum"]]
+            i = self.d.choose(self.text, options)
+            self._write(options[i])
+            return s["enum"][i]
+        t = s.get("type") or ("object" if "properties" in s else "string")
+        if t == "object":
+            return self._object(s, depth)
+        if t == "array":
+            return self._array(s)
+        if t == "boolean":
+            i = self.d.choose(self.text, ["true", "false"])
+            self._write(["true", "false"][i])
+            return i == 0
+        if t == "null":
+            self._write("null")
+            return None
+        if t in ("integer", "number"):
+            return self._number(t)
+        return self._string()
+
+    def _object(self, s: dict, depth: int) -> dict:
+        out: dict[str, Any] = {}
+        self._write("{")
+        for i, key in enumerate(fields_of(s)):
+            self._write(("" if i == 0 else ", ") + json.dumps(key, ensure_ascii=False) + ": ")
+            out[key] = self.value(s["properties"][key], depth + 1)
+        self._write("}")
+        return out
+
+    def _decode(self, stop: Sequence[str], budget: int) -> str:
+        budget = max(1, min(budget, self.remaining)) if self.remaining > 0 else 1
+        ans = self.d.free(self.text, max_new_tokens=budget, stop=stop)
+        self.remaining -= len(ans.token_ids)
+        if ans.stopped_by == "length":
+            self.truncated = True
+        return ans.text
+
+    def _string(self) -> str:
+        self._write('"')
+        share = max(_MIN_STRING_TOKENS, self.remaining // self.strings_left)
+        self.strings_left = max(1, self.strings_left - 1)
+        raw = self._decode(['"'], share)
+        value = raw.replace("\\n", "\n").strip()
+        # The decoded text is the value; it is written back JSON-escaped, so the next pass reads valid JSON.
+        self.text += json.dumps(value, ensure_ascii=False)[1:]
+        return value
+
+    def _number(self, t: str) -> int | float:
+        raw = self._decode([",", "}", "]", "\n"], _NUMBER_TOKENS)
+        m = (_INT if t == "integer" else _NUM).match(raw)
+        if not m:
+            raise GuidedDecodingError(f"the model wrote {raw!r} where the schema asks for an {t}")
+        value: int | float = int(m.group(1)) if t == "integer" else float(m.group(1))
+        if t == "number" and float(value).is_integer() and "." not in m.group(1):
+            value = int(value)
+        self.text += json.dumps(value)
+        return value
+
+    def _array(self, s: dict) -> list:
+        self._write("[")
+        raw = self._decode(["]", "\n"], max(_MIN_STRING_TOKENS, self.remaining // self.strings_left))
+        try:
+            value = json.loads("[" + raw + "]")
+        except ValueError:
+            raise GuidedDecodingError(f"the model wrote {raw!r} where the schema asks for a JSON array") from None
+        self.text += json.dumps(value, ensure_ascii=False)[1:]
+        return value

@@ -1,0 +1,98 @@
+"""`KVMemoryRetriever`: stored verified solutions as LangChain Documents, routed by kvmemory's FAISS router.
+
+A Document's content is the problem and its solution (ending with the answer); its metadata carries
+the entry id, the routing score, the answer, the verified flag, the attestation id and the namespace,
+so an agent can cite exactly what it used and anyone can re-check the entry (`kvmemory verify`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from langchain_core.callbacks import AsyncCallbackManagerForRetrieverRun, CallbackManagerForRetrieverRun
+from langchain_core.documents import Document
+from langchain_core.retrievers import BaseRetriever
+from langchain_core.runnables.config import run_in_executor
+from pydantic import ConfigDict, Field, model_validator
+
+from kvmemory.memory import KVMemory, Recalled
+from kvmemory.models import DEFAULT_MODEL
+from kvmemory.prompts import solution_text
+
+from ._memory import SharedMemory, env_store, shared_memory, wrap_memory
+
+
+def to_document(hit: Recalled) -> Document:
+    e = hit.entry
+    content = f"Problem: {e.problem}\nSolution: {solution_text(e.solution, e.answer)}"
+    return Document(id=e.id, page_content=content, metadata={
+        "entry_id": e.id,
+        "score": float(hit.score),
+        "answer": e.answer,
+        "verified": bool(e.verified),
+        "attestation_id": e.attestation.get("attestation_id"),
+        "namespace": e.namespace,
+        "problem": e.problem,
+        "matched_text": hit.matched_text,
+    })
+
+
+class KVMemoryRetriever(BaseRetriever):
+    """Retrieve stored verified solutions close to a question.
+
+    Setup: `pip install langchain-kvmemory`; entries are added with `KVMemory.remember`, the
+    `remember_solution` tool, `KVMemoryStore.put` or `kvmemory remember`.
+
+    Key init args: `store` (folder; `$KVMEMORY_STORE` or the per-user default), `namespace`, `k`,
+    `score_threshold` (None = the router's calibrated threshold, so an unrelated question finds
+    nothing; -1.0 = the k nearest however far), `model` (the model whose store it is).
+
+    Instantiate and invoke:
+        ```python
+        from langchain_kvmemory import KVMemoryRetriever
+
+        retriever = KVMemoryRetriever(store="./my-store", k=2)
+        docs = retriever.invoke("How many eggs are left?", k=1)
+        docs[0].metadata["entry_id"], docs[0].metadata["verified"], docs[0].metadata["score"]
+        ```
+    """
+
+    model_config = ConfigDict(populate_by_name=True, arbitrary_types_allowed=True)
+
+    store: str | None = None
+    namespace: str = "default"
+    k: int = 4
+    score_threshold: float | None = None
+    model_name: str = Field(default=DEFAULT_MODEL, alias="model")
+    memory: KVMemory | None = Field(default=None, exclude=True, repr=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _store_from_env(cls, values: Any) -> Any:
+        if isinstance(values, dict) and not values.get("store") and values.get("memory") is None:
+            env = env_store()
+            if env:
+                values = {**values, "store": env}
+        return values
+
+    def shared(self) -> SharedMemory:
+        return wrap_memory(self.memory) if self.memory is not None else shared_memory(self.model_name, self.store)
+
+    def _search(self, query: str, k: int | None, namespace: str | None, score_threshold: float | None) -> list[Document]:
+        sm = self.shared()
+        threshold = score_threshold if score_threshold is not None else self.score_threshold
+        with sm.lock:
+            hits = sm.memory.recall(query, k if k is not None else self.k, namespace=namespace or self.namespace,
+                                    threshold=threshold)
+        return [to_document(h) for h in hits]
+
+    def _get_relevant_documents(self, query: str, *, run_manager: CallbackManagerForRetrieverRun,
+                                k: int | None = None, namespace: str | None = None,
+                                score_threshold: float | None = None) -> list[Document]:
+        return self._search(query, k, namespace, score_threshold)
+
+    async def _aget_relevant_documents(self, query: str, *, run_manager: AsyncCallbackManagerForRetrieverRun,
+                                       k: int | None = None, namespace: str | None = None,
+                                       score_threshold: float | None = None) -> list[Document]:
+        # Embedding and the index search are blocking work: run them off the event loop.
+        return await run_in_executor(None, self._search, query, k, namespace, score_threshold)
