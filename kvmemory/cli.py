@@ -32,7 +32,7 @@ def _memory(args):
     from .memory import KVMemory
     from .paths import default_store_path
 
-    store = args.store or str(default_store_path())
+    store = args.store or os.environ.get("KVMEMORY_STORE") or str(default_store_path())
     kw = {"chunk": args.chunk} if args.chunk else {}
     if args.threads:
         kw["threads"] = args.threads
@@ -204,14 +204,37 @@ def cmd_verify(args) -> int:
 
 
 def cmd_stats(args) -> int:
-    from .store import LocalStore
-    from .paths import default_store_path
+    from .stores import open_store
 
-    store = LocalStore(args.store or default_store_path())
+    store = open_store(args.store)
     s = store.stats().to_json()
-    s["store"] = str(store.path)
+    s["store"] = str(getattr(store, "url", None) or store.path)
     _emit(args, s, "\n".join(f"{k:>20}: {v}" for k, v in s.items()))
     return 0
+
+
+def cmd_fsck(args) -> int:
+    from .fsck import run_fsck
+    from .stores import open_store
+
+    store = open_store(args.store)
+
+    def rebuild_router() -> int:
+        _quiet_transformers()
+        from .router import RouteRow, Router
+
+        router = Router(store.path / "router", allow_mismatch=True)
+        rows = []
+        for e in store.list_entries():
+            rows.append(RouteRow(e.id, e.namespace, e.problem, "problem"))
+            rows.extend(RouteRow(e.id, e.namespace, a, "alias") for a in e.meta.get("aliases", []))
+        return router.rebuild(rows)
+
+    report = run_fsck(store, repair=args.repair, router_rebuild=rebuild_router if args.repair else None)
+    out = report.to_json()
+    _emit(args, out, "\n".join(f"{k:>24}: {v}" for k, v in out.items() if not isinstance(v, (list, dict)))
+          + ("" if args.repair else "\n(report only; --repair quarantines damage, removes orphans, rebuilds the router)"))
+    return report.exit_code
 
 
 def cmd_demo(args) -> int:
@@ -229,7 +252,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = argparse.ArgumentParser(prog="kvmemory", description="Exact KV-cache grafting memory for agents.")
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--store", help="store folder (default: $KVMEMORY_STORE or a per-user data folder)")
+    common.add_argument("--store", help="store folder or redis:// URL (default: $KVMEMORY_STORE or a per-user "
+                        "data folder); shared stores sign entries with $KVMEMORY_SIGNING_KEY")
     common.add_argument("--model", default=DEFAULT_MODEL, help="HF model id or local folder (default: embedded SmolLM2)")
     common.add_argument("--chunk", type=int, default=None, help="chunk grid C (default 64)")
     common.add_argument("--threads", type=int, default=None, help="torch threads (part of the profile)")
@@ -292,6 +316,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("stats", parents=[common], help="entries, blocks, bytes, tokens, dedup ratio")
     s.set_defaults(func=cmd_stats)
+
+    fk = sub.add_parser("fsck", parents=[common], help="verify every block; report (and --repair) damage")
+    fk.add_argument("--repair", action="store_true", help="quarantine damage, remove orphans, rebuild the router")
+    fk.set_defaults(func=cmd_fsck)
 
     d = sub.add_parser("demo", parents=[common], help="remember, ask with grafts, verify, in a temporary store")
     d.set_defaults(func=cmd_demo)

@@ -87,10 +87,10 @@ class Engine:
     def open(cls, model: str = DEFAULT_MODEL, store=None, *, chunk: int = DEFAULT_CHUNK, dtype=None,
              device: str = "cpu", threads: int | None = None, attn_implementation: str = "sdpa",
              max_positions: int | None = None) -> "Engine":
-        from .paths import default_store_path
+        from .stores import open_store
 
-        if store is None or isinstance(store, (str, bytes)) or hasattr(store, "__fspath__"):
-            store = LocalStore(store or default_store_path())
+        # A folder (local store), a redis:// URL (shared store), None (KVMEMORY_STORE or the default).
+        store = open_store(store)
         loaded = load_model(model, dtype=dtype, device=device, attn_implementation=attn_implementation)
         return cls(loaded, store, chunk=chunk, threads=threads, max_positions=max_positions)
 
