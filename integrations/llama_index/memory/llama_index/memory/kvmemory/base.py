@@ -1,0 +1,156 @@
+"""`KVMemoryBlock`: a memory block for LlamaIndex's `Memory` that gets and puts verified solutions.
+
+get: the latest user message is routed (kvmemory's FAISS router, calibrated threshold) to stored
+solutions; the verified ones come back as text that `Memory` puts in the system message (or the
+last user message, per its `insert_method`).
+
+put: `Memory` hands a block the messages it flushes out of its short-term queue. Each user message
+followed by an assistant reply is a (problem, solution) pair; the pair is stored only if the block's
+verifier accepts it (kvmemory runs the verifier before any KV is computed), so the block never turns
+an unchecked chat reply into a "verified solution". The answer, when the caller knows it, rides on
+the assistant message as `additional_kwargs["answer"]`. Pairs the verifier refuses are recorded in
+`rejected`, not raised: a flush is housekeeping, and one bad reply must not lose the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from kvmemory.errors import InvalidInput, VerificationFailed
+from kvmemory.memory import KVMemory, Recalled
+from kvmemory.models import DEFAULT_MODEL
+from kvmemory.store import EntryRecord
+from llama_index.core.base.llms.types import ChatMessage, MessageRole, TextBlock
+from llama_index.core.bridge.pydantic import Field, PrivateAttr, model_validator
+from llama_index.core.memory.memory import BaseMemoryBlock
+
+from ._shared import shared_memory
+
+DEFAULT_FORMAT = "Problem: {problem}\nSolution: {solution}"
+# Between two solutions in the block's text; truncation cuts at these.
+SEPARATOR = "\n\n"
+
+
+@dataclass(slots=True, frozen=True)
+class Rejected:
+    """A (problem, solution) pair the block did not store, and why."""
+
+    problem: str
+    solution: str
+    answer: str | None
+    reason: str
+
+
+def _text(message: ChatMessage) -> str:
+    return "".join(b.text for b in message.blocks if isinstance(b, TextBlock))
+
+
+class KVMemoryBlock(BaseMemoryBlock[str]):
+    """Verified solutions from a kvmemory store, as a `Memory` block.
+
+    Pass a shared `memory` (`kvmemory.KVMemory`), or `store` (and `model`) to open one.
+    """
+
+    name: str = Field(default="verified_solutions", description="The name of the memory block.")
+    description: str | None = Field(
+        default="Verified solutions to problems like the user's, with their worked steps.",
+        description="A description of the memory block.")
+    memory: KVMemory = Field(exclude=True, description="The kvmemory store and model.")
+    namespace: str | None = Field(default=None, description="Namespace got from and put into (default: the memory's).")
+    similarity_top_k: int = Field(default=2, ge=1, description="At most this many solutions per get.")
+    threshold: float | None = Field(default=None, description="Routing threshold (default: calibrated).")
+    verifier: str = Field(default="arithmetic",
+                          description="kvmemory verifier that puts must pass: arithmetic, exact-answer or none.")
+    include_unverified: bool = Field(default=False, description="Also get entries stored unverified.")
+    answer_key: str = Field(default="answer", description="additional_kwargs key of an assistant message's answer.")
+    format_template: str = Field(default=DEFAULT_FORMAT, description="One solution's text from problem, solution, answer.")
+
+    _remembered: list[EntryRecord] = PrivateAttr(default_factory=list)
+    _rejected: list[Rejected] = PrivateAttr(default_factory=list)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _open_memory(cls, values: Any) -> Any:
+        if isinstance(values, dict) and values.get("memory") is None:
+            values = dict(values)
+            store = values.pop("store", None)
+            model = values.pop("model", DEFAULT_MODEL)
+            values["memory"] = shared_memory(model, store)
+        elif isinstance(values, dict):
+            values = {k: v for k, v in values.items() if k not in ("store", "model")}
+        return values
+
+    def __init__(self, memory: KVMemory | None = None, *, store: str | os.PathLike[str] | None = None,
+                 model: str = DEFAULT_MODEL, **kwargs: Any) -> None:
+        super().__init__(memory=memory, store=store, model=model, **kwargs)
+
+    @property
+    def remembered(self) -> list[EntryRecord]:
+        """Entries this block stored, oldest first."""
+        return list(self._remembered)
+
+    @property
+    def rejected(self) -> list[Rejected]:
+        """Pairs this block was given but did not store, oldest first."""
+        return list(self._rejected)
+
+    # ------------------------------------------------------------------ get
+    def recall(self, query: str) -> list[Recalled]:
+        """The solutions a get would return for `query`, best first."""
+        if not query.strip():
+            return []
+        hits = self.memory.recall(query, k=self.similarity_top_k, namespace=self.namespace, threshold=self.threshold)
+        return [h for h in hits if self.include_unverified or h.entry.verified]
+
+    def _format(self, hits: list[Recalled]) -> str:
+        return SEPARATOR.join(
+            self.format_template.format(problem=h.entry.problem, solution=h.entry.solution,
+                                        answer=h.entry.answer or "").strip()
+            for h in hits)
+
+    async def _aget(self, messages: list[ChatMessage] | None = None, **block_kwargs: Any) -> str:
+        query = next((_text(m) for m in reversed(messages or []) if m.role == MessageRole.USER), "")
+        if not query.strip():
+            return ""
+        # Embedding the query and reading the catalogue block: keep the event loop free.
+        hits = await asyncio.to_thread(self.recall, query)
+        return self._format(hits)
+
+    async def atruncate(self, content: str, tokens_to_truncate: int) -> str | None:
+        """Drop whole solutions from the end (the lowest scored) until about `tokens_to_truncate`
+        tokens are gone; a solution is never cut in half."""
+        parts = content.split(SEPARATOR) if content else []
+        tok = self.memory.engine.tokenizer
+        while parts and tokens_to_truncate > 0:
+            tokens_to_truncate -= len(tok(parts.pop() + SEPARATOR, add_special_tokens=False)["input_ids"])
+        return SEPARATOR.join(parts) or None
+
+    # ------------------------------------------------------------------ put
+    def remember(self, problem: str, solution: str, answer: str | None = None) -> EntryRecord | None:
+        """Store one pair if the verifier accepts it; returns the entry, or None (see `rejected`)."""
+        try:
+            entry = self.memory.remember(problem, solution, answer, verifier=self.verifier, namespace=self.namespace)
+        except (VerificationFailed, InvalidInput) as e:
+            self._rejected.append(Rejected(problem, solution, answer, str(e)))
+            return None
+        self._remembered.append(entry)
+        return entry
+
+    def _pairs(self, messages: list[ChatMessage]) -> list[tuple[str, str, str | None]]:
+        pairs = []
+        for user, reply in zip(messages, messages[1:]):
+            if user.role != MessageRole.USER or reply.role != MessageRole.ASSISTANT:
+                continue
+            problem, solution = _text(user).strip(), _text(reply).strip()
+            if problem and solution:
+                answer = reply.additional_kwargs.get(self.answer_key)
+                pairs.append((problem, solution, None if answer is None else str(answer)))
+        return pairs
+
+    async def _aput(self, messages: list[ChatMessage]) -> None:
+        for problem, solution, answer in self._pairs(messages):
+            # Remembering runs the model over the pair (seconds on a CPU): off the event loop.
+            await asyncio.to_thread(self.remember, problem, solution, answer)

@@ -1,0 +1,102 @@
+"""`KVMemoryRetriever`: LlamaIndex's `BaseRetriever` over kvmemory's router and entry catalogue.
+
+A thin adapter: `KVMemory.recall` does the routing (FAISS, namespace, calibrated threshold); this
+module only turns each routed entry into a `NodeWithScore` whose node id is the entry id (so
+LlamaIndex's evaluators can compare ids), whose text is the problem and the solution, and whose
+metadata carries the provenance: entry id, score, answer, verified flag, attestation id, namespace.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Any
+
+from kvmemory.memory import KVMemory, Recalled
+from kvmemory.models import DEFAULT_MODEL
+from llama_index.core.base.base_retriever import BaseRetriever
+from llama_index.core.callbacks.base import CallbackManager
+from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
+
+from ._shared import shared_memory
+
+DEFAULT_TEXT_TEMPLATE = "Problem: {problem}\nSolution: {solution}"
+# The keys every kvmemory adapter (LangChain and LlamaIndex) puts on a retrieved solution.
+METADATA_KEYS = ("entry_id", "score", "answer", "verified", "attestation_id", "namespace")
+# Provenance is for the caller, not for the model: a 135M model given "attestation_id: 3f9a..." in its
+# context only has more tokens to read, and an embedder would embed the hashes.
+_HIDDEN_KEYS = [*METADATA_KEYS, "matched_text"]
+
+
+def node_from_recalled(hit: Recalled, text_template: str = DEFAULT_TEXT_TEMPLATE) -> NodeWithScore:
+    """One routed entry as a LlamaIndex node (id = entry id) with its cosine score."""
+    e = hit.entry
+    metadata: dict[str, Any] = {
+        "entry_id": e.id,
+        "score": float(hit.score),
+        "answer": e.answer,
+        "verified": bool(e.verified),
+        "attestation_id": e.attestation.get("attestation_id"),
+        "namespace": e.namespace,
+        "matched_text": hit.matched_text,
+    }
+    node = TextNode(
+        id_=e.id,
+        text=text_template.format(problem=e.problem, solution=e.solution, answer=e.answer or ""),
+        metadata=metadata,
+        excluded_llm_metadata_keys=list(_HIDDEN_KEYS),
+        excluded_embed_metadata_keys=list(_HIDDEN_KEYS),
+    )
+    return NodeWithScore(node=node, score=float(hit.score))
+
+
+class KVMemoryRetriever(BaseRetriever):
+    """Retrieve verified solutions (problem + solution) from a kvmemory store.
+
+    Args:
+        memory: the `KVMemory` to search (share one per process: it holds the model). Without it,
+            `store` (a folder; default: kvmemory's default store) and `model` open a shared one.
+        similarity_top_k: at most this many solutions per query, best first.
+        namespace: the namespace searched (default: the memory's own).
+        threshold: cosine score below which a hit is dropped (default: the router's calibrated one).
+        verified_only: drop entries stored with `allow_unverified=True`.
+        text_template: how a node's text is made from `problem`, `solution` and `answer`.
+    """
+
+    def __init__(self, memory: KVMemory | None = None, *, store: str | os.PathLike[str] | None = None,
+                 model: str = DEFAULT_MODEL, similarity_top_k: int = 5, namespace: str | None = None,
+                 threshold: float | None = None, verified_only: bool = False,
+                 text_template: str = DEFAULT_TEXT_TEMPLATE, callback_manager: CallbackManager | None = None,
+                 verbose: bool = False) -> None:
+        if memory is None:
+            memory = shared_memory(model, store)
+        if not isinstance(memory, KVMemory):
+            raise TypeError(f"memory must be a kvmemory.KVMemory, got {type(memory).__name__}")
+        if not isinstance(similarity_top_k, int) or similarity_top_k < 1:
+            raise ValueError(f"similarity_top_k must be a positive integer, got {similarity_top_k!r}")
+        self._memory = memory
+        self.similarity_top_k = similarity_top_k
+        self.namespace = namespace
+        self.threshold = threshold
+        self.verified_only = verified_only
+        self.text_template = text_template
+        super().__init__(callback_manager=callback_manager, verbose=verbose)
+
+    @property
+    def memory(self) -> KVMemory:
+        return self._memory
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "KVMemoryRetriever"
+
+    def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
+        hits = self._memory.recall(query_bundle.query_str, k=self.similarity_top_k, namespace=self.namespace,
+                                   threshold=self.threshold)
+        if self.verified_only:
+            hits = [h for h in hits if h.entry.verified]
+        return [node_from_recalled(h, self.text_template) for h in hits]
+
+    async def _aretrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
+        # Embedding the query and reading the catalogue block; keep the event loop free.
+        return await asyncio.to_thread(self._retrieve, query_bundle)
