@@ -1,7 +1,7 @@
 """`kvmemory fsck`: check a store from end to end, and with `repair=True` put it back in order.
 
     report = run_fsck(store, repair=False)                       # check only: nothing is changed
-    report = run_fsck(store, repair=True, router_rebuild=mem.reindex)
+    report = run_fsck(store, repair=True, router_rebuild=router_rebuilder(store))   # or mem.reindex
     print(report.summary()); json.dumps(report.to_json()); sys.exit(report.exit_code)
 
 What is checked (LocalStore, SignedLocalStore and RedisStore alike):
@@ -158,6 +158,23 @@ def run_fsck(store, repair: bool = False, router_rebuild: Callable[[], int] | No
         report.router_rebuilt = int(router_rebuild())
     report.seconds = time.perf_counter() - t0
     return report
+
+
+def router_rebuilder(store, *, progress: bool = False) -> Callable[[], int]:
+    """A `router_rebuild` callback for `run_fsck`: rebuilds `<store.path>/router` from the entries the
+    store serves (what `KVMemory.reindex` does, without loading the language model). Returns texts routed."""
+
+    def rebuild() -> int:
+        from .router import RouteRow, Router
+
+        rows = []
+        for e in store.list_entries():
+            rows.append(RouteRow(e.id, e.namespace, e.problem, "problem"))
+            aliases = e.meta.get("aliases", []) if isinstance(e.meta, dict) else []
+            rows.extend(RouteRow(e.id, e.namespace, a, "alias") for a in aliases if isinstance(a, str) and a.strip())
+        return Router(store.path / "router", allow_mismatch=True).rebuild(rows, progress=progress)
+
+    return rebuild
 
 
 def _master_signer(store):

@@ -170,3 +170,15 @@ def test_fsck_refuses_repair_on_a_tenant_view_and_read_only(tmp_path):
         run_fsck(SignedLocalStore(tmp_path / "s", signer=KEY, namespace="alice"), repair=True)
     with pytest.raises(StoreReadOnly):
         run_fsck(LocalStore(tmp_path / "s", readonly=True), repair=True)
+
+
+def test_router_rebuilder_routes_what_the_store_serves(tmp_path):
+    from kvmemory.fsck import router_rebuilder
+    from kvmemory.router import Router
+
+    st = LocalStore(tmp_path / "s")
+    made = _filled(st, n=3)
+    rep = run_fsck(st, repair=True, router_rebuild=router_rebuilder(st))
+    assert rep.router_rebuilt == 3
+    hits = Router(st.path / "router").search(made[1][0].problem, k=1, namespace="default", threshold=0.0)
+    assert hits and hits[0].entry_id == made[1][0].id
