@@ -15,7 +15,6 @@ Writers are forked from this process (torch already imported), so 200 of them co
 
 from __future__ import annotations
 
-import hashlib
 import multiprocessing as mp
 import os
 import random

@@ -10,7 +10,7 @@ import uuid
 import pytest
 import torch
 from conftest import tiny_model, IdTokenizer
-from redis_server import (RedisCluster, RedisServer, check_entry_readable, expected_payload, synth_block,
+from redis_server import (RedisCluster, RedisServer, check_entry_readable, synth_block,
                           synth_entry, synth_tokens)
 
 from kvmemory.engine import Engine

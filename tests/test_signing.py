@@ -117,8 +117,6 @@ def test_signed_local_store_refuses_forged_and_unsigned_entries(tmp_path):
 
 def _forge_block(store, row, redis: bool):
     """What an attacker without the key can do: new payload bytes, a matching header and row hash."""
-    import json
-
     from kvmemory.blocks import parse_header
 
     raw = store.client.get(store.k_payload(row.hash)) if redis else store.block_path(row.hash).read_bytes()
@@ -135,7 +133,6 @@ def _forge_block(store, row, redis: bool):
     else:
         store.block_path(row.hash).write_bytes(data)
         store._db().execute("UPDATE blocks SET payload_sha256=? WHERE hash=?", (sha, row.hash))
-    return json
 
 
 @pytest.mark.parametrize("kind", ["local", "redis"])
