@@ -30,9 +30,9 @@ def _quiet_transformers() -> None:
 def _memory(args):
     _quiet_transformers()
     from .memory import KVMemory
-    from .paths import default_store_path
+    from .stores import open_store
 
-    store = args.store or os.environ.get("KVMEMORY_STORE") or str(default_store_path())
+    store = open_store(args.store, signing_key=args.signing_key)
     kw = {"chunk": args.chunk} if args.chunk else {}
     if args.threads:
         kw["threads"] = args.threads
@@ -52,9 +52,17 @@ def cmd_remember(args) -> int:
     items = []
     if args.jsonl:
         path = Path(args.jsonl)
-        if not path.exists():
-            raise KVMemoryError(f"no such file: {path}")
-        for i, line in enumerate(path.read_text().splitlines(), 1):
+        if not path.is_file():
+            from .errors import InvalidInput
+
+            raise InvalidInput(f"--jsonl needs a file of JSON lines: {path} is not a file")
+        try:
+            text = path.read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            from .errors import InvalidInput
+
+            raise InvalidInput(f"cannot read {path}: {exc}") from exc
+        for i, line in enumerate(text.splitlines(), 1):
             if not line.strip():
                 continue
             try:
@@ -206,7 +214,7 @@ def cmd_verify(args) -> int:
 def cmd_stats(args) -> int:
     from .stores import open_store
 
-    store = open_store(args.store)
+    store = open_store(args.store, signing_key=args.signing_key)
     s = store.stats().to_json()
     s["store"] = str(getattr(store, "url", None) or store.path)
     _emit(args, s, "\n".join(f"{k:>20}: {v}" for k, v in s.items()))
@@ -214,26 +222,12 @@ def cmd_stats(args) -> int:
 
 
 def cmd_fsck(args) -> int:
-    from .fsck import run_fsck
+    from .fsck import router_rebuilder, run_fsck
     from .stores import open_store
 
-    store = open_store(args.store)
-
-    def rebuild_router() -> int:
-        _quiet_transformers()
-        from .router import RouteRow, Router
-
-        router = Router(store.path / "router", allow_mismatch=True)
-        rows = []
-        for e in store.list_entries():
-            rows.append(RouteRow(e.id, e.namespace, e.problem, "problem"))
-            rows.extend(RouteRow(e.id, e.namespace, a, "alias") for a in e.meta.get("aliases", []))
-        return router.rebuild(rows)
-
-    report = run_fsck(store, repair=args.repair, router_rebuild=rebuild_router if args.repair else None)
-    out = report.to_json()
-    _emit(args, out, "\n".join(f"{k:>24}: {v}" for k, v in out.items() if not isinstance(v, (list, dict)))
-          + ("" if args.repair else "\n(report only; --repair quarantines damage, removes orphans, rebuilds the router)"))
+    store = open_store(args.store, signing_key=args.signing_key)
+    report = run_fsck(store, repair=args.repair, router_rebuild=router_rebuilder(store) if args.repair else None)
+    _emit(args, report.to_json(), report.summary())
     return report.exit_code
 
 
@@ -258,6 +252,8 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--chunk", type=int, default=None, help="chunk grid C (default 64)")
     common.add_argument("--threads", type=int, default=None, help="torch threads (part of the profile)")
     common.add_argument("--namespace", default="default", help="namespace (agent / tenant)")
+    common.add_argument("--signing-key", default=None, help="HMAC key for signed / shared stores "
+                        "(default $KVMEMORY_SIGNING_KEY)")
     common.add_argument("--json", action="store_true", help="print JSON")
     sub = p.add_subparsers(dest="command", required=True)
 

@@ -290,9 +290,6 @@ def test_cli_input_fuzz(tiny_model_dir, tmp_path, capsys):
     print(f"\nCLI fuzz: command lines per command {seen}")
 
 
-@pytest.mark.xfail(strict=True, reason="cli.py cmd_remember reads --jsonl with Path.read_text() and lets "
-                   "IsADirectoryError / PermissionError / UnicodeDecodeError escape: they should be KVMemoryError "
-                   "(exit 2). Found by test_cli_input_fuzz; remove this mark once cli.py is fixed.")
 def test_cli_jsonl_folder_is_a_typed_error(tiny_model_dir, tmp_path):
     from kvmemory.cli import main
 
