@@ -6,9 +6,10 @@
 1. Remembers kvmemory's seeded recurring problems (each worked solution must pass the arithmetic
    verifier; a wrong one is refused) and scores `KVMemoryRetriever` with LlamaIndex's own
    `RetrieverEvaluator` on rewordings the store never saw (hit rate, MRR).
-2. Answers reworded questions with `RetrieverQueryEngine.from_args(retriever, llm=KVGraftLLM)`: the
-   retrieved solution is in the prompt, and the model's KV for it is grafted rather than recomputed.
-   Asking again grafts the prompt prefix stored the first time.
+2. Answers reworded questions with `RetrieverQueryEngine.from_args(retriever, llm=KVGraftLLM)`: with
+   LlamaIndex's default synthesizer the retrieved solution's text is pasted into its prompt and read
+   again; with `KVGraftSynthesizer` the entry's stored KV is grafted and, after "The answer is", the
+   model decodes only the answer.
 3. Puts `KVMemoryBlock` in a LlamaIndex `Memory`, so a chat gets the verified solution in its
    system message.
 
@@ -33,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--store", help="store folder (default: a temporary one, removed at exit)")
     ap.add_argument("--problems", type=int, default=10, help="recurring problems to remember (default 10)")
-    ap.add_argument("--max-new-tokens", type=int, default=32, help="tokens decoded per answer (default 32)")
+    ap.add_argument("--max-new-tokens", type=int, default=24, help="tokens decoded per answer (default 24)")
     args = ap.parse_args(argv)
 
     from kvmemory.errors import VerificationFailed
@@ -43,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     from llama_index.core.llms import ChatMessage
     from llama_index.core.memory import Memory
     from llama_index.core.query_engine import RetrieverQueryEngine
-    from llama_index.llms.kvgraft import KVGraftLLM
+    from llama_index.llms.kvgraft import KVGraftLLM, KVGraftSynthesizer
     from llama_index.memory.kvmemory import KVMemoryBlock
     from llama_index.retrievers.kvmemory import KVMemoryRetriever, aevaluate_retriever, remember_recurring
 
@@ -71,21 +72,27 @@ def main(argv: list[str] | None = None) -> int:
     print(f"RetrieverEvaluator on {ev.queries} rewordings of {ev.problems} problems: "
           f"hit rate {ev.hit_rate:.3f}, MRR {ev.mrr:.3f}")
 
-    # 2. The query engine: retrieval + synthesis by the grafting LLM.
+    # 2. The query engine. LlamaIndex's default synthesizer pastes the retrieved solution into its
+    #    prompt (read again, from scratch); KVGraftSynthesizer puts the entry before the question as it
+    #    was stored, so its KV is grafted and, with an answer prefix, a few tokens answer.
     problems = generate_problems(args.problems, 0, rewordings=2)
-    engine = RetrieverQueryEngine.from_args(KVMemoryRetriever(mem, similarity_top_k=1), llm=llm)
-    for label, query in (("ask", problems[0].rewordings[0]), ("ask", problems[1].rewordings[1]),
-                         ("ask again", problems[0].rewordings[0])):
+    retriever = KVMemoryRetriever(mem, similarity_top_k=1)
+    plain = RetrieverQueryEngine.from_args(retriever, llm=llm)
+    grafted = RetrieverQueryEngine.from_args(
+        retriever, llm=llm, response_synthesizer=KVGraftSynthesizer(llm, answer_prefix="The answer is"))
+    runs = [("default synthesizer", plain, problems[0]), ("KVGraftSynthesizer", grafted, problems[0]),
+            ("KVGraftSynthesizer", grafted, problems[1])]
+    for label, engine, problem in runs:
+        query = problem.rewordings[0]
         t0 = time.perf_counter()
         response = engine.query(query)
         rep = llm.last_answer.report
-        src = response.source_nodes[0] if response.source_nodes else None
         print(f"\n[{label}] {query}")
-        print(f"  answer: {response.response.strip()!r}")
-        if src is not None:
-            md = src.node.metadata
+        print(f"  answer: {response.response.strip()!r} (verified answer {problem.answer})")
+        if response.source_nodes:
+            md = response.source_nodes[0].node.metadata
             print(f"  from entry {md['entry_id']} (score {md['score']:.3f}, verified {md['verified']}, "
-                  f"answer {md['answer']}, attestation {md['attestation_id'][:16]}...)")
+                  f"attestation {md['attestation_id'][:16]}...)")
         print(f"  tokens grafted {rep.tokens_grafted}, computed {rep.tokens_computed}, decoded {rep.tokens_decoded} "
               f"({time.perf_counter() - t0:.1f} s)")
 

@@ -42,7 +42,6 @@ def _guarded(prop: property, attr: str, what: str) -> property:
 @pytest.fixture(autouse=True)
 def no_default_models(monkeypatch):
     """Every test here runs with Settings.llm / Settings.embed_model refusing to resolve a default."""
-    from llama_index.core import llms as _llms  # noqa: F401  (settings imports need the package)
     from llama_index.core.settings import Settings, _Settings
 
     monkeypatch.setattr(_Settings, "llm", _guarded(_Settings.llm, "_llm", "llm"))

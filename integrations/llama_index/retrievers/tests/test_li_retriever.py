@@ -94,3 +94,14 @@ def test_bad_arguments_are_refused(li_memory):
 
     with pytest.raises(InvalidInput):
         KVMemoryRetriever(li_memory).retrieve("   ")
+
+
+def test_a_component_built_without_an_llm_fails_instead_of_resolving_a_default(li_memory):
+    # The guard in integrations/llama_index/conftest.py: LlamaIndex would otherwise reach for OpenAI.
+    from llama_index.core import Settings
+    from llama_index.core.query_engine import RetrieverQueryEngine
+
+    with pytest.raises(AssertionError, match="default llm"):
+        RetrieverQueryEngine.from_args(KVMemoryRetriever(li_memory))
+    with pytest.raises(AssertionError, match="default embed_model"):
+        Settings.embed_model  # noqa: B018

@@ -101,7 +101,8 @@ class KVGraftLLM(LLM):
     (model, store) per process).
     """
 
-    model: str = Field(default=DEFAULT_MODEL, description="Model the memory was opened with (HF id, path or embedded:...).")
+    model: str = Field(default=DEFAULT_MODEL,
+                       description="Model the memory was opened with (HF id, local path or embedded:...).")
     max_new_tokens: int = Field(default=256, gt=0, description="Most tokens decoded per call.")
     temperature: float = Field(default=0.0, ge=0.0, description="0 decodes greedily (exact and repeatable).")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)

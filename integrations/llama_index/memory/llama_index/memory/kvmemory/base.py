@@ -22,6 +22,7 @@ from typing import Any
 from kvmemory.errors import InvalidInput, VerificationFailed
 from kvmemory.memory import KVMemory, Recalled
 from kvmemory.models import DEFAULT_MODEL
+from kvmemory.prompts import solution_text
 from kvmemory.store import EntryRecord
 from llama_index.core.base.llms.types import ChatMessage, MessageRole, TextBlock
 from llama_index.core.bridge.pydantic import Field, PrivateAttr, model_validator
@@ -59,14 +60,16 @@ class KVMemoryBlock(BaseMemoryBlock[str]):
         default="Verified solutions to problems like the user's, with their worked steps.",
         description="A description of the memory block.")
     memory: KVMemory = Field(exclude=True, description="The kvmemory store and model.")
-    namespace: str | None = Field(default=None, description="Namespace got from and put into (default: the memory's).")
+    namespace: str | None = Field(default=None,
+                                  description="Namespace got from and put into (default: the memory's).")
     similarity_top_k: int = Field(default=2, ge=1, description="At most this many solutions per get.")
     threshold: float | None = Field(default=None, description="Routing threshold (default: calibrated).")
     verifier: str = Field(default="arithmetic",
                           description="kvmemory verifier that puts must pass: arithmetic, exact-answer or none.")
     include_unverified: bool = Field(default=False, description="Also get entries stored unverified.")
     answer_key: str = Field(default="answer", description="additional_kwargs key of an assistant message's answer.")
-    format_template: str = Field(default=DEFAULT_FORMAT, description="One solution's text from problem, solution, answer.")
+    format_template: str = Field(default=DEFAULT_FORMAT,
+                                 description="One solution's text, from `problem`, `solution` and `answer`.")
 
     _remembered: list[EntryRecord] = PrivateAttr(default_factory=list)
     _rejected: list[Rejected] = PrivateAttr(default_factory=list)
@@ -106,10 +109,11 @@ class KVMemoryBlock(BaseMemoryBlock[str]):
         return [h for h in hits if self.include_unverified or h.entry.verified]
 
     def _format(self, hits: list[Recalled]) -> str:
+        # The solution as the model read it when it was stored (ending with its answer).
         return SEPARATOR.join(
-            self.format_template.format(problem=h.entry.problem, solution=h.entry.solution,
-                                        answer=h.entry.answer or "").strip()
-            for h in hits)
+            self.format_template.format(problem=e.problem, solution=solution_text(e.solution, e.answer),
+                                        answer=e.answer or "").strip()
+            for e in (h.entry for h in hits))
 
     async def _aget(self, messages: list[ChatMessage] | None = None, **block_kwargs: Any) -> str:
         query = next((_text(m) for m in reversed(messages or []) if m.role == MessageRole.USER), "")

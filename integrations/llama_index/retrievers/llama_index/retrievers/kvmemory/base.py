@@ -14,6 +14,7 @@ from typing import Any
 
 from kvmemory.memory import KVMemory, Recalled
 from kvmemory.models import DEFAULT_MODEL
+from kvmemory.prompts import solution_text
 from llama_index.core.base.base_retriever import BaseRetriever
 from llama_index.core.callbacks.base import CallbackManager
 from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
@@ -21,11 +22,12 @@ from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
 from ._shared import shared_memory
 
 DEFAULT_TEXT_TEMPLATE = "Problem: {problem}\nSolution: {solution}"
-# The keys every kvmemory adapter (LangChain and LlamaIndex) puts on a retrieved solution.
+# The keys every kvmemory adapter (LangChain and LlamaIndex) puts on a retrieved solution; both also
+# carry `problem` and `matched_text` (the problem or alias the query matched).
 METADATA_KEYS = ("entry_id", "score", "answer", "verified", "attestation_id", "namespace")
 # Provenance is for the caller, not for the model: a 135M model given "attestation_id: 3f9a..." in its
 # context only has more tokens to read, and an embedder would embed the hashes.
-_HIDDEN_KEYS = [*METADATA_KEYS, "matched_text"]
+_HIDDEN_KEYS = [*METADATA_KEYS, "problem", "matched_text"]
 
 
 def node_from_recalled(hit: Recalled, text_template: str = DEFAULT_TEXT_TEMPLATE) -> NodeWithScore:
@@ -38,11 +40,14 @@ def node_from_recalled(hit: Recalled, text_template: str = DEFAULT_TEXT_TEMPLATE
         "verified": bool(e.verified),
         "attestation_id": e.attestation.get("attestation_id"),
         "namespace": e.namespace,
+        "problem": e.problem,
         "matched_text": hit.matched_text,
     }
+    # The solution as the model read it when it was stored (ending with its answer), as LangChain's has it.
+    solution = solution_text(e.solution, e.answer)
     node = TextNode(
         id_=e.id,
-        text=text_template.format(problem=e.problem, solution=e.solution, answer=e.answer or ""),
+        text=text_template.format(problem=e.problem, solution=solution, answer=e.answer or ""),
         metadata=metadata,
         excluded_llm_metadata_keys=list(_HIDDEN_KEYS),
         excluded_embed_metadata_keys=list(_HIDDEN_KEYS),
