@@ -18,7 +18,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .errors import InvalidInput, UnknownEntry, VerificationFailed
+from .errors import InvalidInput, KVMemoryError, UnknownEntry, VerificationFailed
 from .graft import GraftReport, load_chain
 from .engine import Engine, VerifyReport, graft_point_for
 from .models import DEFAULT_MODEL
@@ -339,6 +339,7 @@ class KVMemory:
             raise InvalidInput(f"k must be a positive integer, got {k!r}")
         ns = namespace or self.namespace
         th = threshold if threshold is not None else self.threshold
+        self.sync_router(ns)
         out = []
         for hit in self.router.search(query, k=k, namespace=ns, threshold=th):
             try:
@@ -413,6 +414,24 @@ class KVMemory:
         return self.generate(ids, max_new_tokens=max_new_tokens, sampling=sampling, stop=stop,
                              store_new_blocks=store_new, entries=entries, scores=[h.score for h in hits],
                              on_text=on_text)
+
+    def sync_router(self, namespace: str) -> int:
+        """Route entries another process or machine remembered into this one's (local) router, and
+        drop routes to entries that are gone. The catalogue is the truth; the router is its index."""
+        stored = set(self.store.entry_ids(namespace))
+        routed = {r.entry_id for r in self.router.rows(namespace)}
+        changed = 0
+        for eid in routed - stored:
+            self.router.delete(eid)
+            changed += 1
+        for eid in sorted(stored - routed):
+            try:
+                e = self.store.get_entry(eid, namespace)
+            except KVMemoryError:  # refused (unsigned / forged in a shared store): never routed
+                continue
+            self.router.update(e.id, e.namespace, [e.problem, *e.meta.get("aliases", [])])
+            changed += 1
+        return changed
 
     def reindex(self, progress: bool = False) -> int:
         """Rebuild the router from the catalogue (after changing the embedder)."""

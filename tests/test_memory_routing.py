@@ -103,3 +103,18 @@ def test_router_refuses_another_embedder_until_reindex(library, tmp_path):
     mem._router = None
     assert mem.reindex() == 4
     assert mem.recall(probs[0].rewordings[0], k=1)
+
+
+def test_entries_remembered_elsewhere_are_routed(library, smollm):
+    """Another process (or machine, on a shared store) remembers an entry: this one routes to it."""
+    from kvmemory.engine import Engine
+    from kvmemory.memory import KVMemory
+    from kvmemory.store import LocalStore
+
+    mem, _, _ = library
+    p = generate_problems(1, seed=99)[0]
+    other = KVMemory(Engine(smollm, LocalStore(mem.store.path)),
+                     router=__import__("kvmemory.router", fromlist=["Router"]).Router(mem.store.path / "router-other"))
+    e = other.remember(p.text, p.solution, answer=str(p.answer), verifier="arithmetic")
+    hits = mem.recall(p.rewordings[0], k=1)
+    assert hits and hits[0].entry.id == e.id
