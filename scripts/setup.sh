@@ -15,9 +15,12 @@ PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check -c constrain
 "${PIP[@]}" -e '.[dev]'
 if [ -f kernels/kvgraft/pyproject.toml ]; then "${PIP[@]}" -e kernels/kvgraft; fi
 # The integrations with their `test` extras (the standard suites they run in the README's test command).
+# One pip call, so the integrations that depend on each other (not on PyPI) resolve together.
+EDITABLE=()
 for pkg in integrations/langchain integrations/llama_index/*; do
-    if [ -f "$pkg/pyproject.toml" ]; then "${PIP[@]}" -e "$pkg[test]"; fi
+    if [ -f "$pkg/pyproject.toml" ]; then EDITABLE+=(-e "$pkg[test]"); fi
 done
+if [ ${#EDITABLE[@]} -gt 0 ]; then "${PIP[@]}" "${EDITABLE[@]}"; fi
 # Redis server for the shared-store tests (Debian package), installed only when missing.
 if ! command -v redis-server >/dev/null 2>&1; then
     if command -v apt-get >/dev/null 2>&1; then
