@@ -112,6 +112,8 @@ def test_construction(li_memory):
         KVMemoryBlock(memory=li_memory, similarity_top_k=0)
     with pytest.raises(ValueError):
         KVMemoryBlock(memory="not a memory")
+    with pytest.raises(ValueError, match="unknown verifier"):
+        KVMemoryBlock(memory=li_memory, verifier="trust-me")
     block = KVMemoryBlock(memory=li_memory, name="solutions", priority=2)
     assert block.name == "solutions" and block.priority == 2 and block.memory is li_memory
     # The block serializes without its KVMemory (a model is not configuration).

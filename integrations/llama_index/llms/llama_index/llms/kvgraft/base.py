@@ -155,15 +155,18 @@ class KVGraftLLM(LLM):
 
     # ------------------------------------------------------------------ the one code path
     def _options(self, kwargs: dict[str, Any]) -> dict[str, Any]:
-        kw = {k: v for k, v in kwargs.items() if k in _CALL_KEYS}
+        # None means "not given" (LlamaIndex components pass e.g. max_tokens=None through).
+        kw = {k: v for k, v in kwargs.items() if k in _CALL_KEYS and v is not None}
         max_new = kw.get("max_new_tokens", kw.get("max_tokens", self.max_new_tokens))
+        stop = kw.get("stop", self.stop)
+        stop = [stop] if isinstance(stop, str) else list(stop or ())
         sampling = Sampling(temperature=float(kw.get("temperature", self.temperature)),
                             top_p=float(kw.get("top_p", self.top_p)), top_k=int(kw.get("top_k", self.top_k)),
                             seed=int(kw.get("seed", self.seed)))
         return {
             "max_new_tokens": int(max_new),
             "sampling": sampling,
-            "stop": [s for s in kw.get("stop", self.stop) or () if s],
+            "stop": [s for s in stop if s],
             "route": bool(kw.get("route", self.route)),
             "k": int(kw.get("k", kw.get("similarity_top_k", self.similarity_top_k))),
             "namespace": kw.get("namespace", self.namespace),
@@ -199,6 +202,8 @@ class KVGraftLLM(LLM):
         `answer_prefix` (e.g. "The answer is") starts the assistant's turn."""
         opts = self._options(kwargs)
         mem = self._memory
+        if not isinstance(question, str) or not question.strip():
+            raise InvalidInput("empty question: ask something about the entries")
         if not entries:
             raise InvalidInput("no entries to answer from")
         for e in entries:
@@ -215,14 +220,13 @@ class KVGraftLLM(LLM):
         return ans
 
     @staticmethod
-    def _chat_response(ans: Answer, text: str | None = None, delta: str | None = None) -> ChatResponse:
-        return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=ans.text if text is None else text),
-                            raw=ans.to_json(), delta=delta, additional_kwargs=answer_kwargs(ans))
+    def _chat_response(ans: Answer, delta: str | None = None) -> ChatResponse:
+        return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=ans.text), raw=ans.to_json(),
+                            delta=delta, additional_kwargs=answer_kwargs(ans))
 
     @staticmethod
-    def _completion_response(ans: Answer, text: str | None = None, delta: str | None = None) -> CompletionResponse:
-        return CompletionResponse(text=ans.text if text is None else text, raw=ans.to_json(), delta=delta,
-                                  additional_kwargs=answer_kwargs(ans))
+    def _completion_response(ans: Answer, delta: str | None = None) -> CompletionResponse:
+        return CompletionResponse(text=ans.text, raw=ans.to_json(), delta=delta, additional_kwargs=answer_kwargs(ans))
 
     # ------------------------------------------------------------------ LlamaIndex endpoints
     @llm_chat_callback()

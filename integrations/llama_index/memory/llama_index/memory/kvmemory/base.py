@@ -22,10 +22,11 @@ from typing import Any
 from kvmemory.errors import InvalidInput, VerificationFailed
 from kvmemory.memory import KVMemory, Recalled
 from kvmemory.models import DEFAULT_MODEL
+from kvmemory.problems import VERIFIERS
 from kvmemory.prompts import solution_text
 from kvmemory.store import EntryRecord
 from llama_index.core.base.llms.types import ChatMessage, MessageRole, TextBlock
-from llama_index.core.bridge.pydantic import Field, PrivateAttr, model_validator
+from llama_index.core.bridge.pydantic import Field, PrivateAttr, field_validator, model_validator
 from llama_index.core.memory.memory import BaseMemoryBlock
 
 from ._shared import shared_memory
@@ -73,6 +74,13 @@ class KVMemoryBlock(BaseMemoryBlock[str]):
 
     _remembered: list[EntryRecord] = PrivateAttr(default_factory=list)
     _rejected: list[Rejected] = PrivateAttr(default_factory=list)
+
+    @field_validator("verifier")
+    @classmethod
+    def _known_verifier(cls, name: str) -> str:
+        if name not in VERIFIERS:
+            raise ValueError(f"unknown verifier {name!r}; known: {', '.join(sorted(VERIFIERS))}")
+        return name
 
     @model_validator(mode="before")
     @classmethod
