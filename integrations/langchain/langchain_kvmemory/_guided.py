@@ -127,7 +127,8 @@ class Decoder:
         for i, opt in enumerate(options):
             tail = self.encode(opt)
             ids = base + tail
-            res, report = eng.forward(ids, keep_logits=True)
+            first = self.stats.passes == 0
+            res, report = eng.forward(ids, keep_logits=True, store_new_blocks=self.store_new_blocks and first)
             if res.start > len(base) - 1:  # the store held the option itself: score it from scratch
                 res, report = eng.forward(ids, keep_logits=True, graft=False)
             self._account(report, 0)

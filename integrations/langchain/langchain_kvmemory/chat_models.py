@@ -196,7 +196,8 @@ class ChatKVGraft(BaseChatModel):
     with a tool call (tool and arguments chosen by the model) and decodes every other turn (after a
     tool result) as "model" does, so the model answers unless its own output starts another call."""
     cache_prefixes: bool = True
-    """Store the blocks of a system turn (with its tool descriptions) once, so later calls graft it."""
+    """Store the blocks of a system turn (with its tool descriptions) the first time it is computed,
+    so later calls graft it."""
     timeout: float | None = None
     """Accepted for the standard interface; the model is local, there is no request to time out."""
     max_retries: int = 0
@@ -243,10 +244,13 @@ class ChatKVGraft(BaseChatModel):
 
     # ------------------------------------------------------------------ tools and structured output
     def bind_tools(self, tools: Sequence[dict[str, Any] | type | Callable | BaseTool], *,
-                   tool_choice: str | dict | bool | None = None, **kwargs: Any) -> Runnable[LanguageModelInput, AIMessage]:
+                   tool_choice: str | dict | bool | None = None, strict: bool | None = None,
+                   parallel_tool_calls: bool | None = None, **kwargs: Any) -> Runnable[LanguageModelInput, AIMessage]:
         """Bind tools (any form `convert_to_openai_tool` takes). `tool_choice`: None / "auto" (see
         `tool_policy`), "none", "any" / "required" / True (a call to a tool the model picks), or a
-        tool's name (a call to that tool)."""
+        tool's name (a call to that tool). `strict` and `parallel_tool_calls` are accepted for the
+        common interface: arguments always follow the tool's schema, and a turn makes at most one call."""
+        del strict, parallel_tool_calls
         formatted = [convert_to_openai_tool(t) for t in tools]
         choice = normalize_tool_choice(tool_choice, [t["function"]["name"] for t in formatted])
         return super().bind(tools=formatted, tool_choice=choice, **kwargs)
@@ -307,16 +311,16 @@ class ChatKVGraft(BaseChatModel):
             k=int(kwargs.get("k", self.k)), threshold=kwargs.get("score_threshold", self.score_threshold),
         )
 
-    def _keep_prefix(self, memory: KVMemory, system_turn: dict[str, str], prompt_ids: list[int]) -> None:
-        """Store the system turn's full blocks once, so every later call with it grafts them."""
+    def _prefix_missing(self, memory: KVMemory, system_turn: dict[str, str], prompt_ids: list[int]) -> bool:
+        """Whether the system turn's full blocks are not stored yet. The first pass over such a prompt
+        then stores the blocks it computes anyway (no extra forward), so later calls graft them; the
+        blocks after the system turn that are stored with them are as content-addressed as any."""
         eng = memory.engine
         ids = render_ids(eng.tokenizer, [system_turn])
         n_blocks = min(len(ids), len(prompt_ids) - 1) // eng.chunk
         if n_blocks == 0 or prompt_ids[: len(ids)] != ids or getattr(memory.store, "readonly", False):
-            return
-        if len(plan_chain(memory.store, eng.profile_id, prompt_ids, eng.chunk)) >= n_blocks:
-            return
-        eng.store_prefix(ids[: n_blocks * eng.chunk], pinned=False)
+            return False
+        return len(plan_chain(memory.store, eng.profile_id, prompt_ids, eng.chunk)) < n_blocks
 
     def _run(self, call: _Call, on_text: Callable[[str], None] | None = None) -> _Outcome:
         mem = call.shared.memory
@@ -342,10 +346,9 @@ class ChatKVGraft(BaseChatModel):
                 mem.engine.require_profile(e.profile_id, f"entry {e.id}'s blocks")
             ids = build_prompt_ids(mem, turns, entries)
             has_system = turns[0]["role"] == "system"
-            if self.cache_prefixes and has_system:
-                self._keep_prefix(mem, turns[0], ids)
             policy = mem.block_policy
             store_new = policy == "always" or (policy == "multi" and (len(entries) > 1 or (bool(entries) and has_system)))
+            store_new = store_new or (self.cache_prefixes and has_system and self._prefix_missing(mem, turns[0], ids))
             dec = Decoder(mem, ids, call.sampling, entries, [h.score for h in hits], store_new)
             out = self._decode(call, dec, turns, tool_mode, on_text)
         s = dec.stats

@@ -78,3 +78,24 @@ def test_schema_resolution_follows_refs_and_unions():
     assert resolve(root["properties"]["o"], root)["type"] == "string"
     assert fields_of(root) == ["p"]
     assert fields_of({"type": "object", "properties": {"a": {}, "b": {}}}) == ["a", "b"]
+
+
+def test_bind_tools_binds_openai_tools_and_a_normalized_choice():
+    from langchain_core.tools import tool
+
+    from langchain_kvmemory import ChatKVGraft
+
+    @tool
+    def add(a: int, b: int) -> int:
+        """Add two integers."""
+        return a + b
+
+    llm = ChatKVGraft(store="/nonexistent/never-opened")  # nothing is loaded until a call
+    bound = llm.bind_tools([add], tool_choice={"type": "function", "function": {"name": "add"}}, strict=True,
+                           parallel_tool_calls=False)
+    assert bound.kwargs["tool_choice"] == "add"
+    assert bound.kwargs["tools"][0]["function"]["name"] == "add"
+    assert set(bound.kwargs["tools"][0]["function"]["parameters"]["required"]) == {"a", "b"}
+    assert "strict" not in bound.kwargs and "parallel_tool_calls" not in bound.kwargs
+    with pytest.raises(ToolChoiceError):
+        llm.bind_tools([add], tool_choice="subtract")
