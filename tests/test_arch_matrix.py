@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import ARCHS, tiny_engine, tiny_model
+from tiny_models import ARCHS, tiny_engine, tiny_model
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from kvmemory.errors import NotOnGrid, ProfileMismatch, UnsupportedArchitecture
@@ -99,7 +99,7 @@ def test_corrupted_block_is_caught(arch, dtype, store_dir):
 
 def test_length_dependent_rope_is_refused():
     import transformers as T
-    from conftest import _base
+    from tiny_models import _base
 
     cfg = T.Phi3Config(**_base(pad_token_id=0, bos_token_id=1, eos_token_id=2, max_position_embeddings=256,
                                original_max_position_embeddings=64,

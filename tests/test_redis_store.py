@@ -9,7 +9,7 @@ import uuid
 
 import pytest
 import torch
-from conftest import tiny_model, IdTokenizer
+from tiny_models import tiny_model, IdTokenizer
 from redis_server import (RedisCluster, RedisServer, check_entry_readable, synth_block,
                           synth_entry, synth_tokens)
 

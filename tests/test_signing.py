@@ -9,7 +9,7 @@ import uuid
 
 import pytest
 import torch
-from conftest import IdTokenizer, tiny_model
+from tiny_models import IdTokenizer, tiny_model
 from redis_server import RedisServer, check_entry_readable, synth_entry
 
 from kvmemory.blocks import encode_header

@@ -12,7 +12,7 @@ import time
 
 import pytest
 import torch
-from conftest import tiny_engine
+from tiny_models import tiny_engine
 
 from kvmemory.blocks import BlockMeta, encode_header, parse_header
 from kvmemory.errors import IntegrityError, StoreFormatError, StoreFull, StoreReadOnly
@@ -161,7 +161,7 @@ def test_eviction_keeps_pinned_and_verified_blocks(store_dir):
 WRITER = r"""
 import sys, torch
 sys.path.insert(0, {tests!r})
-from conftest import tiny_engine
+from tiny_models import tiny_engine
 eng = tiny_engine("llama", {store!r})
 i = {seed}
 while True:
@@ -202,7 +202,7 @@ def test_killed_writers_leave_no_partial_blocks(store_dir):
 
 def _rw_worker(store_path, tests, role, seed, seconds, q):
     sys.path.insert(0, tests)
-    from conftest import tiny_engine as te
+    from tiny_models import tiny_engine as te
 
     eng = te("llama", store_path)
     end = time.time() + seconds

@@ -1,0 +1,87 @@
+"""Tiny random-init models built from configs (the architecture matrix) and an id-level tokenizer.
+
+A module of its own (not conftest.py) so tests import it by a name no other conftest.py can shadow.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvmemory.engine import Engine
+from kvmemory.models import LoadedModel
+from kvmemory.store import LocalStore
+
+TINY_VOCAB = 512
+
+
+class IdTokenizer:
+    """The smallest tokenizer the engine needs when tests speak in token ids (no text)."""
+
+    chat_template = None
+    special_tokens_map: dict = {}
+    eos_token_id = None
+
+    def __init__(self, vocab: int = TINY_VOCAB):
+        self.vocab = vocab
+
+    def get_vocab(self):
+        return {f"t{i}": i for i in range(self.vocab)}
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [b % self.vocab for b in text.encode()]}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return bytes(int(i) % 256 for i in ids).decode("latin-1")
+
+
+def _base(**kw):
+    d = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, head_dim=16)
+    d.update(kw)
+    return d
+
+
+def tiny_config(arch: str):
+    """Tiny configs; sliding windows are small (40) so that 100+ token prompts cross them with C=16."""
+    import transformers as T
+
+    if arch == "llama":
+        return T.LlamaConfig(**_base())
+    if arch == "mistral":
+        return T.MistralConfig(**_base(sliding_window=40))
+    if arch == "qwen2":
+        return T.Qwen2Config(**_base(num_hidden_layers=3, use_sliding_window=True, sliding_window=40,
+                                     max_window_layers=1))
+    if arch == "qwen3":
+        return T.Qwen3Config(**_base())
+    if arch == "gemma2":
+        return T.Gemma2Config(**_base(sliding_window=40, layer_types=["sliding_attention", "full_attention"],
+                                      query_pre_attn_scalar=16))
+    if arch == "gemma3":
+        return T.Gemma3TextConfig(**_base(num_hidden_layers=3, sliding_window=40,
+                                          layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                                          query_pre_attn_scalar=16))
+    if arch == "phi3":
+        return T.Phi3Config(**_base(pad_token_id=0, bos_token_id=1, eos_token_id=2))
+    raise ValueError(arch)
+
+
+ARCHS = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3"]
+
+
+def tiny_model(arch: str, dtype: torch.dtype = torch.float32, seed: int = 0, attn: str | None = None):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = tiny_config(arch)
+    # Gemma2 has no SDPA path in transformers (softcapped attention): it runs eager.
+    attn = attn or ("eager" if arch == "gemma2" else "sdpa")
+    cfg._attn_implementation = attn
+    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation=attn)
+    return model.eval().requires_grad_(False)
+
+
+def tiny_engine(arch: str, store_path, dtype=torch.float32, chunk: int = 16, seed: int = 0) -> Engine:
+    model = tiny_model(arch, dtype, seed)
+    return Engine(LoadedModel(model, IdTokenizer(), f"tiny-{arch}", f"tiny-{arch}"), LocalStore(store_path),
+                  chunk=chunk)
