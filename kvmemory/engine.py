@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from .blocks import BlockMeta, capture_payload, chain_hashes
-from .errors import InvalidInput, IntegrityError, ProfileMismatch
+from .errors import InvalidInput, ProfileMismatch
 from .graft import GraftReport, LoadedChain, build_cache, check_chain, load_chain, plan_chain
 from .models import DEFAULT_MODEL, LoadedModel, load_model
 from .profile import ExecutionProfile, apply_determinism, build_profile
@@ -234,4 +234,4 @@ class Engine:
                 for m, _ in blocks]
 
 
-__all__ = ["Engine", "VerifyReport", "graft_point_for", "IntegrityError"]
+__all__ = ["Engine", "VerifyReport", "graft_point_for"]
