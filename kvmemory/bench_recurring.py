@@ -4,9 +4,12 @@
 2. The base model tries each original problem with a generous token budget (no memory).
 3. A library of verified solutions is built: the model's own solution when its answer was right,
    else the generator's worked solution; each is checked against the exact answer before it is stored.
-4. Reworded versions are asked twice: by the base model alone (same generous budget), and through
-   `KVMemory.answer`, which routes to the library, grafts the entry's KV, computes the question, and
-   starts the assistant's turn with ANSWER_PREFIX so the answer takes a few decode tokens.
+4. Reworded versions are asked three times: by the base model alone (same generous budget), and
+   twice through `KVMemory.answer`, which routes to the library, grafts the entry's KV, computes the
+   question, and starts the assistant's turn with ANSWER_PREFIX: once decoding the answer freely (a
+   few tokens), once letting the model choose the answer among the numbers of the routed solution
+   (`choices="numbers"`: every candidate scored by its log-likelihood in one batched forward). The
+   second is kvmemory's answer; the first shows what the 135M model does unaided by the choice.
 5. Unrelated questions are routed to measure how often memory correctly stays out of the way.
 
 Reported side by side from one run: accuracy, prefill and decode tokens per question, wall and CPU
@@ -34,10 +37,14 @@ class _Tally:
     decode_tokens: int = 0
     wall: float = 0.0
     cpu: float = 0.0
+    scored_tokens: int = 0
     samples: list = field(default_factory=list)
+    failures: list = field(default_factory=list)
 
-    def add(self, correct: bool, prefill: int, grafted: int, decode: int, wall: float, cpu: float) -> None:
+    def add(self, correct: bool, prefill: int, grafted: int, decode: int, wall: float, cpu: float,
+            scored: int = 0) -> None:
         self.questions += 1
+        self.scored_tokens += scored
         self.correct += int(correct)
         self.prefill_tokens += prefill
         self.grafted_tokens += grafted
@@ -53,6 +60,7 @@ class _Tally:
             "prefill_tokens_per_question": self.prefill_tokens / n,
             "grafted_tokens_per_question": self.grafted_tokens / n,
             "decode_tokens_per_question": self.decode_tokens / n,
+            "choice_tokens_scored_per_question": self.scored_tokens / n,
             "wall_seconds_per_question": self.wall / n,
             "cpu_seconds_per_question": self.cpu / n,
         }
@@ -102,7 +110,7 @@ def run_recurring_bench(mem=None, *, problems: int = 12, rewordings: int = 2, un
             entry_of[p.id] = e.id
 
         # 4. rewordings: base alone vs through memory
-        base_rw, mem_rw = _Tally(), _Tally()
+        base_rw, mem_rw, free_rw = _Tally(), _Tally(), _Tally()
         routed_right = 0
         for p in tqdm(probs, desc="rewordings", **bar):
             for q in p.rewordings[:rewordings]:
@@ -112,18 +120,26 @@ def run_recurring_bench(mem=None, *, problems: int = 12, rewordings: int = 2, un
                 ans, w, c = _timed(lambda: mem.answer(q, k=1, max_new_tokens=answer_budget,
                                                       answer_prefix=ANSWER_PREFIX, stop=["\n"]))
                 r = ans.report
+                free_rw.add(extract_answer(ans.text) == p.answer, r.tokens_computed, r.tokens_grafted,
+                            r.tokens_decoded, w, c)
+                ans, w, c = _timed(lambda: mem.answer(q, k=1, answer_prefix=ANSWER_PREFIX, choices="numbers"))
+                r = ans.report
                 ok = extract_answer(ans.text) == p.answer
-                mem_rw.add(ok, r.tokens_computed, r.tokens_grafted, r.tokens_decoded, w, c)
+                mem_rw.add(ok, r.tokens_computed, r.tokens_grafted, r.tokens_decoded, w, c, r.tokens_scored)
                 routed_right += int(ans.entries[:1] == [entry_of[p.id]])
                 if len(mem_rw.samples) < 5:
                     mem_rw.samples.append({"question": q, "answer": ans.text, "expected": p.answer,
-                                           "entries": ans.entries, "scores": ans.scores})
+                                           "entries": ans.entries, "scores": ans.scores,
+                                           "choices": ans.choices})
+                elif not ok and len(mem_rw.failures) < 10:
+                    mem_rw.failures.append({"question": q, "answer": ans.text, "expected": p.answer,
+                                            "entries": ans.entries, "routed_right": ans.entries[:1] == [entry_of[p.id]]})
 
         # 5. unrelated questions route to nothing
         unrel = unrelated_questions(unrelated, seed + 7919)
         rejected = sum(1 for q in tqdm(unrel, desc="unrelated", **bar) if not mem.recall(q, k=1))
 
-        b, m = base_rw.to_json(), mem_rw.to_json()
+        b, m, f = base_rw.to_json(), mem_rw.to_json(), free_rw.to_json()
         return {
             "model": eng.loaded.source,
             "profile_id": eng.profile_id,
@@ -138,7 +154,9 @@ def run_recurring_bench(mem=None, *, problems: int = 12, rewordings: int = 2, un
                         "from_worked_solution": len(entry_of) - library_from_model},
             "base": b,
             "grafted": m,
+            "grafted_free_decode": f,
             "grafted_samples": mem_rw.samples,
+            "grafted_failures": mem_rw.failures,
             "routing_recall_at_1": routed_right / max(mem_rw.questions, 1),
             "unrelated_questions": len(unrel),
             "unrelated_routed_to_nothing": rejected / max(len(unrel), 1),
@@ -155,17 +173,21 @@ def run_recurring_bench(mem=None, *, problems: int = 12, rewordings: int = 2, un
 
 
 def format_table(r: dict) -> str:
-    b, m = r["base"], r["grafted"]
+    b, m, f = r["base"], r["grafted"], r["grafted_free_decode"]
+    cols = (b, f, m)
     rows = [
-        ("accuracy on rewordings", f"{b['accuracy']:.1%}", f"{m['accuracy']:.1%}"),
-        ("prefill tokens computed / question", f"{b['prefill_tokens_per_question']:.1f}",
-         f"{m['prefill_tokens_per_question']:.1f} (+{m['grafted_tokens_per_question']:.1f} grafted)"),
-        ("decode tokens / question", f"{b['decode_tokens_per_question']:.1f}", f"{m['decode_tokens_per_question']:.1f}"),
-        ("wall s / question", f"{b['wall_seconds_per_question']:.3f}", f"{m['wall_seconds_per_question']:.3f}"),
-        ("CPU s / question", f"{b['cpu_seconds_per_question']:.3f}", f"{m['cpu_seconds_per_question']:.3f}"),
+        ("accuracy on rewordings", [f"{x['accuracy']:.1%}" for x in cols]),
+        ("prefill tokens computed / question", [f"{b['prefill_tokens_per_question']:.1f}"] + [
+            f"{x['prefill_tokens_per_question']:.1f} (+{x['grafted_tokens_per_question']:.1f} grafted)" for x in (f, m)]),
+        ("decode tokens / question", [f"{x['decode_tokens_per_question']:.1f}" for x in cols]),
+        ("choice tokens scored / question (one batched forward)",
+         ["-", "-", f"{m['choice_tokens_scored_per_question']:.1f}"]),
+        ("wall s / question", [f"{x['wall_seconds_per_question']:.3f}" for x in cols]),
+        ("CPU s / question", [f"{x['cpu_seconds_per_question']:.3f}" for x in cols]),
     ]
-    out = ["| metric | base model | with kvmemory |", "|---|---|---|"]
-    out += [f"| {a} | {x} | {y} |" for a, x, y in rows]
+    out = ["| metric | base model | kvmemory, free decode | kvmemory, answer chosen among the solution's numbers |",
+           "|---|---|---|---|"]
+    out += [f"| {a} | " + " | ".join(v) + " |" for a, v in rows]
     out.append("")
     out.append(f"routing recall@1 on rewordings: {r['routing_recall_at_1']:.1%}; unrelated questions routed to "
                f"nothing: {r['unrelated_routed_to_nothing']:.1%} of {r['unrelated_questions']}; base accuracy on the "

@@ -182,10 +182,7 @@ class Engine:
         token_ids = [int(t) for t in token_ids]
         self.runner.check_ids(token_ids, max_new_tokens)
         n = len(token_ids)
-        report = GraftReport(tokens_total=n, entries_used=list(entries_used))
-        rows = plan_chain(self.store, self.profile_id, token_ids, self.chunk) if graft else []
-        chain = load_chain(self.store, rows, report, runner=self.runner)
-        cache, start = self.graft_chain(token_ids, chain, report)
+        cache, start, report = self._graft_longest(token_ids, graft, entries_used)
         new_blocks: list = []
         result = self.runner.forward(
             token_ids, start=start, cache=cache, max_new_tokens=max_new_tokens, sampling=sampling,
@@ -203,6 +200,37 @@ class Engine:
             report.blocks_stored = len(new_blocks)
         result.extra.pop("cache", None)
         return result, report
+
+    def _graft_longest(self, token_ids: list[int], graft: bool, entries_used: Sequence[str]):
+        """A cache holding the longest verified stored chain of `token_ids`, its end, and the report."""
+        report = GraftReport(tokens_total=len(token_ids), entries_used=list(entries_used))
+        rows = plan_chain(self.store, self.profile_id, token_ids, self.chunk) if graft else []
+        chain = load_chain(self.store, rows, report, runner=self.runner)
+        cache, start = self.graft_chain(token_ids, chain, report)
+        return cache, start, report
+
+    def choose(self, token_ids: Sequence[int], choices: Sequence[Sequence[int]], *, graft: bool = True,
+               entries_used: Sequence[str] = ()) -> tuple[int, list[float], GraftReport]:
+        """Which choice (token ids) the model finds likeliest after `token_ids`: the prompt is grafted
+        and prefilled as in `forward`, then every choice is scored in one batched forward.
+        Returns the best index, every choice's log-likelihood and the report (`tokens_decoded` = the
+        chosen choice's tokens, `tokens_scored` = all the choices' tokens)."""
+        token_ids = [int(t) for t in token_ids]
+        if not choices:
+            raise InvalidInput("no choices to pick from")
+        self.runner.check_ids(token_ids, max(len(c) for c in choices))
+        cache, start, report = self._graft_longest(token_ids, graft, entries_used)
+        result = self.runner.forward(token_ids, start=start, cache=cache, keep_logits=False)
+        t0 = time.perf_counter()
+        scores = self.runner.score_choices(len(token_ids), cache, result.extra["next_logits"], choices)
+        best = max(range(len(choices)), key=lambda i: (scores[i], -i))  # ties: the first listed
+        report.tokens_grafted = start
+        report.tokens_computed = len(token_ids) - start
+        report.tokens_decoded = len(choices[best])
+        report.tokens_scored = sum(len(c) for c in choices)
+        report.compute_seconds = result.prefill_seconds
+        report.decode_seconds = time.perf_counter() - t0
+        return best, scores, report
 
     # ------------------------------------------------------------------ proof
     def verify_tokens(self, token_ids: Sequence[int], *, decode_tokens: int = 4, single_pass: bool = True,

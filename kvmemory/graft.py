@@ -32,6 +32,7 @@ class GraftReport:
     tokens_grafted: int = 0
     tokens_computed: int = 0
     tokens_decoded: int = 0
+    tokens_scored: int = 0  # tokens of the choices scored when an answer is chosen among several
     bytes_read: int = 0
     read_verify_seconds: float = 0.0
     copy_seconds: float = 0.0
@@ -49,6 +50,7 @@ class GraftReport:
             "tokens_grafted": self.tokens_grafted,
             "tokens_computed": self.tokens_computed,
             "tokens_decoded": self.tokens_decoded,
+            "tokens_scored": self.tokens_scored,
             "bytes_read": self.bytes_read,
             "read_verify_seconds": round(self.read_verify_seconds, 6),
             "copy_seconds": round(self.copy_seconds, 6),

@@ -23,7 +23,8 @@ from .graft import GraftReport, load_chain
 from .engine import Engine, VerifyReport, graft_point_for
 from .models import DEFAULT_MODEL
 from .profile import canonical_json
-from .prompts import continuation_ids, entry_messages, render_ids
+from .problems import numbers_in
+from .prompts import continuation_ids, entry_messages, render_ids, solution_text
 from .runner import GREEDY, Sampling
 from .store import EntryRecord
 
@@ -47,10 +48,14 @@ class Answer:
     verified: list[bool] = field(default_factory=list)
     seconds: float = 0.0
     stopped_by: str = "length"
+    choices: list[str] = field(default_factory=list)  # what the answer was chosen among ([] = free decode)
+    choice_scores: list[float] = field(default_factory=list)  # the model's log-likelihood of each
 
     def to_json(self) -> dict:
         return {
             "text": self.text,
+            "choices": self.choices,
+            "choice_scores": [round(s, 4) for s in self.choice_scores],
             "entries": self.entries,
             "scores": [round(s, 4) for s in self.scores],
             "attestations": self.attestations,
@@ -122,7 +127,8 @@ class KVMemory:
 
     def __init__(self, engine: Engine | None = None, *, model: str = DEFAULT_MODEL, store=None,
                  chunk: int | None = None, namespace: str = DEFAULT_NAMESPACE, probe_tokens: int = 4,
-                 router=None, threshold: float | None = None, block_policy: str = "multi", **engine_kw):
+                 router=None, threshold: float | None = None, block_policy: str = "multi",
+                 number_check: bool = True, **engine_kw):
         if engine is None:
             kw = dict(engine_kw)
             if chunk is not None:
@@ -137,6 +143,9 @@ class KVMemory:
         if block_policy not in BLOCK_POLICIES:
             raise InvalidInput(f"block_policy must be one of {sorted(BLOCK_POLICIES)}, got {block_policy!r}")
         self.block_policy = block_policy
+        # Refuse a route whose problem writes other numbers than the question ("1234 * 57" scores 0.94
+        # against "1234 * 56" in the embedder; the stored answer would be wrong).
+        self.number_check = number_check
 
     @property
     def router(self):
@@ -341,17 +350,24 @@ class KVMemory:
         th = threshold if threshold is not None else self.threshold
         self.sync_router(ns)
         out = []
-        for hit in self.router.search(query, k=k, namespace=ns, threshold=th):
+        wanted = set(numbers_in(query)) if self.number_check else set()
+        # Over-fetch when hits may be dropped for their numbers, so k good ones can still be returned.
+        for hit in self.router.search(query, k=4 * k if wanted else k, namespace=ns, threshold=th):
+            if wanted and (found := set(numbers_in(hit.matched_text))) and found != wanted:
+                continue  # a near-duplicate with other numbers is another problem
             try:
                 entry = self.store.get_entry(hit.entry_id, ns)
             except UnknownEntry:
                 continue  # routed but forgotten meanwhile
             out.append(Recalled(entry=entry, score=float(hit.score), matched_text=hit.matched_text))
+            if len(out) == k:
+                break
         return out
 
     def answer(self, query: str, *, k: int = 1, namespace: str | None = None, threshold: float | None = None,
                max_new_tokens: int = 256, sampling: Sampling = GREEDY, stop: Sequence[str] = (),
-               on_text=None, use_memory: bool = True, answer_prefix: str | None = None) -> Answer:
+               on_text=None, use_memory: bool = True, answer_prefix: str | None = None,
+               choices: str | Sequence[str] | None = None, choice_end: str = ".") -> Answer:
         """Route `query`, put the best entries before it, graft the longest stored chain, decode.
 
         With several entries the first one's chain is grafted and the rest computed; the newly
@@ -359,6 +375,14 @@ class KVMemory:
         grafted next time. With no entry above the threshold the model answers on its own.
         `answer_prefix` (e.g. "The answer is") starts the assistant's turn, so that with a verified
         solution in context the model only has to decode the answer itself.
+
+        `choices` makes the model choose instead of decode: each choice, followed by `choice_end`, is
+        scored by the model's log-likelihood after the prompt (one batched forward) and the likeliest
+        is the answer. `choices="numbers"` offers every number written in the routed entries'
+        verified solutions (inputs, intermediate results, answers): a small model that reads the
+        solution well but strays while writing (an expression, a number copied from the question)
+        is kept to what the solution established. With no entry routed there is nothing to offer,
+        and the model decodes freely (`Answer.choices` is then empty).
         """
         query = _check_text("query", query)
         hits = self.recall(query, k, namespace=namespace, threshold=threshold) if use_memory else []
@@ -372,12 +396,42 @@ class KVMemory:
         if answer_prefix:
             ids = ids + self.engine.encode(answer_prefix)
         store_new = self.block_policy == "always" or (self.block_policy == "multi" and len(entries) > 1)
+        offered = self._choices(choices, entries)
+        if offered:
+            return self._choose(ids, offered, choice_end, answer_prefix, hits)
         ans = self.generate(ids, max_new_tokens=max_new_tokens, sampling=sampling, stop=stop,
                             store_new_blocks=store_new, entries=entries, scores=[h.score for h in hits],
                             on_text=on_text)
         if answer_prefix:
             ans.text = f"{answer_prefix.strip()} {ans.text}".strip()
         return ans
+
+    @staticmethod
+    def _choices(choices, entries: Sequence[EntryRecord]) -> list[str]:
+        if choices is None:
+            return []
+        if isinstance(choices, str):
+            if choices != "numbers":
+                raise InvalidInput(f'choices must be "numbers" or a list of strings, got {choices!r}')
+            return list(dict.fromkeys(n for e in entries for n in numbers_in(solution_text(e.solution, e.answer))))
+        out = [_check_text("choice", c) for c in choices]
+        if not out:
+            raise InvalidInput("choices is empty")
+        return list(dict.fromkeys(c.strip() for c in out))
+
+    def _choose(self, ids: list[int], offered: list[str], end: str, answer_prefix: str | None,
+                hits: Sequence[Recalled]) -> Answer:
+        eng = self.engine
+        t0 = time.perf_counter()
+        sep = " " if answer_prefix else ""
+        tokenized = [eng.encode(f"{sep}{c}{end}") for c in offered]
+        entries = [h.entry for h in hits]
+        best, scores, report = eng.choose(ids, tokenized, entries_used=[e.id for e in entries])
+        text = f"{(answer_prefix or '').strip()}{sep}{offered[best]}{end}".strip()
+        return Answer(text=text, token_ids=tokenized[best], report=report, entries=[e.id for e in entries],
+                      scores=[h.score for h in hits], attestations=[e.attestation.get("attestation_id", "") for e in entries],
+                      verified=[e.verified for e in entries], seconds=time.perf_counter() - t0, stopped_by="choice",
+                      choices=offered, choice_scores=scores)
 
     def chat(self, messages: Sequence[dict], *, route: bool = True, k: int = 1, namespace: str | None = None,
              threshold: float | None = None, max_new_tokens: int = 256, sampling: Sampling = GREEDY,

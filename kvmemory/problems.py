@@ -778,6 +778,11 @@ def extract_answer(text: str) -> int | None:
     return _to_int(nums[-1]) if nums else None
 
 
+def numbers_in(text: str) -> list[str]:
+    """The numbers written in `text`, in order of first appearance, without thousands commas."""
+    return list(dict.fromkeys(n.replace(",", "") for n in _NUM_RE.findall(text or "")))
+
+
 # ---------------------------------------------------------------------------------------------------
 # Arithmetic checking
 # ---------------------------------------------------------------------------------------------------

@@ -265,8 +265,36 @@ class CanonicalRunner:
             prefill_seconds=t1 - t0,
             decode_seconds=t2 - t1,
             stopped_by=stopped_by,
-            extra={"cache": cache},
+            extra={"cache": cache, "next_logits": next_logits},
         )
+
+    @torch.inference_mode()
+    def score_choices(self, n: int, cache, next_logits: torch.Tensor, choices: Sequence[Sequence[int]]) -> list[float]:
+        """Log-likelihood of each choice (token ids) as the continuation of an n-token prompt.
+
+        `cache` holds the prompt's positions and `next_logits` its last logits (a prefill's
+        `extra`). One batched forward scores every choice: the cache is repeated per choice and the
+        choices are right-padded, which causal attention keeps out of every scored position. The
+        cache is consumed. Scores are deterministic under the profile (same prefix cache, same batch),
+        whether the prefix was grafted or recomputed.
+        """
+        if not choices or any(len(c) == 0 for c in choices):
+            raise InvalidInput("every choice needs at least one token")
+        self.check_ids([t for c in choices for t in c])
+        first = next_logits.float().log_softmax(-1)
+        scores = [float(first[int(c[0])]) for c in choices]
+        T = max(len(c) for c in choices) - 1
+        if T == 0:
+            return scores
+        B = len(choices)
+        ids = torch.tensor([list(map(int, c[:-1])) + [0] * (T + 1 - len(c)) for c in choices], device=self.device)
+        pos = torch.arange(n, n + T, device=self.device).unsqueeze(0).expand(B, -1)
+        cache.batch_repeat_interleave(B)
+        out = self.model(input_ids=ids, position_ids=pos, use_cache=True, **{self._cache_kwarg: cache})
+        logp = out.logits.float().log_softmax(-1)
+        for b, c in enumerate(choices):
+            scores[b] += float(sum(logp[b, t - 1, int(c[t])] for t in range(1, len(c))))
+        return scores
 
 
 def _choose(logits: torch.Tensor, sampling: Sampling, gen: torch.Generator) -> int:

@@ -60,5 +60,6 @@ def test_bench_recurring_tiny(real_memory):
     assert r["library"]["entries"] == 2 and r["grafted"]["questions"] == 2 and r["base"]["questions"] == 2
     assert 0.0 <= r["grafted"]["accuracy"] <= 1.0 and 0.0 <= r["routing_recall_at_1"] <= 1.0
     assert r["grafted"]["grafted_tokens_per_question"] > 0
-    assert r["grafted"]["decode_tokens_per_question"] <= 8
-    assert "with kvmemory" in format_table(r)
+    assert r["grafted"]["decode_tokens_per_question"] <= 8 and r["grafted"]["choice_tokens_scored_per_question"] > 0
+    assert r["grafted_free_decode"]["questions"] == 2 and r["grafted_free_decode"]["decode_tokens_per_question"] <= 8
+    assert "answer chosen among the solution's numbers" in format_table(r)

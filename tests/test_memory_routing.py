@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from kvmemory.errors import InvalidInput, RouterMismatch
-from kvmemory.problems import extract_answer, generate_problems
+from kvmemory.problems import extract_answer, generate_problems, numbers_in
+from kvmemory.prompts import solution_text
 
 
 @pytest.fixture
@@ -43,6 +44,58 @@ def test_answer_grafts_and_reports_provenance(library):
     # (accuracy over many rewordings is measured by `kvmemory bench recurring`, not on one case)
 
 
+def test_answer_chosen_among_the_solution_numbers(library):
+    mem, probs, entries = library
+    p = probs[2]
+    prefix = "As in my solution above, the final answer is"
+    ans = mem.answer(p.rewordings[0], answer_prefix=prefix, choices="numbers")
+    e = entries[p.id]
+    assert ans.entries == [e.id] and ans.stopped_by == "choice"
+    assert ans.choices == numbers_in(solution_text(e.solution, e.answer)) and str(p.answer) in ans.choices
+    assert len(ans.choice_scores) == len(ans.choices)
+    best = max(range(len(ans.choices)), key=lambda i: ans.choice_scores[i])
+    assert ans.text == f"{prefix} {ans.choices[best]}."
+    eng = mem.engine
+    tokenized = [eng.encode(f" {c}.") for c in ans.choices]
+    assert ans.report.tokens_scored == sum(map(len, tokenized)) and ans.report.tokens_decoded == len(tokenized[best])
+    assert ans.report.tokens_grafted >= 64
+    # The scores do not depend on where the prefix's KV came from: grafted or recomputed, the same floats.
+    ids = mem.followup_ids([e], p.rewordings[0]) + eng.encode(prefix)
+    g_best, g_scores, g_rep = eng.choose(ids, tokenized)
+    r_best, r_scores, r_rep = eng.choose(ids, tokenized, graft=False)
+    assert g_rep.tokens_grafted >= 64 and r_rep.tokens_grafted == 0
+    assert g_scores == r_scores == ans.choice_scores and g_best == r_best == best
+    # Each batched score is the choice's log-likelihood, as a plain forward over prompt + choice gives it.
+    for c, score in zip(tokenized[:3], g_scores):
+        full = eng.recompute(ids + c[:-1]).prefill_logits.float().log_softmax(-1)
+        ref = sum(float(full[len(ids) - 1 + t, tok]) for t, tok in enumerate(c))
+        assert abs(ref - score) < 1e-3
+
+
+def test_answer_choices_given_and_refused(library):
+    mem, probs, _ = library
+    ans = mem.answer(probs[0].rewordings[0], choices=["Yes", "No"], choice_end="")
+    assert ans.text in {"Yes", "No"} and ans.choices == ["Yes", "No"]
+    with pytest.raises(InvalidInput):
+        mem.answer(probs[0].rewordings[0], choices="letters")
+    with pytest.raises(InvalidInput):
+        mem.answer(probs[0].rewordings[0], choices=[])
+    with pytest.raises(InvalidInput):
+        mem.answer(probs[0].rewordings[0], choices=["ok", ""])
+    # No entry routed: nothing to offer, the model decodes, and the answer says so.
+    free = mem.answer("Name a primary colour.", choices="numbers", max_new_tokens=4)
+    assert free.entries == [] and free.choices == [] and free.stopped_by != "choice"
+
+
+def test_routing_checks_the_numbers(real_memory):
+    e = real_memory.remember("What is 1234 multiplied by 56?", "1234 * 56 = 69104. The answer is 69104.",
+                             answer="69104", verifier="arithmetic")
+    assert [h.entry.id for h in real_memory.recall("Compute 1234 multiplied by 56.")] == [e.id]
+    assert real_memory.recall("What is 1234 multiplied by 57?") == []  # close in words, another problem
+    real_memory.number_check = False
+    assert [h.entry.id for h in real_memory.recall("What is 1234 multiplied by 57?")] == [e.id]
+
+
 def test_unrelated_question_answers_without_memory(library):
     mem, _, _ = library
     ans = mem.answer("Name a primary colour.", max_new_tokens=6)
@@ -52,6 +105,7 @@ def test_unrelated_question_answers_without_memory(library):
 def test_several_entries_store_the_combination_for_next_time(library):
     mem, probs, entries = library
     q = probs[1].rewordings[0]
+    mem.number_check = False  # the second entry is another problem (other numbers): combined on purpose
     first = mem.answer(q, k=2, threshold=0.0, max_new_tokens=2)
     assert len(first.entries) == 2 and first.report.blocks_stored > 0  # block_policy "multi"
     second = mem.answer(q, k=2, threshold=0.0, max_new_tokens=2)
