@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import statistics
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -50,7 +51,7 @@ def _run(threads: int, fn, items) -> float:
 
 
 def run_store_bench(blocks: int = 64, block_bytes: int = DEFAULT_BLOCK_BYTES, threads=(1, 2, 4),
-                    folder: str | None = None, seed: int = 0) -> dict:
+                    folder: str | None = None, seed: int = 0, repeats: int = 5) -> dict:
     tmp = tempfile.TemporaryDirectory(prefix="kvmemory-bench-store-", dir=folder)
     try:
         items = _metas(blocks, block_bytes, seed)
@@ -79,10 +80,14 @@ def run_store_bench(blocks: int = 64, block_bytes: int = DEFAULT_BLOCK_BYTES, th
                 with open(os.path.join(raw_dir, meta.hash), "rb", buffering=0) as fh:
                     return fh.read()
 
-            t_raw_r = _run(th, lambda it: raw_read(it[0]), items)
-            t_raw_rh = _run(th, lambda it: hashlib.sha256(raw_read(it[0])).digest(), items)
-            t_store_r = _run(th, store.read_block, rows)
-            t_hash = _run(th, lambda it: hashlib.sha256(memoryview(it[1].numpy())).digest(), items)
+            # Reads are short: the median of `repeats` runs, interleaved so drift hits each the same.
+            reads = {"raw": [], "raw_sha": [], "store": [], "sha": []}
+            for _ in range(repeats):
+                reads["raw"].append(_run(th, lambda it: raw_read(it[0]), items))
+                reads["raw_sha"].append(_run(th, lambda it: hashlib.sha256(raw_read(it[0])).digest(), items))
+                reads["store"].append(_run(th, store.read_block, rows))
+                reads["sha"].append(_run(th, lambda it: hashlib.sha256(memoryview(it[1].numpy())).digest(), items))
+            t_raw_r, t_raw_rh, t_store_r, t_hash = (statistics.median(reads[k]) for k in ("raw", "raw_sha", "store", "sha"))
             gb = total / 1e9
             results.append({
                 "threads": th,
@@ -94,8 +99,10 @@ def run_store_bench(blocks: int = 64, block_bytes: int = DEFAULT_BLOCK_BYTES, th
                 "sha256_only_gb_s": gb / t_hash,
             })
             store.close()
+        from .bench_graft import machine_info
+
         return {"blocks": blocks, "block_bytes": block_bytes, "total_bytes": total, "folder": tmp.name,
-                "results": results}
+                "repeats": repeats, "machine": machine_info(), "results": results}
     finally:
         tmp.cleanup()
 

@@ -12,7 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-from .errors import KVMemoryError
+from .errors import InvalidInput, KVMemoryError
 
 
 def _quiet_transformers() -> None:
@@ -110,7 +110,10 @@ def cmd_ask(args) -> int:
     else:
         if not hasattr(mem, "answer"):
             raise KVMemoryError("routing is not available; give --entry ID")
-        ans = mem.answer(args.question, k=args.k, max_new_tokens=args.max_tokens)
+        if args.choices and args.choice:
+            raise InvalidInput("give --choices numbers or --choice values, not both")
+        ans = mem.answer(args.question, k=args.k, max_new_tokens=args.max_tokens, answer_prefix=args.answer_prefix,
+                         choices=args.choices or args.choice or None)
     if stream is not None:
         print(ans.text)
         r = ans.report
@@ -271,6 +274,10 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--entry", help="ask a follow-up on this entry")
     a.add_argument("--k", type=int, default=2, help="entries to route to")
     a.add_argument("--max-tokens", type=int, default=256)
+    a.add_argument("--answer-prefix", help='start the answer with this text (e.g. "The answer is")')
+    a.add_argument("--choices", choices=["numbers"],
+                   help="choose the answer among the numbers of the routed solutions (by the model's likelihood)")
+    a.add_argument("--choice", action="append", help="a possible answer (repeat); the model picks the likeliest")
     a.set_defaults(func=cmd_ask)
 
     v = sub.add_parser("verify", parents=[common], help="recompute entries from scratch and compare logits")

@@ -32,7 +32,7 @@ class GraftReport:
     tokens_grafted: int = 0
     tokens_computed: int = 0
     tokens_decoded: int = 0
-    tokens_scored: int = 0  # tokens of the choices scored when an answer is chosen among several
+    tokens_scored: int = 0  # tokens computed only to score choices (the choices; the question alone when contrasted)
     bytes_read: int = 0
     read_verify_seconds: float = 0.0
     copy_seconds: float = 0.0

@@ -33,6 +33,8 @@ DEFAULT_NAMESPACE = "default"
 # is grafted next time: never, only when several entries were combined (default), or always.
 BLOCK_POLICIES = {"none", "multi", "always"}
 MAX_TEXT_CHARS = 200_000
+# How much of the no-memory likelihood of a choice `answer(choices=...)` subtracts (see there).
+DEFAULT_CONTRAST = 0.5
 
 
 @dataclass(slots=True)
@@ -367,7 +369,8 @@ class KVMemory:
     def answer(self, query: str, *, k: int = 1, namespace: str | None = None, threshold: float | None = None,
                max_new_tokens: int = 256, sampling: Sampling = GREEDY, stop: Sequence[str] = (),
                on_text=None, use_memory: bool = True, answer_prefix: str | None = None,
-               choices: str | Sequence[str] | None = None, choice_end: str = ".") -> Answer:
+               choices: str | Sequence[str] | None = None, choice_end: str = ".",
+               contrast: float = DEFAULT_CONTRAST) -> Answer:
         """Route `query`, put the best entries before it, graft the longest stored chain, decode.
 
         With several entries the first one's chain is grafted and the rest computed; the newly
@@ -382,7 +385,11 @@ class KVMemory:
         verified solutions (inputs, intermediate results, answers): a small model that reads the
         solution well but strays while writing (an expression, a number copied from the question)
         is kept to what the solution established. With no entry routed there is nothing to offer,
-        and the model decodes freely (`Answer.choices` is then empty).
+        and the model decodes freely (`Answer.choices` is then empty). With entries in context each
+        choice's score is contrasted: `contrast` times its log-likelihood after the question alone
+        (no memory) is subtracted, so a number the model favours only because the question wrote it
+        does not win (Li et al. 2023, contrastive decoding; 0.5 was chosen on one seed of `kvmemory
+        bench recurring` and held on four others: BENCHMARKS.md). 0 scores by likelihood alone.
         """
         query = _check_text("query", query)
         hits = self.recall(query, k, namespace=namespace, threshold=threshold) if use_memory else []
@@ -398,7 +405,7 @@ class KVMemory:
         store_new = self.block_policy == "always" or (self.block_policy == "multi" and len(entries) > 1)
         offered = self._choices(choices, entries)
         if offered:
-            return self._choose(ids, offered, choice_end, answer_prefix, hits)
+            return self._choose(ids, offered, choice_end, answer_prefix, hits, query, contrast)
         ans = self.generate(ids, max_new_tokens=max_new_tokens, sampling=sampling, stop=stop,
                             store_new_blocks=store_new, entries=entries, scores=[h.score for h in hits],
                             on_text=on_text)
@@ -420,13 +427,23 @@ class KVMemory:
         return list(dict.fromkeys(c.strip() for c in out))
 
     def _choose(self, ids: list[int], offered: list[str], end: str, answer_prefix: str | None,
-                hits: Sequence[Recalled]) -> Answer:
+                hits: Sequence[Recalled], query: str, contrast: float) -> Answer:
         eng = self.engine
+        if not isinstance(contrast, (int, float)) or not 0.0 <= contrast <= 1.0:
+            raise InvalidInput(f"contrast must be a number in [0, 1], got {contrast!r}")
         t0 = time.perf_counter()
         sep = " " if answer_prefix else ""
         tokenized = [eng.encode(f"{sep}{c}{end}") for c in offered]
         entries = [h.entry for h in hits]
         best, scores, report = eng.choose(ids, tokenized, entries_used=[e.id for e in entries])
+        if entries and contrast:
+            alone = render_ids(eng.tokenizer, [{"role": "user", "content": query}], add_generation_prompt=True)
+            alone += eng.encode(answer_prefix) if answer_prefix else []
+            _, base, rep = eng.choose(alone, tokenized, graft=False)
+            scores = [s - contrast * b for s, b in zip(scores, base)]
+            best = max(range(len(scores)), key=lambda i: (scores[i], -i))
+            report.tokens_decoded = len(tokenized[best])
+            report.tokens_scored += rep.tokens_computed + rep.tokens_scored
         text = f"{(answer_prefix or '').strip()}{sep}{offered[best]}{end}".strip()
         return Answer(text=text, token_ids=tokenized[best], report=report, entries=[e.id for e in entries],
                       scores=[h.score for h in hits], attestations=[e.attestation.get("attestation_id", "") for e in entries],

@@ -56,6 +56,16 @@ def test_ask_follow_up_grafts(filled_store):
     assert out["tokens_grafted"] + out["tokens_computed"] == out["tokens_total"]
 
 
+def test_ask_routes_and_chooses_among_the_solution_numbers(filled_store):
+    store, _, more = filled_store
+    out = json.loads(kvm("ask", "Ana reads 14 pages every day for 9 days. How many pages does she read?",
+                         "--answer-prefix", "The answer is", "--choices", "numbers", "--json", store=store).stdout)
+    assert out["entries"] == [more["remembered"][0]["id"]] and out["choices"] == ["14", "9", "126"]
+    assert out["text"] in {f"The answer is {c}." for c in out["choices"]} and out["tokens_scored"] > 0
+    p = kvm("ask", "How many pages?", "--choices", "numbers", "--choice", "3", "--json", store=store, check=False)
+    assert p.returncode == 2 and json.loads(p.stdout)["error"] == "InvalidInput"
+
+
 def test_verify_all_json(filled_store):
     store, _, _ = filled_store
     out = json.loads(kvm("verify", "--all", "--json", store=store).stdout)

@@ -6,7 +6,7 @@ import pytest
 
 from kvmemory.errors import InvalidInput, RouterMismatch
 from kvmemory.problems import extract_answer, generate_problems, numbers_in
-from kvmemory.prompts import solution_text
+from kvmemory.prompts import render_ids, solution_text
 
 
 @pytest.fixture
@@ -47,8 +47,9 @@ def test_answer_grafts_and_reports_provenance(library):
 def test_answer_chosen_among_the_solution_numbers(library):
     mem, probs, entries = library
     p = probs[2]
+    q = p.rewordings[0]
     prefix = "As in my solution above, the final answer is"
-    ans = mem.answer(p.rewordings[0], answer_prefix=prefix, choices="numbers")
+    ans = mem.answer(q, answer_prefix=prefix, choices="numbers")
     e = entries[p.id]
     assert ans.entries == [e.id] and ans.stopped_by == "choice"
     assert ans.choices == numbers_in(solution_text(e.solution, e.answer)) and str(p.answer) in ans.choices
@@ -57,19 +58,28 @@ def test_answer_chosen_among_the_solution_numbers(library):
     assert ans.text == f"{prefix} {ans.choices[best]}."
     eng = mem.engine
     tokenized = [eng.encode(f" {c}.") for c in ans.choices]
-    assert ans.report.tokens_scored == sum(map(len, tokenized)) and ans.report.tokens_decoded == len(tokenized[best])
-    assert ans.report.tokens_grafted >= 64
+    assert ans.report.tokens_decoded == len(tokenized[best]) and ans.report.tokens_grafted >= 64
     # The scores do not depend on where the prefix's KV came from: grafted or recomputed, the same floats.
-    ids = mem.followup_ids([e], p.rewordings[0]) + eng.encode(prefix)
+    ids = mem.followup_ids([e], q) + eng.encode(prefix)
     g_best, g_scores, g_rep = eng.choose(ids, tokenized)
     r_best, r_scores, r_rep = eng.choose(ids, tokenized, graft=False)
     assert g_rep.tokens_grafted >= 64 and r_rep.tokens_grafted == 0
-    assert g_scores == r_scores == ans.choice_scores and g_best == r_best == best
+    assert g_scores == r_scores and g_best == r_best
+    assert g_rep.tokens_scored == sum(map(len, tokenized))
+    plain = mem.answer(q, answer_prefix=prefix, choices="numbers", contrast=0.0)
+    assert plain.choice_scores == g_scores and plain.report.tokens_scored == g_rep.tokens_scored
+    # Contrasted (the default): minus half the likelihood after the question alone, without memory.
+    alone = render_ids(eng.tokenizer, [{"role": "user", "content": q}], add_generation_prompt=True) + eng.encode(prefix)
+    _, a_scores, a_rep = eng.choose(alone, tokenized, graft=False)
+    assert ans.choice_scores == [s - 0.5 * a for s, a in zip(g_scores, a_scores)]
+    assert ans.report.tokens_scored == 2 * g_rep.tokens_scored + len(alone)
     # Each batched score is the choice's log-likelihood, as a plain forward over prompt + choice gives it.
     for c, score in zip(tokenized[:3], g_scores):
         full = eng.recompute(ids + c[:-1]).prefill_logits.float().log_softmax(-1)
         ref = sum(float(full[len(ids) - 1 + t, tok]) for t, tok in enumerate(c))
         assert abs(ref - score) < 1e-3
+    with pytest.raises(InvalidInput):
+        mem.answer(q, choices="numbers", contrast=2.0)
 
 
 def test_answer_choices_given_and_refused(library):
