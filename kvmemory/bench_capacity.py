@@ -61,7 +61,9 @@ def _measure(eng, probe: list[int], queries: int) -> dict:
 
 
 def run_capacity_bench(target_tokens: int = 3_000_000, seq_tokens: int = 4096, probe_tokens: int = 1024,
-                       queries: int = 20, chunk: int = 64, progress: bool = True, folder: str | None = None) -> dict:
+                       queries: int = 20, chunk: int = 64, progress: bool = True, folder: str | None = None,
+                       checkpoints: tuple[int, ...] = (100_000, 1_000_000)) -> dict:
+    """Measure at a 10 k-token store, at each checkpoint below the target, and at the target."""
     tmp = tempfile.TemporaryDirectory(prefix="kvmemory-bench-capacity-", dir=folder)
     try:
         eng = _tiny_engine(f"{tmp.name}/store", chunk)
@@ -69,7 +71,6 @@ def run_capacity_bench(target_tokens: int = 3_000_000, seq_tokens: int = 4096, p
         probe = torch.randint(0, 1024, (probe_tokens + 16,), generator=g).tolist()
         eng.store_prefix(probe[:probe_tokens], pinned=False)
         seq = 0
-        small_target = 10_000
 
         def fill(until: int, desc: str) -> None:
             nonlocal seq
@@ -83,15 +84,58 @@ def run_capacity_bench(target_tokens: int = 3_000_000, seq_tokens: int = 4096, p
                     bar.update(now - have)
                     have = now
 
-        fill(small_target, "fill to 10k")
-        small = _measure(eng, probe, queries)
+        points = []
         t0 = time.perf_counter()
-        fill(target_tokens, f"fill to {target_tokens:,}")
+        for size in [10_000, *sorted(c for c in checkpoints if 10_000 < c < target_tokens), target_tokens]:
+            fill(size, f"fill to {size:,}")
+            points.append({"target": size, **_measure(eng, probe, queries)})
         fill_s = time.perf_counter() - t0
-        large = _measure(eng, probe, queries)
-        return {"target_tokens": target_tokens, "fill_seconds": fill_s, "small": small, "large": large,
+        small, large = points[0], points[-1]
+        from .bench_graft import machine_info
+
+        return {"target_tokens": target_tokens, "fill_seconds": fill_s, "probe_tokens": probe_tokens,
+                "queries": queries, "machine": machine_info(), "points": points, "small": small, "large": large,
                 "latency_ratio_large_over_small": large["graft_p50_s"] / small["graft_p50_s"],
                 "rss_growth_large_mb": large["rss_growth_during_queries_mb"],
                 "rss_growth_small_mb": small["rss_growth_during_queries_mb"]}
     finally:
         tmp.cleanup()
+
+
+def format_table(r: dict) -> str:
+    out = ["| store tokens | store size | graft p50 ms | graft p90 ms | tokens grafted | process RSS MB | "
+           "RSS growth over the queries MB |", "|---|---|---|---|---|---|---|"]
+    for x in r["points"]:
+        out.append(f"| {x['store_tokens']:,} | {x['store_bytes'] / 2**20:.0f} MiB | {x['graft_p50_s'] * 1e3:.2f} | "
+                   f"{x['graft_p90_s'] * 1e3:.2f} | {x['tokens_grafted']} | {x['rss_mb']:.0f} | "
+                   f"{x['rss_growth_during_queries_mb']:.1f} |")
+    out.append("")
+    out.append(f"graft latency at {r['large']['store_tokens']:,} tokens / at {r['small']['store_tokens']:,}: "
+               f"{r['latency_ratio_large_over_small']:.2f}x")
+    return "\n".join(out)
+
+
+def plot(r: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    xs = [x["store_tokens"] for x in r["points"]]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(xs, [x["graft_p50_s"] * 1e3 for x in r["points"]], "D-", label="graft p50 (ms)")
+    ax.plot(xs, [x["graft_p90_s"] * 1e3 for x in r["points"]], "o--", label="graft p90 (ms)")
+    ax.set_xscale("log")
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("tokens in the store")
+    ax.set_ylabel(f"graft of a {r['probe_tokens']}-token prefix (ms)")
+    ax2 = ax.twinx()
+    ax2.plot(xs, [x["rss_mb"] for x in r["points"]], "s:", color="gray", label="process RSS (MB)")
+    ax2.set_ylim(bottom=0)
+    ax2.set_ylabel("process RSS (MB)")
+    ax.set_title("Graft latency and memory against store size (tiny model)", fontsize=9)
+    ax.grid(True, alpha=0.3)
+    fig.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

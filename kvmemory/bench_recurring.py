@@ -181,7 +181,7 @@ def format_table(r: dict) -> str:
         ("prefill tokens computed / question", [f"{b['prefill_tokens_per_question']:.1f}"] + [
             f"{x['prefill_tokens_per_question']:.1f} (+{x['grafted_tokens_per_question']:.1f} grafted)" for x in (f, m)]),
         ("decode tokens / question", [f"{x['decode_tokens_per_question']:.1f}" for x in cols]),
-        ("choice tokens scored / question (one batched forward)",
+        ("tokens computed to score the choices / question",
          ["-", "-", f"{m['choice_tokens_scored_per_question']:.1f}"]),
         ("wall s / question", [f"{x['wall_seconds_per_question']:.3f}" for x in cols]),
         ("CPU s / question", [f"{x['cpu_seconds_per_question']:.3f}" for x in cols]),
@@ -195,3 +195,82 @@ def format_table(r: dict) -> str:
                f"originals: {r['base_on_originals']['accuracy']:.1%}; library: {r['library']['from_model']} of "
                f"{r['library']['entries']} solutions are the model's own")
     return "\n".join(out)
+
+
+def study_choices(seeds=(0, 1, 7, 11, 12), problems: int = 20, rewordings: int = 2,
+                  contrasts=(0.0, 0.5, 1.0), progress: bool = True) -> dict:
+    """How the answer is best taken from a grafted solution: free decode vs choosing among the
+    solution's numbers, by likelihood alone or contrasted with the question alone (several weights).
+
+    Memory path only (no base model), library = the generator's worked solutions. Each question's
+    choices are scored once with memory and once without, then combined for every contrast weight,
+    exactly as `KVMemory.answer(choices="numbers", contrast=w)` combines them.
+    """
+    import tempfile
+
+    from .memory import KVMemory
+    from .problems import extract_answer, generate_problems, numbers_in
+    from .prompts import render_ids, solution_text
+
+    per_seed = []
+    for seed in seeds:
+        with tempfile.TemporaryDirectory(prefix="kvmemory-study-") as tmp:
+            mem = KVMemory(store=f"{tmp}/store", namespace=f"study-{seed}")
+            eng = mem.engine
+            probs = generate_problems(problems, seed, rewordings=rewordings)
+            for p in probs:
+                mem.remember(p.text, p.solution, answer=str(p.answer), verifier="arithmetic")
+            right = {"free_decode": 0, **{f"contrast_{w}": 0 for w in contrasts}}
+            questions = routed = 0
+            for p in tqdm(probs, desc=f"seed {seed}", disable=not progress, unit="problem"):
+                for q in p.rewordings[:rewordings]:
+                    questions += 1
+                    hits = mem.recall(q, k=1)
+                    if not hits:
+                        continue
+                    routed += 1
+                    e = hits[0].entry
+                    free = mem.answer(q, k=1, max_new_tokens=8, answer_prefix=ANSWER_PREFIX, stop=["\n"])
+                    right["free_decode"] += extract_answer(free.text) == p.answer
+                    nums = numbers_in(solution_text(e.solution, e.answer))
+                    toks = [eng.encode(f" {n}.") for n in nums]
+                    _, with_mem, _ = eng.choose(mem.followup_ids([e], q) + eng.encode(ANSWER_PREFIX), toks)
+                    alone_ids = render_ids(eng.tokenizer, [{"role": "user", "content": q}], add_generation_prompt=True)
+                    _, alone, _ = eng.choose(alone_ids + eng.encode(ANSWER_PREFIX), toks, graft=False)
+                    for w in contrasts:
+                        sc = [a - w * b for a, b in zip(with_mem, alone)]
+                        best = max(range(len(sc)), key=lambda i: (sc[i], -i))
+                        right[f"contrast_{w}"] += nums[best] == str(p.answer)
+            per_seed.append({"seed": seed, "questions": questions, "routed": routed,
+                             "accuracy": {k: v / max(questions, 1) for k, v in right.items()}, "correct": right})
+    total = sum(s["questions"] for s in per_seed)
+    overall = {k: sum(s["correct"][k] for s in per_seed) / max(total, 1) for k in per_seed[0]["correct"]}
+    return {"answer_prefix": ANSWER_PREFIX, "problems_per_seed": problems, "rewordings": rewordings,
+            "questions": total, "overall_accuracy": overall, "seeds": per_seed}
+
+
+def main(argv=None) -> int:
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser(prog="python -m kvmemory.bench_recurring")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("choices", help="free decode vs choosing among the solution's numbers, per contrast weight")
+    c.add_argument("--seeds", default="0,1,7,11,12")
+    c.add_argument("--problems", type=int, default=20)
+    c.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    r = study_choices(tuple(int(x) for x in args.seeds.split(",")), args.problems, progress=not args.json)
+    if args.json:
+        print(json.dumps(r, indent=2))
+    else:
+        print("| seed | questions | " + " | ".join(r["overall_accuracy"]) + " |")
+        print("|---|---|" + "---|" * len(r["overall_accuracy"]))
+        for s in r["seeds"]:
+            print(f"| {s['seed']} | {s['questions']} | " + " | ".join(f"{v:.1%}" for v in s["accuracy"].values()) + " |")
+        print(f"| all | {r['questions']} | " + " | ".join(f"{v:.1%}" for v in r["overall_accuracy"].values()) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

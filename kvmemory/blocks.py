@@ -24,7 +24,7 @@ import hashlib
 import json
 import struct
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -101,9 +101,13 @@ class BlockMeta:
         return len(self.token_ids)
 
     def to_json(self) -> dict:
-        d = asdict(self)
-        d["format"] = BLOCK_FORMAT
-        return d
+        # Spelled out rather than dataclasses.asdict (a recursive deep copy): every graft re-encodes
+        # each block's header to check it is canonical, so this runs once per block read.
+        return {"hash": self.hash, "parent": self.parent, "profile_id": self.profile_id, "index": self.index,
+                "position": self.position, "token_ids": list(self.token_ids), "dtype": self.dtype,
+                "k_shapes": [list(x) for x in self.k_shapes], "v_shapes": [list(x) for x in self.v_shapes],
+                "payload_nbytes": self.payload_nbytes, "payload_sha256": self.payload_sha256,
+                "format": BLOCK_FORMAT}
 
     @classmethod
     def from_json(cls, d: dict) -> "BlockMeta":
@@ -128,7 +132,7 @@ class BlockMeta:
         dt = DTYPES.get(self.dtype)
         if dt is None:
             raise IntegrityError(f"block dtype {self.dtype!r} is unknown")
-        esize = torch.empty(0, dtype=dt).element_size()
+        esize = dt.itemsize
         return esize * sum(h * t * d for shapes in (self.k_shapes, self.v_shapes) for h, t, d in shapes)
 
 

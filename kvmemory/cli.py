@@ -186,10 +186,13 @@ def cmd_bench(args) -> int:
         r = run_store_bench(blocks=args.blocks)
         _emit(args, r, format_table(r))
     elif args.which == "capacity":
-        from .bench_capacity import run_capacity_bench
+        from .bench_capacity import format_table, plot, run_capacity_bench
 
         r = run_capacity_bench(target_tokens=args.target_tokens, progress=not args.json)
-        _emit(args, r, json.dumps(r, indent=2))
+        if args.plot:
+            plot(r, args.plot)
+            r["plot"] = args.plot
+        _emit(args, r, format_table(r))
     else:
         raise KVMemoryError(f"unknown benchmark {args.which!r}")
     return 0
@@ -301,11 +304,11 @@ def build_parser() -> argparse.ArgumentParser:
     ri = sub.add_parser("reindex", parents=[common], help="rebuild the router (after changing the embedder)")
     ri.set_defaults(func=cmd_reindex)
 
-    b = sub.add_parser("bench", parents=[common], help="benchmarks: recurring, router")
+    b = sub.add_parser("bench", parents=[common], help="benchmarks: recurring, router, graft, store, capacity")
     b.add_argument("which", choices=["recurring", "router", "graft", "store", "capacity"])
     b.add_argument("--lengths", help="graft: stored prefix lengths, comma separated (default 256..16384)")
     b.add_argument("--repeats", type=int, default=3)
-    b.add_argument("--plot", help="graft: write a PNG plot here")
+    b.add_argument("--plot", help="graft, capacity: write a PNG plot here")
     b.add_argument("--blocks", type=int, default=64, help="store: blocks per measurement")
     b.add_argument("--target-tokens", type=int, default=3_000_000, help="capacity: tokens to fill the store with")
     b.add_argument("--problems", type=int, default=12)

@@ -94,46 +94,64 @@ def _staging(nbytes: int, device: torch.device) -> torch.Tensor:
 
 
 def load_chain(store, rows: Sequence[BlockRow], report: GraftReport, runner=None) -> LoadedChain:
-    """Read and verify `rows` into one staging buffer; cut the chain at the first damaged block.
+    """Read and verify `rows`; cut the chain at the first damaged block.
 
-    With a `runner`, the cache is built while loading: each worker reads a block straight into its
-    slice of the staging buffer, hashes it there (SHA-256 against the catalogue), and as soon as it is
-    verified copies it to its own positions in the cache with `graft_op.graft_copy`. Reading, hashing
-    and copying of different blocks overlap across the threads; nothing unverified is ever copied.
+    With a `runner`, the cache is built while loading. On the CPU, with full-attention layers and a
+    store that scatters reads, each worker reads a block straight into its own positions of the
+    cache (one `preadv` over the per-layer, per-head rows) and hashes the bytes there: no staging,
+    no copy. Otherwise (GPU, sliding-window layers) each worker reads a block into its slice of one
+    staging buffer (pinned on a GPU), hashes it there and, once verified, copies it to its positions
+    with `graft_op.graft_copy`. Either way the threads overlap reading, hashing and copying, and a
+    cache built from a chain cut short is used only up to the last verified block.
     """
     offsets, total = [], 0
     for r in rows:
         offsets.append(total)
         total += r.payload_nbytes
     device = runner.device if runner is not None else torch.device("cpu")
-    staging = _staging(total, device)
-    view = memoryview(staging.numpy()) if total else None
-    dst = None
-
-    def read(i: int):
-        r = rows[i]
-        try:
-            meta, _ = store.read_block(r, into=view[offsets[i] : offsets[i] + r.payload_nbytes])
-        except IntegrityError as exc:
-            return exc
-        if dst is not None:
-            _copy_blocks(staging, [offsets[i]], [meta], dst)
-        return meta
-
     t0 = time.perf_counter()
     results: list = []
+    dst = None
+    direct = False
+    staging = None
     if rows:
-        first = read(0)  # its header gives the shapes the cache is allocated with
+        # The first block's header gives the shapes the cache is allocated with.
+        first_buf = _staging(rows[0].payload_nbytes, device)
+        first = _read(store, rows[0], memoryview(first_buf.numpy()))
         results.append(first)
         if runner is not None and not isinstance(first, Exception):
             dst = _allocate(runner, first, len(rows) * first.n_tokens)
-            _copy_blocks(staging, [0], [first], dst)
-        rest = range(1, len(rows))
-        if len(rows) > 2 and _READ_THREADS > 1:
-            with ThreadPoolExecutor(_READ_THREADS) as pool:
-                results += list(pool.map(read, rest))
+            _copy_blocks(first_buf, [0], [first], dst)
+            direct = (device.type == "cpu" and getattr(store, "scatter_reads", False)
+                      and not any(dst.offsets))
+        if direct:
+            staging = first_buf
+            planes = _cache_planes(dst)
         else:
-            results += [read(i) for i in rest]
+            staging = _staging(total, device)
+            if total:
+                staging[: rows[0].payload_nbytes].copy_(first_buf)
+    view = memoryview(staging.numpy()) if staging is not None and not direct and total else None
+
+    def read(i: int):
+        r = rows[i]
+        if direct:
+            meta = _read(store, r, _cache_rows(planes, i * first.n_tokens, first.n_tokens))
+            if not isinstance(meta, Exception) and _layout(meta) != _layout(first):
+                # Scattered on the first block's layout: a block laid out otherwise cuts the chain here.
+                return IntegrityError(f"block {r.hash[:12]} is laid out unlike the chain's first block")
+            return meta
+        meta = _read(store, r, view[offsets[i] : offsets[i] + r.payload_nbytes])
+        if dst is not None and not isinstance(meta, Exception):
+            _copy_blocks(staging, [offsets[i]], [meta], dst)
+        return meta
+
+    rest = range(1, len(rows))
+    if len(rows) > 2 and _READ_THREADS > 1:
+        with ThreadPoolExecutor(_READ_THREADS) as pool:
+            results += list(pool.map(read, rest))
+    else:
+        results += [read(i) for i in rest]
     metas: list[BlockMeta] = []
     for r, res in zip(rows, results):
         if isinstance(res, Exception):
@@ -149,7 +167,38 @@ def load_chain(store, rows: Sequence[BlockRow], report: GraftReport, runner=None
     chain = LoadedChain(metas=metas, staging=staging, offsets=offsets[: len(metas)])
     if dst is not None and len(metas) == len(rows):
         chain.cache = dst  # complete: the cache was built while loading
+    elif dst is not None and direct and metas:
+        end = metas[-1].position + metas[-1].n_tokens  # cut: only the verified positions are used
+        chain.cache = _Dest(end, [k[:, :, :end] for k in dst.keys], [v[:, :, :end] for v in dst.values], dst.offsets)
     return chain
+
+
+def _read(store, row: BlockRow, into):
+    try:
+        meta, _ = store.read_block(row, into=into)
+    except IntegrityError as exc:
+        return exc
+    return meta
+
+
+def _layout(m: BlockMeta) -> tuple:
+    return m.dtype, m.n_tokens, tuple(m.k_shapes), tuple(m.v_shapes)
+
+
+def _cache_planes(dst: "_Dest") -> list:
+    """Byte views [S, D * itemsize] of every (layer, K|V, head) plane of the cache, in block payload
+    order: per layer, the K heads then the V heads (blocks.capture_payload's layout)."""
+    planes = []
+    for k, v in zip(dst.keys, dst.values):
+        for t in (k, v):
+            assert t.is_contiguous()  # each head's rows must be one run of bytes, read in place
+            planes.extend(t[0, h].view(torch.uint8).numpy() for h in range(t.shape[1]))
+    return planes
+
+
+def _cache_rows(planes: list, pos: int, n: int) -> list[memoryview]:
+    """The cache's own bytes for positions [pos, pos + n), as buffers to scatter a block into."""
+    return [memoryview(a[pos : pos + n]) for a in planes]
 
 
 def check_chain(metas: Sequence[BlockMeta], token_ids: Sequence[int], chunk: int, start: int = 0) -> int:

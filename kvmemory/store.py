@@ -262,6 +262,31 @@ def entry_from_fields(row: Sequence, chain: Sequence[str]) -> EntryRecord:
         raise IntegrityError(f"the catalogue row of entry {name!r} is damaged ({exc}); run `kvmemory fsck`") from exc
 
 
+_IOV_MAX = 1024  # Linux's limit on buffers per preadv call
+
+
+def _preadv_all(fd: int, parts: list, offset: int) -> int:
+    """Read from `offset` across `parts` in order until they are full or the file ends; bytes read."""
+    total = 0
+    parts = [p.cast("B") if p.ndim != 1 or p.format != "B" else p for p in parts]
+    i = 0
+    while i < len(parts):
+        batch = parts[i : i + _IOV_MAX]
+        n = os.preadv(fd, batch, offset + total)
+        if n == 0:
+            return total
+        total += n
+        # Skip the buffers filled; a short read leaves the rest of one buffer for the next call.
+        while n and i < len(parts):
+            if n >= parts[i].nbytes:
+                n -= parts[i].nbytes
+                i += 1
+            else:
+                parts[i] = parts[i][n:]
+                n = 0
+    return total
+
+
 class LocalStore:
     """A store folder on the local disk (the default store)."""
 
@@ -504,15 +529,25 @@ class LocalStore:
             self._insert_block_rows(db, [m for m, _ in blocks], sizes, verified, pinned)
         return sum(sizes.values())
 
-    def read_block(self, row: BlockRow, into: memoryview | None = None) -> tuple[BlockMeta, memoryview]:
+    # `read_block` also takes a list of buffers and scatters the payload over them in order.
+    scatter_reads = True
+
+    def read_block(self, row: BlockRow, into=None) -> tuple[BlockMeta, object]:
         """Read a block's payload and verify it against the catalogue before returning it.
 
         `into` (a writable buffer of `row.payload_nbytes` bytes, e.g. a slice of a staging tensor)
-        receives the payload straight from the file: one copy, the one that cannot be avoided. The
-        payload is hashed where it lies, so the verified bytes are the bytes that are used.
-        Raises IntegrityError (after quarantining the block) on any mismatch.
+        receives the payload straight from the file: one copy, the one that cannot be avoided. `into`
+        may also be a list of buffers whose sizes add up to the payload: the file is read across them
+        in order (`preadv`), e.g. straight into the per-layer, per-head rows of a KV cache, with no
+        staging copy at all. The payload is hashed where it lies, so the verified bytes are the bytes
+        that are used. Raises IntegrityError (after quarantining the block) on any mismatch.
         """
         path = self.block_path(row.hash)
+        if into is None:
+            into = memoryview(bytearray(row.payload_nbytes))
+        parts = [into] if isinstance(into, memoryview) else list(into)
+        if sum(p.nbytes for p in parts) != row.payload_nbytes:
+            raise ValueError("destination buffers have the wrong total size")
         try:
             with open(path, "rb", buffering=0) as fh:
                 meta, off = read_header(fh)
@@ -522,17 +557,10 @@ class LocalStore:
                 if fh.read(off) != encode_header(meta):
                     raise IntegrityError("block header is not in canonical form (damaged)")
                 check_meta(meta, row)
-                buf = into if into is not None else memoryview(bytearray(row.payload_nbytes))
-                if len(buf) != row.payload_nbytes:
-                    raise ValueError("destination buffer has the wrong size")
-                fh.seek(off)
-                got = 0
-                while got < row.payload_nbytes:
-                    r = fh.readinto(buf[got:])
-                    if not r:
-                        raise IntegrityError(f"block file truncated ({got} of {row.payload_nbytes} payload bytes)")
-                    got += r
-                if fh.read(1):
+                got = _preadv_all(fh.fileno(), parts, off)
+                if got < row.payload_nbytes:
+                    raise IntegrityError(f"block file truncated ({got} of {row.payload_nbytes} payload bytes)")
+                if os.pread(fh.fileno(), 1, off + got):
                     raise IntegrityError("block file has trailing bytes")
         except FileNotFoundError:
             self.quarantine(row.hash, "missing block file")
@@ -540,10 +568,13 @@ class LocalStore:
         except IntegrityError as exc:
             self.quarantine(row.hash, str(exc))
             raise IntegrityError(f"block {row.hash[:12]}: {exc}") from None
-        if hashlib.sha256(buf).hexdigest() != row.payload_sha256:
+        h = hashlib.sha256()
+        for p in parts:
+            h.update(p)
+        if h.hexdigest() != row.payload_sha256:
             self.quarantine(row.hash, "payload SHA-256 mismatch")
             raise IntegrityError(f"block {row.hash[:12]}: payload SHA-256 does not match the catalogue")
-        return meta, buf
+        return meta, into
 
     def touch_blocks(self, hashes: Sequence[str]) -> None:
         if self.readonly or not hashes:

@@ -41,12 +41,17 @@ def test_bench_store_tiny():
     assert format_table(r).count("\n") == 3
 
 
-def test_bench_capacity_tiny():
-    from kvmemory.bench_capacity import run_capacity_bench
+def test_bench_capacity_tiny(tmp_path):
+    from kvmemory.bench_capacity import format_table, plot, run_capacity_bench
 
     threads = torch.get_num_threads()
-    r = run_capacity_bench(target_tokens=20_000, seq_tokens=512, probe_tokens=128, queries=3, progress=False)
+    r = run_capacity_bench(target_tokens=20_000, seq_tokens=512, probe_tokens=128, queries=3, progress=False,
+                           checkpoints=(15_000,))
     torch.set_num_threads(threads)
+    assert [x["target"] for x in r["points"]] == [10_000, 15_000, 20_000]
+    assert format_table(r).count("\n") == 6
+    plot(r, str(tmp_path / "capacity.png"))
+    assert (tmp_path / "capacity.png").read_bytes()[:4] == b"\x89PNG"
     assert r["small"]["store_tokens"] >= 10_000 and r["large"]["store_tokens"] >= 20_000
     assert r["small"]["tokens_grafted"] == r["large"]["tokens_grafted"] == 128
     assert _positive(r["small"]["graft_p50_s"], r["large"]["graft_p50_s"], r["latency_ratio_large_over_small"])
@@ -63,3 +68,12 @@ def test_bench_recurring_tiny(real_memory):
     assert r["grafted"]["decode_tokens_per_question"] <= 8 and r["grafted"]["choice_tokens_scored_per_question"] > 0
     assert r["grafted_free_decode"]["questions"] == 2 and r["grafted_free_decode"]["decode_tokens_per_question"] <= 8
     assert "answer chosen among the solution's numbers" in format_table(r)
+
+
+def test_study_choices_tiny():
+    from kvmemory.bench_recurring import study_choices
+
+    r = study_choices(seeds=(3,), problems=2, rewordings=1, contrasts=(0.0, 0.5), progress=False)
+    s = r["seeds"][0]
+    assert s["questions"] == 2 and set(s["correct"]) == {"free_decode", "contrast_0.0", "contrast_0.5"}
+    assert all(0 <= v <= 2 for v in s["correct"].values()) and r["questions"] == 2
