@@ -135,7 +135,8 @@ def plot(r: dict, path: str) -> None:
     ax2.set_ylabel("process RSS (MB)")
     ax.set_title("Graft latency and memory against store size (tiny model)", fontsize=9)
     ax.grid(True, alpha=0.3)
-    fig.legend(fontsize=8, loc="lower right")
+    handles = ax.get_legend_handles_labels()[0] + ax2.get_legend_handles_labels()[0]
+    ax.legend(handles=handles, fontsize=8, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
