@@ -145,8 +145,9 @@ class KVMemory:
         if block_policy not in BLOCK_POLICIES:
             raise InvalidInput(f"block_policy must be one of {sorted(BLOCK_POLICIES)}, got {block_policy!r}")
         self.block_policy = block_policy
-        # Refuse a route whose problem writes other numbers than the question ("1234 * 57" scores 0.94
-        # against "1234 * 56" in the embedder; the stored answer would be wrong).
+        # `answer` refuses a route whose problem writes other numbers than the question ("1234 * 57"
+        # scores 0.94 against "1234 * 56" in the embedder; the stored answer would be wrong). `recall`
+        # lists near entries whatever their numbers (retrievers rank them; the caller decides).
         self.number_check = number_check
 
     @property
@@ -342,9 +343,10 @@ class KVMemory:
 
     # ------------------------------------------------------------------ routing
     def recall(self, query: str, k: int = 5, *, namespace: str | None = None,
-               threshold: float | None = None) -> list[Recalled]:
+               threshold: float | None = None, number_check: bool = False) -> list[Recalled]:
         """Entries whose problem is close to `query`, best first, with cosine scores; an unrelated
-        query returns [] (scores below the calibrated threshold are dropped)."""
+        query returns [] (scores below the calibrated threshold are dropped). With `number_check`,
+        entries whose problem writes other numbers than the query are left out (`answer` routes so)."""
         query = _check_text("query", query)
         if not isinstance(k, int) or k < 1:
             raise InvalidInput(f"k must be a positive integer, got {k!r}")
@@ -352,7 +354,7 @@ class KVMemory:
         th = threshold if threshold is not None else self.threshold
         self.sync_router(ns)
         out = []
-        wanted = set(numbers_in(query)) if self.number_check else set()
+        wanted = set(numbers_in(query)) if number_check else set()
         # Over-fetch when hits may be dropped for their numbers, so k good ones can still be returned.
         for hit in self.router.search(query, k=4 * k if wanted else k, namespace=ns, threshold=th):
             if wanted and (found := set(numbers_in(hit.matched_text))) and found != wanted:
@@ -392,7 +394,8 @@ class KVMemory:
         bench recurring` and held on four others: BENCHMARKS.md). 0 scores by likelihood alone.
         """
         query = _check_text("query", query)
-        hits = self.recall(query, k, namespace=namespace, threshold=threshold) if use_memory else []
+        hits = self.recall(query, k, namespace=namespace, threshold=threshold,
+                           number_check=self.number_check) if use_memory else []
         entries = [h.entry for h in hits]
         for e in entries:
             self.engine.require_profile(e.profile_id, f"entry {e.id}'s blocks")

@@ -100,10 +100,14 @@ def test_answer_choices_given_and_refused(library):
 def test_routing_checks_the_numbers(real_memory):
     e = real_memory.remember("What is 1234 multiplied by 56?", "1234 * 56 = 69104. The answer is 69104.",
                              answer="69104", verifier="arithmetic")
-    assert [h.entry.id for h in real_memory.recall("Compute 1234 multiplied by 56.")] == [e.id]
-    assert real_memory.recall("What is 1234 multiplied by 57?") == []  # close in words, another problem
+    same, other = "Compute 1234 multiplied by 56.", "What is 1234 multiplied by 57?"
+    assert [h.entry.id for h in real_memory.recall(same, number_check=True)] == [e.id]
+    assert real_memory.recall(other, number_check=True) == []  # close in words, another problem
+    assert [h.entry.id for h in real_memory.recall(other)] == [e.id]  # listed, for a retriever to rank
+    assert real_memory.answer(same, max_new_tokens=1).entries == [e.id]
+    assert real_memory.answer(other, max_new_tokens=1).entries == []  # not answered from the 56 entry
     real_memory.number_check = False
-    assert [h.entry.id for h in real_memory.recall("What is 1234 multiplied by 57?")] == [e.id]
+    assert real_memory.answer(other, max_new_tokens=1).entries == [e.id]
 
 
 def test_unrelated_question_answers_without_memory(library):
