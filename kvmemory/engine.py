@@ -177,12 +177,14 @@ class Engine:
     def forward(self, token_ids: Sequence[int], *, graft: bool = True, max_new_tokens: int = 0,
                 sampling: Sampling = GREEDY, stop_token_ids: Sequence[int] | None = None,
                 keep_logits: bool = False, store_new_blocks: bool = False, entries_used: Sequence[str] = (),
-                on_token: Callable[[int], bool] | None = None) -> tuple[ForwardResult, GraftReport]:
-        """Canonical forward with the longest stored chain grafted; logits equal to `recompute`'s."""
+                on_token: Callable[[int], bool] | None = None,
+                rows: Sequence[BlockRow] | None = None) -> tuple[ForwardResult, GraftReport]:
+        """Canonical forward with the longest stored chain grafted; logits equal to `recompute`'s.
+        `rows` grafts these blocks (written, not yet catalogued) instead of the catalogue's chain."""
         token_ids = [int(t) for t in token_ids]
         self.runner.check_ids(token_ids, max_new_tokens)
         n = len(token_ids)
-        cache, start, report = self._graft_longest(token_ids, graft, entries_used)
+        cache, start, report = self._graft_longest(token_ids, graft, entries_used, rows)
         new_blocks: list = []
         result = self.runner.forward(
             token_ids, start=start, cache=cache, max_new_tokens=max_new_tokens, sampling=sampling,
@@ -201,10 +203,16 @@ class Engine:
         result.extra.pop("cache", None)
         return result, report
 
-    def _graft_longest(self, token_ids: list[int], graft: bool, entries_used: Sequence[str]):
+    def _graft_longest(self, token_ids: list[int], graft: bool, entries_used: Sequence[str],
+                       rows: Sequence[BlockRow] | None = None):
         """A cache holding the longest verified stored chain of `token_ids`, its end, and the report."""
         report = GraftReport(tokens_total=len(token_ids), entries_used=list(entries_used))
-        rows = plan_chain(self.store, self.profile_id, token_ids, self.chunk) if graft else []
+        if not graft:
+            rows = []
+        elif rows is None:
+            rows = plan_chain(self.store, self.profile_id, token_ids, self.chunk)
+        else:  # the last prompt token is always computed: never graft past the graft point
+            rows = list(rows)[: graft_point_for(len(token_ids), self.chunk) // self.chunk]
         chain = load_chain(self.store, rows, report, runner=self.runner)
         cache, start = self.graft_chain(token_ids, chain, report)
         return cache, start, report
@@ -234,13 +242,15 @@ class Engine:
 
     # ------------------------------------------------------------------ proof
     def verify_tokens(self, token_ids: Sequence[int], *, decode_tokens: int = 4, single_pass: bool = True,
-                      reference: ForwardResult | None = None) -> VerifyReport:
+                      reference: ForwardResult | None = None, rows: Sequence[BlockRow] | None = None) -> VerifyReport:
         """Graft what the store holds for `token_ids`, recompute from scratch, compare every logit after
-        the graft point (prefill and decode). `reference` may pass an already computed recompute."""
+        the graft point (prefill and decode). `reference` may pass an already computed recompute;
+        `rows` grafts just-written blocks instead of the catalogue's chain (proof before commit)."""
         t0 = time.perf_counter()
         ref = reference or self.recompute(token_ids, max_new_tokens=decode_tokens, stop_token_ids=())
         t1 = time.perf_counter()
-        got, report = self.forward(token_ids, max_new_tokens=decode_tokens, stop_token_ids=(), keep_logits=True)
+        got, report = self.forward(token_ids, max_new_tokens=decode_tokens, stop_token_ids=(), keep_logits=True,
+                                   rows=rows)
         t2 = time.perf_counter()
         comparison = compare_runs(ref, got)
         diag = None

@@ -19,8 +19,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .errors import InvalidInput, KVMemoryError, UnknownEntry, VerificationFailed
-from .graft import GraftReport, load_chain
-from .engine import Engine, VerifyReport, graft_point_for
+from .graft import GraftReport
+from .engine import Engine, VerifyReport
 from .models import DEFAULT_MODEL
 from .profile import canonical_json
 from .problems import numbers_in
@@ -209,20 +209,9 @@ class KVMemory:
 
     def _prove(self, ids, blocks, ref) -> VerifyReport:
         """Graft the just-written blocks (read back and hashed) and compare with the recompute `ref`."""
-        from .graft import GraftReport
-        from .verify import compare_runs, make_attestation
-
         eng = self.engine
-        g = graft_point_for(len(ids), eng.chunk)
-        rows = eng.rows_for(blocks)[: g // eng.chunk]
-        report = GraftReport(tokens_total=len(ids))
-        chain = load_chain(eng.store, rows, report, runner=eng.runner)
-        cache, start = eng.graft_chain(ids, chain, report)
-        got = eng.runner.forward(ids, start=start, cache=cache, max_new_tokens=self.probe_tokens, keep_logits=True)
-        cmp = compare_runs(ref, got)
-        att = make_attestation(ids, eng.profile_id, start, ref, cmp)
-        report.tokens_grafted, report.tokens_computed = start, len(ids) - start
-        return VerifyReport(start, len(ids), cmp, att, None, report, ref.prefill_seconds, got.prefill_seconds)
+        return eng.verify_tokens(ids, decode_tokens=self.probe_tokens, single_pass=False, reference=ref,
+                                 rows=eng.rows_for(blocks))
 
     def _after_remember(self, entry: EntryRecord) -> None:
         """Route the entry: its problem and aliases go into its namespace's index."""
