@@ -210,7 +210,7 @@ def study_choices(seeds=(0, 1, 7, 11, 12), problems: int = 20, rewordings: int =
 
     from .memory import KVMemory
     from .problems import extract_answer, generate_problems, numbers_in
-    from .prompts import render_ids, solution_text
+    from .prompts import solution_text
 
     per_seed = []
     for seed in seeds:
@@ -234,9 +234,8 @@ def study_choices(seeds=(0, 1, 7, 11, 12), problems: int = 20, rewordings: int =
                     right["free_decode"] += extract_answer(free.text) == p.answer
                     nums = numbers_in(solution_text(e.solution, e.answer))
                     toks = [eng.encode(f" {n}.") for n in nums]
-                    _, with_mem, _ = eng.choose(mem.followup_ids([e], q) + eng.encode(ANSWER_PREFIX), toks)
-                    alone_ids = render_ids(eng.tokenizer, [{"role": "user", "content": q}], add_generation_prompt=True)
-                    _, alone, _ = eng.choose(alone_ids + eng.encode(ANSWER_PREFIX), toks, graft=False)
+                    _, with_mem, _ = eng.choose(mem.question_ids(q, [e], ANSWER_PREFIX), toks)
+                    _, alone, _ = eng.choose(mem.question_ids(q, (), ANSWER_PREFIX), toks, graft=False)
                     for w in contrasts:
                         sc = [a - w * b for a, b in zip(with_mem, alone)]
                         best = max(range(len(sc)), key=lambda i: (sc[i], -i))

@@ -233,6 +233,15 @@ class KVMemory:
             return render_ids(tok, msgs + [{"role": "user", "content": question}], add_generation_prompt=True)
         return list(entries[0].token_ids) + tail
 
+    def question_ids(self, question: str, entries: Sequence[EntryRecord] = (), answer_prefix: str | None = None) -> list[int]:
+        """The prompt `answer` computes: the entries' conversation (if any) and the question, with the
+        assistant's turn opened by `answer_prefix` when one is given."""
+        if entries:
+            ids = self.followup_ids(entries, question)
+        else:
+            ids = render_ids(self.engine.tokenizer, [{"role": "user", "content": question}], add_generation_prompt=True)
+        return ids + self.engine.encode(answer_prefix) if answer_prefix else ids
+
     def generate(self, ids: Sequence[int], *, max_new_tokens: int = 256, sampling: Sampling = GREEDY,
                  stop: Sequence[str] = (), store_new_blocks: bool = False, entries: Sequence[EntryRecord] = (),
                  scores: Sequence[float] = (), on_text=None) -> Answer:
@@ -388,12 +397,7 @@ class KVMemory:
         entries = [h.entry for h in hits]
         for e in entries:
             self.engine.require_profile(e.profile_id, f"entry {e.id}'s blocks")
-        if entries:
-            ids = self.followup_ids(entries, query)
-        else:
-            ids = render_ids(self.engine.tokenizer, [{"role": "user", "content": query}], add_generation_prompt=True)
-        if answer_prefix:
-            ids = ids + self.engine.encode(answer_prefix)
+        ids = self.question_ids(query, entries, answer_prefix)
         store_new = self.block_policy == "always" or (self.block_policy == "multi" and len(entries) > 1)
         offered = self._choices(choices, entries)
         if offered:
@@ -429,9 +433,7 @@ class KVMemory:
         entries = [h.entry for h in hits]
         best, scores, report = eng.choose(ids, tokenized, entries_used=[e.id for e in entries])
         if entries and contrast:
-            alone = render_ids(eng.tokenizer, [{"role": "user", "content": query}], add_generation_prompt=True)
-            alone += eng.encode(answer_prefix) if answer_prefix else []
-            _, base, rep = eng.choose(alone, tokenized, graft=False)
+            _, base, rep = eng.choose(self.question_ids(query, (), answer_prefix), tokenized, graft=False)
             scores = [s - contrast * b for s, b in zip(scores, base)]
             best = max(range(len(scores)), key=lambda i: (scores[i], -i))
             report.tokens_decoded = len(tokenized[best])
