@@ -115,22 +115,23 @@ def load_chain(store, rows: Sequence[BlockRow], report: GraftReport, runner=None
     direct = False
     staging = None
     if rows:
-        # The first block's header gives the shapes the cache is allocated with.
-        first_buf = _staging(rows[0].payload_nbytes, device)
-        first = _read(store, rows[0], memoryview(first_buf.numpy()))
+        # Scattering straight into the cache is possible on the CPU with a store that scatters reads;
+        # elsewhere one staging buffer (pinned on a GPU) is allocated once and the first block read
+        # into its slice. The first block's header gives the shapes the cache is allocated with.
+        may_scatter = runner is not None and device.type == "cpu" and getattr(store, "scatter_reads", False)
+        staging = _staging(rows[0].payload_nbytes if may_scatter else total, device)
+        first = _read(store, rows[0], memoryview(staging.numpy())[: rows[0].payload_nbytes])
         results.append(first)
         if runner is not None and not isinstance(first, Exception):
             dst = _allocate(runner, first, len(rows) * first.n_tokens)
-            _copy_blocks(first_buf, [0], [first], dst)
-            direct = (device.type == "cpu" and getattr(store, "scatter_reads", False)
-                      and not any(dst.offsets))
+            _copy_blocks(staging, [0], [first], dst)
+            direct = may_scatter and not any(dst.offsets)
         if direct:
-            staging = first_buf
             planes = _cache_planes(dst)
-        else:
-            staging = _staging(total, device)
-            if total:
-                staging[: rows[0].payload_nbytes].copy_(first_buf)
+        elif may_scatter:  # sliding-window layers (or a damaged first block): stage the whole chain
+            whole = _staging(total, device)
+            whole[: rows[0].payload_nbytes].copy_(staging)
+            staging = whole
     view = memoryview(staging.numpy()) if staging is not None and not direct and total else None
 
     def read(i: int):
