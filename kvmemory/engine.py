@@ -22,6 +22,7 @@ import torch
 
 from .blocks import BlockMeta, capture_payload, chain_hashes
 from .errors import InvalidInput, ProfileMismatch
+from .cache import Room
 from .graft import GraftReport, LoadedChain, build_cache, check_chain, load_chain, plan_chain
 from .models import DEFAULT_MODEL, LoadedModel, load_model
 from .profile import ExecutionProfile, apply_determinism, build_profile
@@ -77,6 +78,7 @@ class Engine:
         self.device = next(self.model.parameters()).device
         apply_determinism(self.device, threads)
         self.runner = CanonicalRunner(self.model, chunk, max_positions)
+        self.room = Room()  # K/V buffers kept between grafted forwards (cache.Room; room.clear() frees them)
         self.chunk = chunk
         self.profile: ExecutionProfile = build_profile(self.model, self.tokenizer, chunk, model_sha256=model_sha256)
         self.profile_id = self.profile.profile_id
@@ -167,12 +169,14 @@ class Engine:
         self.store.put_blocks(blocks, pinned=pinned)
         return len(blocks)
 
-    def graft_chain(self, token_ids: Sequence[int], chain: LoadedChain, report: GraftReport, start: int = 0):
-        """Place a verified chain in a fresh cache, refusing any block off its own position or profile."""
+    def graft_chain(self, token_ids: Sequence[int], chain: LoadedChain, report: GraftReport, start: int = 0,
+                    capacity: int = 0):
+        """Place a verified chain in a fresh cache (with room for `capacity` positions), refusing any
+        block off its own position or profile."""
         for m in chain.metas:
             self.require_profile(m.profile_id, "these blocks")
         end = check_chain(chain.metas, token_ids, self.chunk, start)
-        return build_cache(self.runner, chain, report), end
+        return build_cache(self.runner, chain, report, capacity), end
 
     def forward(self, token_ids: Sequence[int], *, graft: bool = True, max_new_tokens: int = 0,
                 sampling: Sampling = GREEDY, stop_token_ids: Sequence[int] | None = None,
@@ -184,7 +188,7 @@ class Engine:
         token_ids = [int(t) for t in token_ids]
         self.runner.check_ids(token_ids, max_new_tokens)
         n = len(token_ids)
-        cache, start, report = self._graft_longest(token_ids, graft, entries_used, rows)
+        cache, start, report = self._graft_longest(token_ids, graft, entries_used, rows, room=max_new_tokens)
         new_blocks: list = []
         result = self.runner.forward(
             token_ids, start=start, cache=cache, max_new_tokens=max_new_tokens, sampling=sampling,
@@ -200,12 +204,13 @@ class Engine:
         if new_blocks and not getattr(self.store, "readonly", False):
             self.store.put_blocks(new_blocks)
             report.blocks_stored = len(new_blocks)
-        result.extra.pop("cache", None)
+        self.room.give(result.extra.pop("cache", None))  # nobody else holds it: the next graft reads into it
         return result, report
 
     def _graft_longest(self, token_ids: list[int], graft: bool, entries_used: Sequence[str],
-                       rows: Sequence[BlockRow] | None = None):
-        """A cache holding the longest verified stored chain of `token_ids`, its end, and the report."""
+                       rows: Sequence[BlockRow] | None = None, room: int = 0):
+        """A cache holding the longest verified stored chain of `token_ids` (with room for the prompt
+        and `room` more tokens), its end, and the report."""
         report = GraftReport(tokens_total=len(token_ids), entries_used=list(entries_used))
         if not graft:
             rows = []
@@ -213,8 +218,9 @@ class Engine:
             rows = plan_chain(self.store, self.profile_id, token_ids, self.chunk)
         else:  # the last prompt token is always computed: never graft past the graft point
             rows = list(rows)[: graft_point_for(len(token_ids), self.chunk) // self.chunk]
-        chain = load_chain(self.store, rows, report, runner=self.runner)
-        cache, start = self.graft_chain(token_ids, chain, report)
+        capacity = len(token_ids) + room
+        chain = load_chain(self.store, rows, report, runner=self.runner, capacity=capacity, room=self.room)
+        cache, start = self.graft_chain(token_ids, chain, report, capacity=capacity)
         return cache, start, report
 
     def choose(self, token_ids: Sequence[int], choices: Sequence[Sequence[int]], *, graft: bool = True,

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from . import attention
 from .errors import KVMemoryError
 from .paths import cache_dir
 
@@ -113,7 +114,8 @@ def load_model(
     path = resolve_model_path(name_or_path)
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
-    kwargs = {"attn_implementation": attn_implementation}
+    # On the CPU, sdpa runs grouped-query attention natively (attention.py); recorded in the profile.
+    kwargs = {"attn_implementation": attention.for_device(attn_implementation, device)}
     if dtype is not None:
         kwargs["dtype"] = dtype
     model = AutoModelForCausalLM.from_pretrained(path, **kwargs)

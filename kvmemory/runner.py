@@ -12,11 +12,15 @@ the default model is then 64 x 30 layers x 2 x 3 heads x 64 dims x 4 bytes = 2.9
 per-block costs (a file, a catalogue row, a hash call) are amortised, and CPU prefill in 64-token
 chunks costs about the same per token as longer chunks (measured on SmolLM2: `kvmemory bench graft`).
 
+Attention: on the CPU the model runs `kvmemory_sdpa` (attention.py), SDPA reading grouped K/V heads in
+place instead of expanding them per chunk.
+
 Logits are computed for every position of every prefill chunk: the lm_head GEMM shape then depends
 only on the chunk, which keeps prefill logits comparable between a grafted run and a full one.
 
-Cache layout (transformers' `DynamicCache`): per layer K and V of shape `[batch=1, H_kv, S, D]`;
-sliding-window layers keep only the last `window - 1` positions.
+Cache layout (transformers' `DynamicCache`, full-attention layers writing into room reserved for the
+whole forward, cache.py): per layer K and V of shape `[batch=1, H_kv, S, D]` (views of
+`[1, H_kv, capacity, D]` buffers); sliding-window layers keep only the last `window - 1` positions.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .cache import new_cache
 from .errors import InvalidInput, UnsupportedArchitecture
 from .profile import tensor_bytes
 
@@ -158,10 +163,9 @@ class CanonicalRunner:
         self.vocab_size = int(cfg.vocab_size)
         self.max_positions = int(max_positions or getattr(cfg, "max_position_embeddings", 0) or 1 << 30)
 
-    def new_cache(self):
-        from transformers import DynamicCache
-
-        return DynamicCache(config=self.model.config)
+    def new_cache(self, capacity: int = 0):
+        """An empty cache whose full-attention layers reserve `capacity` positions (cache.py)."""
+        return new_cache(self.model, capacity)
 
     def check_ids(self, token_ids: Sequence[int], extra: int = 0) -> None:
         n = len(token_ids)
@@ -209,7 +213,7 @@ class CanonicalRunner:
         if cache is None:
             if start:
                 raise InvalidInput("a prefill that starts after position 0 needs the cache of the positions before")
-            cache = self.new_cache()
+            cache = self.new_cache(n + max_new_tokens)
         ids = torch.tensor([list(map(int, token_ids))], dtype=torch.long, device=self.device)
         hasher = hashlib.sha256()
         argmax: list[int] = []

@@ -529,25 +529,20 @@ class LocalStore:
             self._insert_block_rows(db, [m for m, _ in blocks], sizes, verified, pinned)
         return sum(sizes.values())
 
-    # `read_block` also takes a list of buffers and scatters the payload over them in order.
-    scatter_reads = True
-
     def read_block(self, row: BlockRow, into=None) -> tuple[BlockMeta, object]:
         """Read a block's payload and verify it against the catalogue before returning it.
 
         `into` (a writable buffer of `row.payload_nbytes` bytes, e.g. a slice of a staging tensor)
-        receives the payload straight from the file: one copy, the one that cannot be avoided. `into`
-        may also be a list of buffers whose sizes add up to the payload: the file is read across them
-        in order (`preadv`), e.g. straight into the per-layer, per-head rows of a KV cache, with no
-        staging copy at all. The payload is hashed where it lies, so the verified bytes are the bytes
-        that are used. Raises IntegrityError (after quarantining the block) on any mismatch.
+        receives the payload straight from the file: one copy, the one that cannot be avoided. The
+        payload is hashed where it lies, with one call, so the verified bytes are the bytes that are
+        used. Raises IntegrityError (after quarantining the block) on any mismatch.
         """
         path = self.block_path(row.hash)
         if into is None:
             into = memoryview(bytearray(row.payload_nbytes))
-        parts = [into] if isinstance(into, memoryview) else list(into)
-        if sum(p.nbytes for p in parts) != row.payload_nbytes:
-            raise ValueError("destination buffers have the wrong total size")
+        if into.nbytes != row.payload_nbytes:
+            raise ValueError("the destination buffer has the wrong size")
+        parts = [into]
         try:
             with open(path, "rb", buffering=0) as fh:
                 meta, off = read_header(fh)
@@ -568,10 +563,7 @@ class LocalStore:
         except IntegrityError as exc:
             self.quarantine(row.hash, str(exc))
             raise IntegrityError(f"block {row.hash[:12]}: {exc}") from None
-        h = hashlib.sha256()
-        for p in parts:
-            h.update(p)
-        if h.hexdigest() != row.payload_sha256:
+        if hashlib.sha256(into).hexdigest() != row.payload_sha256:
             self.quarantine(row.hash, "payload SHA-256 mismatch")
             raise IntegrityError(f"block {row.hash[:12]}: payload SHA-256 does not match the catalogue")
         return meta, into

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from kvmemory import attention
 from kvmemory.engine import Engine
 from kvmemory.models import LoadedModel
 from kvmemory.store import LocalStore
@@ -75,7 +76,7 @@ def tiny_model(arch: str, dtype: torch.dtype = torch.float32, seed: int = 0, att
     torch.manual_seed(seed)
     cfg = tiny_config(arch)
     # Gemma2 has no SDPA path in transformers (softcapped attention): it runs eager.
-    attn = attn or ("eager" if arch == "gemma2" else "sdpa")
+    attn = attn or ("eager" if arch == "gemma2" else attention.for_device("sdpa", "cpu"))
     cfg._attn_implementation = attn
     model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation=attn)
     return model.eval().requires_grad_(False)

@@ -1,0 +1,122 @@
+"""The canonical runner's KV cache: transformers' `DynamicCache` whose full-attention layers write
+into reserved room instead of concatenating.
+
+`DynamicLayer.update` does `torch.cat([keys, new])`: every grid chunk copies the whole cache of every
+layer, O(L^2 / C) bytes over a prefill and O(L) for the 16 tokens that follow a graft. `ReservedLayer`
+allocates K and V once per layer with room for the whole forward (the prompt and the tokens to
+decode, known before the first chunk), writes each chunk's K/V at its positions and hands attention a
+view of the filled positions. Grafted blocks are read straight into that room (graft.py).
+
+Layout, per layer: buffers K, V of shape [batch, H_kv, capacity, D], contiguous; the layer's `keys` /
+`values` are the views [:, :, :S] of the S filled positions (each head's rows stay one run of bytes,
+as `graft_op` and the scattered reads need). Attention reads the same values whatever the capacity:
+the stride between heads is not something the kernels compute with (tested: logits are equal for
+any capacity). Room runs out only when more is appended than was reserved; the layer then doubles
+once, copying what it holds.
+
+Sliding-window layers keep transformers' own `DynamicSlidingWindowLayer` (they hold a bounded suffix).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+
+class ReservedLayer(DynamicLayer):
+    """A full-attention layer writing into reserved room; `keys` / `values` view the filled part."""
+
+    def __init__(self, capacity: int = 0, **kwargs):
+        super().__init__(**kwargs)
+        self.capacity = int(capacity)  # positions to reserve at the first write
+        self.k_buf: torch.Tensor | None = None  # [B, H_kv, capacity, D]
+        self.v_buf: torch.Tensor | None = None
+        self.whole: torch.Tensor | None = None  # the one tensor every layer's buffers live in (a graft's)
+
+    def adopt(self, k_buf: torch.Tensor, v_buf: torch.Tensor, length: int, whole: torch.Tensor | None = None) -> None:
+        """Take buffers whose first `length` positions are already filled (a graft); `whole` is the
+        tensor they are views of, when one holds every layer (graft.py)."""
+        self.lazy_initialization(k_buf, v_buf)
+        self.k_buf, self.v_buf, self.whole = k_buf, v_buf, whole
+        self.keys, self.values = k_buf[:, :, :length], v_buf[:, :, :length]
+
+    def _views_buffers(self) -> bool:
+        """Whether keys / values are still the filled prefix of the buffers (a crop keeps that; a
+        batch reorder or repeat in DynamicLayer replaces them with new tensors)."""
+        if self.k_buf is None:
+            return False
+        if self.keys.numel() == 0:
+            return True
+        return all(t.data_ptr() == b.data_ptr() and t.stride() == b.stride() and t.shape[:2] == b.shape[:2]
+                   for t, b in ((self.keys, self.k_buf), (self.values, self.v_buf)))
+
+    def _reserve(self, key_states: torch.Tensor, value_states: torch.Tensor, n: int, need: int) -> None:
+        old = self.k_buf.shape[-2] if self.k_buf is not None else 0
+        cap = max(need, self.capacity, 2 * old)
+        B, H, _, Dk = key_states.shape
+        k = torch.empty(B, H, cap, Dk, dtype=key_states.dtype, device=key_states.device)
+        v = torch.empty(B, H, cap, value_states.shape[-1], dtype=value_states.dtype, device=value_states.device)
+        if n:
+            k[:, :, :n].copy_(self.keys)
+            v[:, :, :n].copy_(self.values)
+        self.k_buf, self.v_buf, self.whole = k, v, None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n = self.get_seq_length()
+        end = n + key_states.shape[-2]
+        fits = (self._views_buffers() and end <= self.k_buf.shape[-2]
+                and self.k_buf.shape[:2] == key_states.shape[:2] and self.k_buf.dtype == key_states.dtype)
+        if not fits:
+            self._reserve(key_states, value_states, n, end)
+        self.k_buf[:, :, n:end].copy_(key_states)
+        self.v_buf[:, :, n:end].copy_(value_states)
+        self.keys, self.values = self.k_buf[:, :, :end], self.v_buf[:, :, :end]
+        return self.keys, self.values
+
+
+def new_cache(model: torch.nn.Module, capacity: int = 0) -> DynamicCache:
+    """transformers' DynamicCache for `model`, its full-attention layers reserving `capacity` positions."""
+    cache = DynamicCache(config=model.config)
+    for i, layer in enumerate(cache.layers):
+        if type(layer) is DynamicLayer:
+            cache.layers[i] = ReservedLayer(capacity)
+    return cache
+
+
+class Room:
+    """The K/V memory of the last grafted forward, kept for the next one, so a graft reads into
+    memory that is already mapped (a fresh 377 MB cache at 8k tokens costs ~90k page faults while the
+    blocks are read). One forward holds it at a time: `take` hands it out and forgets it, `give`
+    keeps the one a finished forward used. What it keeps is at most the largest cache one forward
+    needed (`clear` drops it), as llama.cpp keeps the KV cache of its context."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._whole: torch.Tensor | None = None  # [layers, 2, H, room, D]
+
+    def take(self, shape: tuple[int, int, int, int, int], dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+        """The kept tensor when it fits `shape` = (layers, 2, H, S, D) with S positions or more (the
+        extra room is harmless: attention sees [:S]); else None and the caller allocates."""
+        with self._lock:
+            whole, self._whole = self._whole, None
+        if whole is None or whole.dtype != dtype or whole.device != device:
+            return None
+        if whole.shape[:3] != shape[:3] or whole.shape[4] != shape[4] or whole.shape[3] < shape[3]:
+            return None
+        return whole
+
+    def give(self, cache) -> None:
+        """Keep the memory of a cache whose forward is over, when all its layers live in one tensor."""
+        wholes = [getattr(layer, "whole", None) for layer in getattr(cache, "layers", None) or []]
+        if wholes and wholes[0] is not None and all(w is wholes[0] for w in wholes):
+            with self._lock:
+                self._whole = wholes[0]
+
+    def clear(self) -> None:
+        with self._lock:
+            self._whole = None

@@ -1,0 +1,80 @@
+"""The runner's cache (cache.py) and CPU attention (attention.py): room reserved up front, memory kept
+between grafts, grouped-query SDPA. None of it may change a logit bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import tiny_engine, tiny_model
+from transformers import DynamicCache
+
+from kvmemory.attention import NAME, for_device
+from kvmemory.cache import ReservedLayer, new_cache
+
+
+def _ids(n: int, seed: int = 1) -> list[int]:
+    return torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
+def test_room_does_not_change_logits(arch, store_dir):
+    """Logits are equal whatever room the cache reserved (none: it grows; exact; far more), and equal
+    to transformers' own DynamicCache, which concatenates."""
+    eng = tiny_engine(arch, store_dir)
+    ids = _ids(75)
+    runs = []
+    for cache in (new_cache(eng.model, 0), new_cache(eng.model, 75 + 4), new_cache(eng.model, 4096),
+                  DynamicCache(config=eng.model.config)):
+        res = eng.runner.forward(ids, cache=cache, max_new_tokens=4, stop_token_ids=())
+        runs.append(res.all_logits())
+    assert all(torch.equal(runs[0], r) for r in runs[1:])
+    if arch == "gemma3":  # sliding layers keep transformers' own layer; full ones reserve room
+        assert any(isinstance(l, ReservedLayer) for l in new_cache(eng.model).layers)
+        assert not all(isinstance(l, ReservedLayer) for l in new_cache(eng.model).layers)
+
+
+def test_reserved_layer_writes_in_place_and_regrows():
+    layer = ReservedLayer(capacity=8)
+    k = torch.arange(2 * 3 * 4, dtype=torch.float32).view(1, 2, 3, 4)
+    keys, _ = layer.update(k, k + 1)
+    buf = layer.k_buf
+    keys, values = layer.update(k * 2, k * 2 + 1)
+    assert layer.k_buf is buf and keys.data_ptr() == buf.data_ptr() and keys.shape == (1, 2, 6, 4)
+    assert torch.equal(keys, torch.cat([k, k * 2], -2)) and torch.equal(values, torch.cat([k + 1, k * 2 + 1], -2))
+    layer.update(k * 3, k * 3)  # 9 > 8 positions: one regrowth, the content kept
+    assert layer.k_buf is not buf and layer.k_buf.shape[-2] >= 9
+    assert torch.equal(layer.keys, torch.cat([k, k * 2, k * 3], -2))
+    layer.batch_repeat_interleave(2)  # transformers replaces keys: the layer notices and reallocates
+    keys, _ = layer.update(k.repeat(2, 1, 1, 1), k.repeat(2, 1, 1, 1))
+    assert keys.shape == (2, 2, 12, 4) and torch.equal(keys[1], torch.cat([k, k * 2, k * 3, k], -2)[0])
+
+
+def test_room_is_reused_and_stays_exact(store_dir):
+    """The second graft reads into the first one's memory; stale positions past the new prompt never
+    reach attention, so the logits still equal the recompute's."""
+    eng = tiny_engine("llama", store_dir)
+    long, short = _ids(200, seed=1), _ids(90, seed=2)
+    eng.store_prefix(long[:192])
+    eng.store_prefix(short[:80])
+    got, rep = eng.forward(long, max_new_tokens=3, stop_token_ids=(), keep_logits=True)
+    assert rep.tokens_grafted == 192
+    whole = eng.room._whole
+    assert whole is not None and whole.shape[3] >= 203
+    for ids in (short, long):
+        got, rep = eng.forward(ids, max_new_tokens=3, stop_token_ids=(), keep_logits=True)
+        ref = eng.recompute(ids, max_new_tokens=3, stop_token_ids=())
+        assert rep.tokens_grafted == (80 if ids is short else 192)
+        assert torch.equal(got.prefill_logits, ref.prefill_logits[rep.tokens_grafted:])
+        assert torch.equal(got.decode_logits, ref.decode_logits)
+        assert eng.room._whole is whole  # the same memory, handed back after each forward
+    eng.room.clear()
+    assert eng.room._whole is None
+
+
+def test_cpu_loads_grouped_sdpa(store_dir):
+    assert for_device("sdpa", "cpu") == NAME
+    assert for_device("sdpa", "cuda") == "sdpa" and for_device("eager", "cpu") == "eager"
+    eng = tiny_engine("llama", store_dir)  # 4 query heads over 2 K/V heads
+    assert eng.profile.attn_implementation == NAME
+    m = tiny_model("llama", attn="sdpa")
+    assert m.config._attn_implementation == "sdpa"
