@@ -110,14 +110,15 @@ class _LlamaCpp:
 
 
 def run_graft_bench(lengths=DEFAULT_LENGTHS, *, new_tokens: int = 16, repeats: int = 3, model: str | None = None,
-                    llamacpp: bool = True, progress: bool = True, seed: int = 0) -> dict:
+                    dtype: str | None = None, llamacpp: bool = True, progress: bool = True, seed: int = 0) -> dict:
     from .engine import Engine
     from .models import DEFAULT_MODEL, embedded_gguf_path
 
     lengths = sorted(int(x) for x in lengths)
     tmp = tempfile.TemporaryDirectory(prefix="kvmemory-bench-graft-")
     try:
-        eng = Engine.open(model or DEFAULT_MODEL, f"{tmp.name}/store", max_positions=lengths[-1] + new_tokens + 64)
+        eng = Engine.open(model or DEFAULT_MODEL, f"{tmp.name}/store", dtype=dtype,
+                          max_positions=lengths[-1] + new_tokens + 64)
         C = eng.chunk
         bad = [L for L in lengths if L % C]
         if bad:
@@ -193,7 +194,8 @@ def run_graft_bench(lengths=DEFAULT_LENGTHS, *, new_tokens: int = 16, repeats: i
         last = rows[-1]
         graft_bw = last["bytes_grafted"] / (last["graft_read_verify_s"] + last["graft_copy_s"]) / 1e9
         return {
-            "model": eng.loaded.source, "profile_id": eng.profile_id, "chunk": C, "new_tokens": new_tokens,
+            "model": eng.loaded.source, "profile_id": eng.profile_id, "dtype": eng.profile.dtype,
+            "attn_implementation": eng.profile.attn_implementation, "chunk": C, "new_tokens": new_tokens,
             "repeats": repeats, "machine": machine_info(), "store_seconds_for_largest_L": store_seconds,
             "llamacpp": lcpp_note, "rows": rows,
             "throughput": {"graft_gb_s": graft_bw, "raw_read_hash_gb_s": raw, "ratio": graft_bw / raw,

@@ -175,7 +175,7 @@ def cmd_bench(args) -> int:
 
         lengths = tuple(int(x) for x in args.lengths.split(",")) if args.lengths else DEFAULT_LENGTHS
         r = run_graft_bench(lengths, repeats=args.repeats, model=None if args.model == "embedded:smollm2-135m-instruct"
-                            else args.model, progress=not args.json)
+                            else args.model, dtype=args.dtype, progress=not args.json)
         if args.plot:
             plot(r, args.plot)
             r["plot"] = args.plot
@@ -308,6 +308,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("which", choices=["recurring", "router", "graft", "store", "capacity"])
     b.add_argument("--lengths", help="graft: stored prefix lengths, comma separated (default 256..16384)")
     b.add_argument("--repeats", type=int, default=3)
+    b.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                   help="graft: the dtype the model computes (and stores K/V) in; default: the model's (float32)")
     b.add_argument("--plot", help="graft, capacity: write a PNG plot here")
     b.add_argument("--blocks", type=int, default=64, help="store: blocks per measurement")
     b.add_argument("--target-tokens", type=int, default=3_000_000, help="capacity: tokens to fill the store with")

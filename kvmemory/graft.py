@@ -178,7 +178,8 @@ def load_chain(store, rows: Sequence[BlockRow], report: GraftReport, runner=None
     if dst is not None and len(metas) == len(rows):
         chain.cache = dst  # complete: the cache was built while loading
     elif into_whole and metas:  # cut: only the verified positions are used (build_cache views [:end])
-        chain.cache = _Dest(metas[-1].position + metas[-1].n_tokens, dst.keys, dst.values, dst.offsets, dst.whole)
+        chain.cache = _Dest(metas[-1].position + metas[-1].n_tokens, dst.keys, dst.values, dst.offsets, dst.whole,
+                            dst.whole_bytes)
     return chain
 
 
@@ -247,12 +248,11 @@ class _Dest:
     values: list[torch.Tensor]
     offsets: list[int]  # first absolute position each layer holds (sliding layers keep a suffix)
     whole: torch.Tensor | None = None  # [layers, 2, H, room, D]: keys[l] = whole[l, 0], values[l] = whole[l, 1]
+    whole_bytes: object = None  # `whole` as a numpy uint8 array [layers, 2, H, room, D * itemsize], no copy
 
-    @property
-    def whole_bytes(self):
-        """`whole` as a numpy uint8 array [layers, 2, H, room, D * itemsize] (any dtype, no copy)."""
-        w = self.whole
-        return w.view(torch.uint8).numpy().reshape(*w.shape[:4], -1)
+    def __post_init__(self):
+        if self.whole is not None and self.whole.device.type == "cpu":
+            self.whole_bytes = self.whole.view(torch.uint8).numpy().reshape(*self.whole.shape[:4], -1)
 
 
 def _allocate(runner, m0: BlockMeta, end: int, capacity: int = 0, room=None) -> _Dest:

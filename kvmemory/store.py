@@ -315,6 +315,10 @@ class LocalStore:
         self._check_format()
         self._local = threading.local()
         self._init_lock = threading.Lock()
+        # Headers already checked in full (parsed, canonical, matching the catalogue, chain hash
+        # recomputed): hash -> (meta, the header's exact bytes). A later read compares the file's
+        # header bytes to these and skips the parse; any changed byte takes the full check again.
+        self._checked_headers: dict[str, tuple[BlockMeta, bytes]] = {}
         if not self.readonly:
             for sub in ("blocks", "quarantine", "tmp"):
                 (self.path / sub).mkdir(exist_ok=True)
@@ -542,20 +546,20 @@ class LocalStore:
             into = memoryview(bytearray(row.payload_nbytes))
         if into.nbytes != row.payload_nbytes:
             raise ValueError("the destination buffer has the wrong size")
-        parts = [into]
         try:
             with open(path, "rb", buffering=0) as fh:
-                meta, off = read_header(fh)
-                # The header must be byte-for-byte the canonical encoding of what it says: a flipped bit
-                # in the prefix, the JSON or the padding is caught here, not only one that breaks parsing.
-                fh.seek(0)
-                if fh.read(off) != encode_header(meta):
-                    raise IntegrityError("block header is not in canonical form (damaged)")
-                check_meta(meta, row)
-                got = _preadv_all(fh.fileno(), parts, off)
+                fd = fh.fileno()
+                meta, head = self._checked_headers.get(row.hash, (None, b""))
+                if meta is not None and os.pread(fd, len(head), 0) == head:
+                    check_meta(meta, row)  # the same header bytes: only the row may differ
+                else:
+                    meta, head = self._check_header(fh, row)
+                # One read fills the payload and asks for one byte more: a file with trailing bytes
+                # (or a truncated one) shows in the count.
+                got = _preadv_all(fd, [into, memoryview(bytearray(1))], len(head))
                 if got < row.payload_nbytes:
                     raise IntegrityError(f"block file truncated ({got} of {row.payload_nbytes} payload bytes)")
-                if os.pread(fh.fileno(), 1, off + got):
+                if got > row.payload_nbytes:
                     raise IntegrityError("block file has trailing bytes")
         except FileNotFoundError:
             self.quarantine(row.hash, "missing block file")
@@ -568,6 +572,21 @@ class LocalStore:
             raise IntegrityError(f"block {row.hash[:12]}: payload SHA-256 does not match the catalogue")
         return meta, into
 
+    def _check_header(self, fh, row: BlockRow) -> tuple[BlockMeta, bytes]:
+        """Parse a block file's header and check it in full; remember it as checked."""
+        meta, off = read_header(fh)
+        fh.seek(0)
+        head = fh.read(off)
+        # The header must be byte-for-byte the canonical encoding of what it says: a flipped bit
+        # in the prefix, the JSON or the padding is caught here, not only one that breaks parsing.
+        if head != encode_header(meta):
+            raise IntegrityError("block header is not in canonical form (damaged)")
+        check_meta(meta, row)
+        if len(self._checked_headers) >= 16384:  # bounded: ~2 KB a block
+            self._checked_headers.clear()
+        self._checked_headers[row.hash] = (meta, head)
+        return meta, head
+
     def touch_blocks(self, hashes: Sequence[str]) -> None:
         if self.readonly or not hashes:
             return
@@ -579,6 +598,7 @@ class LocalStore:
 
     def quarantine(self, h: str, reason: str) -> None:
         """Move a damaged block aside and mark it so it is never read again (read-only: mark nothing)."""
+        self._checked_headers.pop(h, None)
         if self.readonly:
             return
         src = self.block_path(h)

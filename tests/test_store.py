@@ -56,12 +56,18 @@ def test_block_file_roundtrip_and_header_checks(store_dir):
         BlockMeta.from_json({"hash": "x"})
 
 
+@pytest.mark.parametrize("read_first", [False, True], ids=["cold", "after-a-good-read"])
 @pytest.mark.parametrize("damage", ["truncate", "bitflip_header", "bitflip_payload", "delete", "trailing"])
-def test_damaged_blocks_are_never_grafted(store_dir, damage):
+def test_damaged_blocks_are_never_grafted(store_dir, damage, read_first):
+    """Damage is caught on a block never read before and on one whose header the store has already
+    checked (it then compares the header bytes instead of parsing them again)."""
     eng = tiny_engine("llama", store_dir)
     ids = _ids(70)
     eng.store_prefix(ids)
     rows = _chain_rows(eng, ids)
+    if read_first:
+        assert eng.forward(ids)[1].tokens_grafted == 64
+        assert rows[1].hash in eng.store._checked_headers
     path = eng.store.block_path(rows[1].hash)
     data = bytearray(path.read_bytes())
     if damage == "truncate":
