@@ -5,11 +5,11 @@ into reserved room instead of concatenating.
 layer, O(L^2 / C) bytes over a prefill and O(L) for the 16 tokens that follow a graft. `ReservedLayer`
 allocates K and V once per layer with room for the whole forward (the prompt and the tokens to
 decode, known before the first chunk), writes each chunk's K/V at its positions and hands attention a
-view of the filled positions. Grafted blocks are read straight into that room (graft.py).
+view of the filled positions. Grafted blocks are copied into that room as they are verified (graft.py).
 
 Layout, per layer: buffers K, V of shape [batch, H_kv, capacity, D], contiguous; the layer's `keys` /
 `values` are the views [:, :, :S] of the S filled positions (each head's rows stay one run of bytes,
-as `graft_op` and the scattered reads need). Attention reads the same values whatever the capacity:
+as `graft_op` needs). Attention reads the same values whatever the capacity:
 the stride between heads is not something the kernels compute with (tested: logits are equal for
 any capacity). Room runs out only when more is appended than was reserved; the layer then doubles
 once, copying what it holds.

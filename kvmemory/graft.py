@@ -1,10 +1,10 @@
 """Grafting: find the longest stored chain for a token sequence, load and verify it, place it in a cache.
 
 The chain is looked up by chain hash (blocks.py), so only blocks computed after exactly the same
-tokens, under the same profile, at the same positions can be found. Blocks are read in parallel
-straight into one staging buffer, each hashed where it lies (SHA-256 against the catalogue) before
-`graft_op.graft_copy` places all of them in the per-layer cache tensors in one call. A damaged block
-is quarantined by the store and the chain is cut before it: the rest is recomputed, never guessed.
+tokens, under the same profile, at the same positions can be found. Blocks are read in parallel,
+each hashed where it was read (SHA-256 against the catalogue) and only then copied to its positions
+of the cache (`load_chain` says how, per device). A damaged block is quarantined by the store and the
+chain is cut before it: the rest is recomputed, never guessed.
 """
 
 from __future__ import annotations
@@ -23,6 +23,26 @@ from .errors import IntegrityError, NotOnGrid, UnsupportedArchitecture
 from .store import BlockRow
 
 _READ_THREADS = max(1, min(8, os.cpu_count() or 1))
+_pool: tuple[int, ThreadPoolExecutor] | None = None  # (pid, readers), started once per process
+_pool_lock = threading.Lock()
+_reader = threading.local()  # per reader thread: the buffer it reads blocks into (kept: it stays in cache)
+
+
+def _readers() -> ThreadPoolExecutor:
+    """The reader threads, started once: a short graft should not pay for starting threads. A forked
+    child gets its own (the parent's threads do not exist there)."""
+    global _pool
+    with _pool_lock:
+        if _pool is None or _pool[0] != os.getpid():
+            _pool = (os.getpid(), ThreadPoolExecutor(_READ_THREADS, thread_name_prefix="kvmemory-read"))
+        return _pool[1]
+
+
+def _reader_buffer(nbytes: int) -> memoryview:
+    buf = getattr(_reader, "buf", None)
+    if buf is None or buf.nbytes < nbytes:
+        buf = _reader.buf = memoryview(bytearray(nbytes))
+    return buf[:nbytes]
 
 
 @dataclass(slots=True)
@@ -136,20 +156,17 @@ def load_chain(store, rows: Sequence[BlockRow], report: GraftReport, runner=None
             staging = whole
     into_whole = dst is not None and dst.whole is not None
     view = memoryview(staging.numpy()) if staging is not None and not into_whole and total else None
-    local = threading.local()
 
     def read(i: int):
         r = rows[i]
         if into_whole:
-            buf = getattr(local, "buf", None)
-            if buf is None or buf.nbytes < r.payload_nbytes:
-                buf = local.buf = memoryview(bytearray(r.payload_nbytes))
-            meta = _read(store, r, buf[: r.payload_nbytes])
+            buf = _reader_buffer(r.payload_nbytes)
+            meta = _read(store, r, buf)
             if isinstance(meta, Exception):
                 return meta
             if _layout(meta) != _layout(first):  # the cache was shaped on the first block
                 return IntegrityError(f"block {r.hash[:12]} is laid out unlike the chain's first block")
-            _copy_into_whole(buf[: r.payload_nbytes], meta, dst)
+            _copy_into_whole(buf, meta, dst)
             return meta
         meta = _read(store, r, view[offsets[i] : offsets[i] + r.payload_nbytes])
         if dst is not None and not isinstance(meta, Exception):
@@ -158,8 +175,7 @@ def load_chain(store, rows: Sequence[BlockRow], report: GraftReport, runner=None
 
     rest = range(1, len(rows))
     if len(rows) > 2 and _READ_THREADS > 1:
-        with ThreadPoolExecutor(_READ_THREADS) as pool:
-            results += list(pool.map(read, rest))
+        results += list(_readers().map(read, rest))
     else:
         results += [read(i) for i in rest]
     metas: list[BlockMeta] = []
