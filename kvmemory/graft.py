@@ -139,11 +139,13 @@ def load_chain(store, rows: Sequence[BlockRow], report: GraftReport, runner=None
     results: list = []
     dst = None
     staging = None
+    # Where one cache tensor may hold every layer, blocks are read through the reader threads' own
+    # buffers and copied into it; a GPU keeps the pinned staging buffer the kernel reads.
+    may_whole = runner is not None and device.type == "cpu" and _all_reserved(runner)
     if rows:
         # The first block's header gives the shapes the cache is allocated with. Where one cache
         # tensor may hold every layer, it is read into a buffer of its own; elsewhere into its slice
         # of the one staging buffer (pinned on a GPU), allocated once.
-        may_whole = runner is not None and device.type == "cpu" and _all_reserved(runner)
         staging = _staging(rows[0].payload_nbytes if may_whole else total, device)
         first = _read(store, rows[0], memoryview(staging.numpy())[: rows[0].payload_nbytes])
         results.append(first)
@@ -154,7 +156,7 @@ def load_chain(store, rows: Sequence[BlockRow], report: GraftReport, runner=None
             whole = _staging(total, device)
             whole[: rows[0].payload_nbytes].copy_(staging)
             staging = whole
-    into_whole = dst is not None and dst.whole is not None
+    into_whole = may_whole and dst is not None and dst.whole is not None
     view = memoryview(staging.numpy()) if staging is not None and not into_whole and total else None
 
     def read(i: int):
