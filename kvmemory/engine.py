@@ -188,7 +188,7 @@ class Engine:
         token_ids = [int(t) for t in token_ids]
         self.runner.check_ids(token_ids, max_new_tokens)
         n = len(token_ids)
-        cache, start, report = self._graft_longest(token_ids, graft, entries_used, rows, room=max_new_tokens)
+        cache, start, report = self._graft_longest(token_ids, graft, entries_used, rows, new_tokens=max_new_tokens)
         new_blocks: list = []
         result = self.runner.forward(
             token_ids, start=start, cache=cache, max_new_tokens=max_new_tokens, sampling=sampling,
@@ -208,9 +208,9 @@ class Engine:
         return result, report
 
     def _graft_longest(self, token_ids: list[int], graft: bool, entries_used: Sequence[str],
-                       rows: Sequence[BlockRow] | None = None, room: int = 0):
+                       rows: Sequence[BlockRow] | None = None, new_tokens: int = 0):
         """A cache holding the longest verified stored chain of `token_ids` (with room for the prompt
-        and `room` more tokens), its end, and the report."""
+        and `new_tokens` more), its end, and the report."""
         report = GraftReport(tokens_total=len(token_ids), entries_used=list(entries_used))
         if not graft:
             rows = []
@@ -218,7 +218,7 @@ class Engine:
             rows = plan_chain(self.store, self.profile_id, token_ids, self.chunk)
         else:  # the last prompt token is always computed: never graft past the graft point
             rows = list(rows)[: graft_point_for(len(token_ids), self.chunk) // self.chunk]
-        capacity = len(token_ids) + room
+        capacity = len(token_ids) + new_tokens
         chain = load_chain(self.store, rows, report, runner=self.runner, capacity=capacity, room=self.room)
         cache, start = self.graft_chain(token_ids, chain, report, capacity=capacity)
         return cache, start, report

@@ -9,6 +9,7 @@ chain is cut before it: the rest is recomputed, never guessed.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
@@ -139,24 +140,33 @@ def load_chain(store, rows: Sequence[BlockRow], report: GraftReport, runner=None
     results: list = []
     dst = None
     staging = None
+    into_whole = False
     # Where one cache tensor may hold every layer, blocks are read through the reader threads' own
     # buffers and copied into it; a GPU keeps the pinned staging buffer the kernel reads.
-    may_whole = runner is not None and device.type == "cpu" and _all_reserved(runner)
+    may_whole = runner is not None and device.type == "cpu" and runner.full_attention_only
     if rows:
-        # The first block's header gives the shapes the cache is allocated with. Where one cache
-        # tensor may hold every layer, it is read into a buffer of its own; elsewhere into its slice
-        # of the one staging buffer (pinned on a GPU), allocated once.
-        staging = _staging(rows[0].payload_nbytes if may_whole else total, device)
-        first = _read(store, rows[0], memoryview(staging.numpy())[: rows[0].payload_nbytes])
+        # The first block's header gives the shapes the cache is allocated with. It is read like
+        # the others: into this thread's reader buffer, or into its slice of the one staging buffer
+        # (pinned on a GPU), allocated once.
+        n0 = rows[0].payload_nbytes
+        if may_whole:
+            first_buf = _reader_buffer(n0)
+        else:
+            staging = _staging(total, device)
+            first_buf = memoryview(staging.numpy())[:n0]
+        first = _read(store, rows[0], first_buf)
         results.append(first)
         if runner is not None and not isinstance(first, Exception):
             dst = _allocate(runner, first, len(rows) * first.n_tokens, capacity, room)
-            _copy_blocks(staging, [0], [first], dst)
-        if may_whole and (dst is None or dst.whole is None):  # stage the whole chain after all
-            whole = _staging(total, device)
-            whole[: rows[0].payload_nbytes].copy_(staging)
-            staging = whole
-    into_whole = may_whole and dst is not None and dst.whole is not None
+        into_whole = may_whole and dst is not None and dst.whole is not None
+        if into_whole:
+            _copy_into_whole(first_buf, first, dst)
+        else:
+            if may_whole:  # layers of unequal shapes (or a damaged first block): stage the chain after all
+                staging = _staging(total, device)
+                staging[:n0].copy_(torch.frombuffer(first_buf, dtype=torch.uint8))
+            if dst is not None:
+                _copy_blocks(staging, [0], [first], dst)
     view = memoryview(staging.numpy()) if staging is not None and not into_whole and total else None
 
     def read(i: int):
@@ -196,8 +206,7 @@ def load_chain(store, rows: Sequence[BlockRow], report: GraftReport, runner=None
     if dst is not None and len(metas) == len(rows):
         chain.cache = dst  # complete: the cache was built while loading
     elif into_whole and metas:  # cut: only the verified positions are used (build_cache views [:end])
-        chain.cache = _Dest(metas[-1].position + metas[-1].n_tokens, dst.keys, dst.values, dst.offsets, dst.whole,
-                            dst.whole_bytes)
+        chain.cache = dataclasses.replace(dst, end=metas[-1].position + metas[-1].n_tokens)
     return chain
 
 
@@ -211,12 +220,6 @@ def _read(store, row: BlockRow, into):
 
 def _layout(m: BlockMeta) -> tuple:
     return m.dtype, m.n_tokens, tuple(m.k_shapes), tuple(m.v_shapes)
-
-
-def _all_reserved(runner) -> bool:
-    from .cache import ReservedLayer
-
-    return all(isinstance(layer, ReservedLayer) for layer in runner.new_cache().layers)
 
 
 def _copy_into_whole(payload: memoryview, meta: BlockMeta, dst: "_Dest") -> None:
@@ -286,7 +289,7 @@ def _allocate(runner, m0: BlockMeta, end: int, capacity: int = 0, room=None) -> 
     layers = runner.new_cache().layers
     if len(m0.k_shapes) != len(layers):
         raise UnsupportedArchitecture(f"blocks hold {len(m0.k_shapes)} layers, the model has {len(layers)}")
-    if all(isinstance(layer, ReservedLayer) for layer in layers) and len(set(m0.k_shapes) | set(m0.v_shapes)) == 1:
+    if runner.full_attention_only and len(set(m0.k_shapes) | set(m0.v_shapes)) == 1:
         # Every layer alike: one tensor holds them all, so a block's payload is one slice of it.
         (h, _, d), need = m0.k_shapes[0], max(end, capacity)
         whole = room.take((len(layers), 2, h, need, d), dtype, runner.device) if room is not None else None

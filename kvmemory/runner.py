@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .cache import new_cache
+from .cache import ReservedLayer, new_cache
 from .errors import InvalidInput, UnsupportedArchitecture
 from .profile import tensor_bytes
 
@@ -162,6 +162,9 @@ class CanonicalRunner:
         cfg = model.config.get_text_config(decoder=True)
         self.vocab_size = int(cfg.vocab_size)
         self.max_positions = int(max_positions or getattr(cfg, "max_position_embeddings", 0) or 1 << 30)
+        # Whether every cache layer reserves room (no sliding windows): a graft can then hold all
+        # layers in one tensor (graft.py).
+        self.full_attention_only = all(isinstance(l, ReservedLayer) for l in self.new_cache().layers)
 
     def new_cache(self, capacity: int = 0):
         """An empty cache whose full-attention layers reserve `capacity` positions (cache.py)."""
