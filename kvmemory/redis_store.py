@@ -1053,7 +1053,11 @@ class RedisStore:
                 continue
             entries += 1
             verified += ver == b"1"
-            referenced += sum(rows[h].n_tokens for h in (chain or b"").decode().split(",") if h in rows)
+            try:
+                hashes = (chain or b"").decode().split(",")
+            except UnicodeDecodeError:
+                raise IntegrityError("a Redis entry's chain field is damaged (not text); run `kvmemory fsck`") from None
+            referenced += sum(rows[h].n_tokens for h in hashes if h in rows)
         return StoreStats(entries, verified, len(rows), quarantined, nbytes, tokens, referenced)
 
     def evict(self, max_bytes: int) -> int:
