@@ -6,8 +6,9 @@ on the embedded model. Measured side by side in one process (one run, one machin
 - graft: `Engine.forward` — plan the chain, read + SHA-256-verify + copy the blocks into the cache
   (verification on, always), compute the 16 new tokens on the grid, pick the first token;
 - canonical recompute: the reference runner from scratch over L + 16 tokens;
-- single pass: a plain transformers forward `model(ids, logits_to_keep=1)` (what a user without
-  kvmemory would run; not bit-comparable, shown for scale);
+- single pass: a plain transformers forward `model(ids, logits_to_keep=1)` on the same weights loaded
+  as transformers loads them (its own sdpa, plain linears: what a user without kvmemory would run;
+  not bit-comparable, shown for scale);
 - llama.cpp restore (optional extra `llama-cpp-python`, same GGUF file): read the saved state of the
   first L tokens from a file, restore it, evaluate the same 16 tokens.
 
@@ -112,7 +113,7 @@ class _LlamaCpp:
 def run_graft_bench(lengths=DEFAULT_LENGTHS, *, new_tokens: int = 16, repeats: int = 3, model: str | None = None,
                     dtype: str | None = None, llamacpp: bool = True, progress: bool = True, seed: int = 0) -> dict:
     from .engine import Engine
-    from .models import DEFAULT_MODEL, embedded_gguf_path
+    from .models import DEFAULT_MODEL, embedded_gguf_path, load_model
 
     lengths = sorted(int(x) for x in lengths)
     tmp = tempfile.TemporaryDirectory(prefix="kvmemory-bench-graft-")
@@ -125,6 +126,7 @@ def run_graft_bench(lengths=DEFAULT_LENGTHS, *, new_tokens: int = 16, repeats: i
             raise ValueError(f"lengths must be multiples of the grid C={C}: {bad}")
         if new_tokens >= C:
             raise ValueError(f"new_tokens must be below the grid C={C}")
+        plain = load_model(model or DEFAULT_MODEL, dtype=dtype, plain=True).model  # the single-pass baseline
         vocab = eng.runner.vocab_size
         g = torch.Generator().manual_seed(seed)
         ids = torch.randint(100, min(vocab, 40000), (lengths[-1] + new_tokens,), generator=g).tolist()
@@ -155,7 +157,7 @@ def run_graft_bench(lengths=DEFAULT_LENGTHS, *, new_tokens: int = 16, repeats: i
 
             def single_pass():
                 with torch.inference_mode():
-                    out = eng.model(input_ids=torch.tensor([prompt]), logits_to_keep=1)
+                    out = plain(input_ids=torch.tensor([prompt]), logits_to_keep=1)
                 first["single"] = int(out.logits[0, -1].argmax())
 
             graft()  # warm (first call allocates)

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, fields
 
 import torch
 
+from . import linear
 from .errors import ProfileMismatch
 
 # Keys of a model config that do not change what the model computes.
@@ -117,6 +118,8 @@ class ExecutionProfile:
     kvmemory_version: str
     deterministic: str
     chunk: int
+    # Added after the first stores: a stored profile without it computed with plain linears.
+    linear_impl: str = "aten"
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -192,4 +195,5 @@ def build_profile(model: torch.nn.Module, tokenizer, chunk: int, *, model_sha256
         kvmemory_version=__version__,
         deterministic=det,
         chunk=int(chunk),
+        linear_impl=linear.implementation(model),
     )

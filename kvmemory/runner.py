@@ -12,8 +12,9 @@ the default model is then 64 x 30 layers x 2 x 3 heads x 64 dims x 4 bytes = 2.9
 per-block costs (a file, a catalogue row, a hash call) are amortised, and CPU prefill in 64-token
 chunks costs about the same per token as longer chunks (measured on SmolLM2: `kvmemory bench graft`).
 
-Attention: on the CPU the model runs `kvmemory_sdpa` (attention.py), SDPA reading grouped K/V heads in
-place instead of expanding them per chunk.
+Kernels: on the CPU the model runs `kvmemory_sdpa` (attention.py), SDPA reading grouped K/V heads in
+place instead of expanding them per chunk, and linears with oneDNN-packed weights (linear.py); both
+are chosen at load and recorded in the profile.
 
 Logits are computed for every position of every prefill chunk: the lm_head GEMM shape then depends
 only on the chunk, which keeps prefill logits comparable between a grafted run and a full one.

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from kvmemory import attention
+from kvmemory import attention, linear
 from kvmemory.engine import Engine
 from kvmemory.models import LoadedModel
 from kvmemory.store import LocalStore
@@ -70,7 +70,8 @@ def tiny_config(arch: str):
 ARCHS = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3"]
 
 
-def tiny_model(arch: str, dtype: torch.dtype = torch.float32, seed: int = 0, attn: str | None = None):
+def tiny_model(arch: str, dtype: torch.dtype = torch.float32, seed: int = 0, attn: str | None = None,
+               pack: bool = True):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
@@ -79,7 +80,10 @@ def tiny_model(arch: str, dtype: torch.dtype = torch.float32, seed: int = 0, att
     attn = attn or ("eager" if arch == "gemma2" else attention.for_device("sdpa", "cpu"))
     cfg._attn_implementation = attn
     model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation=attn)
-    return model.eval().requires_grad_(False)
+    model.eval().requires_grad_(False)
+    if pack:
+        linear.pack_linears(model)  # as models.load_model does on the CPU
+    return model
 
 
 def tiny_engine(arch: str, store_path, dtype=torch.float32, chunk: int = 16, seed: int = 0) -> Engine:
