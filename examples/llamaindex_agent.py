@@ -41,16 +41,35 @@ def multiply(a: int, b: int) -> int:
     return a * b
 
 
-def recall_tool(mem):
+def recall_solution_tool(mem):
     """A tool over the same memory: the verified solution of the most similar stored problem."""
-    from llama_index.core.tools import FunctionTool
 
     def recall_solution(question: str) -> str:
         """Look up a verified worked solution to a similar problem."""
         hits = mem.recall(question, k=1)
         return hits[0].entry.solution if hits else "no verified solution found"
 
-    return FunctionTool.from_defaults(recall_solution)
+    return recall_solution
+
+
+def build_agent(mem, max_new_tokens: int = 48):
+    """Remember the verified ReAct demonstration in `mem` and build the agent over it; returns
+    (agent, the demonstration's entry, the tools by name). The test of this example uses it too."""
+    from llama_index.core.agent.react.formatter import ReActChatFormatter
+    from llama_index.core.agent.workflow import ReActAgent
+    from llama_index.core.llms import MessageRole
+    from llama_index.core.tools import FunctionTool
+    from llama_index.llms.kvgraft import KVGraftLLM
+
+    demo = mem.remember(DEMO_PROBLEM, DEMO_SOLUTION, "108", verifier="arithmetic")
+    tools = {"recall_solution": recall_solution_tool(mem), "multiply": multiply}
+    # "Observation:" is the framework's to write: stop there instead of letting the model invent one.
+    llm = KVGraftLLM(memory=mem, max_new_tokens=max_new_tokens, stop=["Observation:"])
+    # Observations as tool turns, not user turns: the LLM keeps routing on the question, so the
+    # verified demonstration (and its grafted KV) stays in front of every step.
+    formatter = ReActChatFormatter.from_defaults(observation_role=MessageRole.TOOL)
+    agent = ReActAgent(tools=[FunctionTool.from_defaults(fn) for fn in tools.values()], llm=llm, formatter=formatter)
+    return agent, demo, tools
 
 
 async def run_agent(agent, question: str, max_iterations: int) -> object:
@@ -84,27 +103,15 @@ def main(argv: list[str] | None = None) -> int:
 
     from kvmemory.memory import KVMemory
     from llama_index.core import Settings
-    from llama_index.core.agent.react.formatter import ReActChatFormatter
-    from llama_index.core.agent.workflow import ReActAgent
-    from llama_index.core.llms import MessageRole
-    from llama_index.core.tools import FunctionTool
-    from llama_index.llms.kvgraft import KVGraftLLM
 
     tmp = None if args.store else tempfile.TemporaryDirectory(prefix="kvmemory-li-agent-")
     store = args.store or os.path.join(tmp.name, "store")
     # block_policy="always": every step's newly computed blocks are kept, so the ReAct header (the same
     # ~650 tokens at every step) is computed once and grafted afterwards.
     mem = KVMemory(store=store, namespace="llamaindex-agent", block_policy="always")
-    demo = mem.remember(DEMO_PROBLEM, DEMO_SOLUTION, "108", verifier="arithmetic")
+    agent, demo, _ = build_agent(mem, args.max_new_tokens)
     print(f"remembered a verified ReAct demonstration {demo.id} ({demo.verifier['detail']})")
-
-    # "Observation:" is the framework's to write: stop there instead of letting the model invent one.
-    llm = KVGraftLLM(memory=mem, max_new_tokens=args.max_new_tokens, stop=["Observation:"])
-    Settings.llm = llm  # explicit: nothing can fall back to a hosted default
-    # Observations as tool turns, not user turns: the LLM keeps routing on the question, so the
-    # verified demonstration (and its grafted KV) stays in front of every step.
-    formatter = ReActChatFormatter.from_defaults(observation_role=MessageRole.TOOL)
-    agent = ReActAgent(tools=[recall_tool(mem), FunctionTool.from_defaults(multiply)], llm=llm, formatter=formatter)
+    Settings.llm = agent.llm  # explicit: nothing can fall back to a hosted default
 
     print(f"\nquestion: {args.question}")
     result = asyncio.run(run_agent(agent, args.question, args.max_iterations))

@@ -197,7 +197,8 @@ def run_graft_bench(lengths=DEFAULT_LENGTHS, *, new_tokens: int = 16, repeats: i
         graft_bw = last["bytes_grafted"] / (last["graft_read_verify_s"] + last["graft_copy_s"]) / 1e9
         return {
             "model": eng.loaded.source, "profile_id": eng.profile_id, "dtype": eng.profile.dtype,
-            "attn_implementation": eng.profile.attn_implementation, "chunk": C, "new_tokens": new_tokens,
+            "attn_implementation": eng.profile.attn_implementation,
+            "linear_impl": eng.profile.linear_impl, "chunk": C, "new_tokens": new_tokens,
             "repeats": repeats, "machine": machine_info(), "store_seconds_for_largest_L": store_seconds,
             "llamacpp": lcpp_note, "rows": rows,
             "throughput": {"graft_gb_s": graft_bw, "raw_read_hash_gb_s": raw, "ratio": graft_bw / raw,

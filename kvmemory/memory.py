@@ -68,6 +68,11 @@ class Answer:
         }
 
 
+# How the framework adapters (LangChain and LlamaIndex retrievers, LlamaIndex's memory block) show a
+# recalled entry as text; `{answer}` is also available to custom templates.
+TEXT_TEMPLATE = "Problem: {problem}\nSolution: {solution}"
+
+
 @dataclass(slots=True, frozen=True)
 class Recalled:
     """A routed entry and its cosine score."""
@@ -75,6 +80,19 @@ class Recalled:
     entry: EntryRecord
     score: float
     matched_text: str
+
+    def text(self, template: str = TEXT_TEMPLATE) -> str:
+        """The entry as a document's text; the solution as the model read it when it was stored
+        (ending with its answer)."""
+        e = self.entry
+        return template.format(problem=e.problem, solution=solution_text(e.solution, e.answer), answer=e.answer or "")
+
+    def metadata(self) -> dict:
+        """The provenance every adapter attaches to a recalled document (the same keys everywhere)."""
+        e = self.entry
+        return {"entry_id": e.id, "score": float(self.score), "answer": e.answer, "verified": bool(e.verified),
+                "attestation_id": e.attestation.get("attestation_id"), "namespace": e.namespace,
+                "problem": e.problem, "matched_text": self.matched_text}
 
     def to_json(self) -> dict:
         e = self.entry
@@ -223,15 +241,24 @@ class KVMemory:
 
     def followup_ids(self, entries: Sequence[EntryRecord], question: str) -> list[int]:
         """Token ids of the entries' conversation followed by the question, sharing the first entry's ids."""
+        return self.chat_ids([{"role": "user", "content": question}], entries)
+
+    def chat_ids(self, messages: Sequence[dict], entries: Sequence[EntryRecord]) -> list[int]:
+        """Token ids of a chat with `entries` placed before the conversation (after its system
+        message, if any), ending with the assistant's turn opened. Without a system message the first
+        entry's stored ids are the prompt's prefix, so they are grafted as they are (when the chat
+        template extends the entry's rendering); with one, the entries follow it."""
         tok = self.engine.tokenizer
-        msgs = []
-        for e in entries:
-            msgs += entry_messages(e.problem, e.solution, e.answer)
-        first = entry_messages(entries[0].problem, entries[0].solution, entries[0].answer)
-        tail = continuation_ids(tok, first, msgs[2:] + [{"role": "user", "content": question}])
-        if tail is None:  # the template does not extend the entry's rendering: no shared prefix to graft
-            return render_ids(tok, msgs + [{"role": "user", "content": question}], add_generation_prompt=True)
-        return list(entries[0].token_ids) + tail
+        msgs = list(messages)
+        if entries and msgs[0]["role"] != "system":
+            first = entry_messages(entries[0].problem, entries[0].solution, entries[0].answer)
+            extra = [m for e in entries[1:] for m in entry_messages(e.problem, e.solution, e.answer)]
+            tail = continuation_ids(tok, first, extra + msgs)
+            if tail is not None:
+                return list(entries[0].token_ids) + tail
+        context = [m for e in entries for m in entry_messages(e.problem, e.solution, e.answer)]
+        head = msgs[:1] if msgs[0]["role"] == "system" else []
+        return render_ids(tok, head + context + msgs[len(head):], add_generation_prompt=True)
 
     def question_ids(self, question: str, entries: Sequence[EntryRecord] = (), answer_prefix: str | None = None) -> list[int]:
         """The prompt `answer` computes: the entries' conversation (if any) and the question, with the
@@ -462,18 +489,7 @@ class KVMemory:
         entries = [h.entry for h in hits]
         for e in entries:
             self.engine.require_profile(e.profile_id, f"entry {e.id}'s blocks")
-        tok = self.engine.tokenizer
-        ids = None
-        if entries and msgs[0]["role"] != "system":
-            first = entry_messages(entries[0].problem, entries[0].solution, entries[0].answer)
-            extra = [m for e in entries[1:] for m in entry_messages(e.problem, e.solution, e.answer)]
-            tail = continuation_ids(tok, first, extra + msgs)
-            if tail is not None:
-                ids = list(entries[0].token_ids) + tail
-        if ids is None:
-            context = [m for e in entries for m in entry_messages(e.problem, e.solution, e.answer)]
-            head = msgs[:1] if msgs[0]["role"] == "system" else []
-            ids = render_ids(tok, head + context + msgs[len(head):], add_generation_prompt=True)
+        ids = self.chat_ids(msgs, entries)
         store_new = self.block_policy == "always" or (self.block_policy == "multi" and (len(entries) > 1 or (
             bool(entries) and msgs[0]["role"] == "system")))
         return self.generate(ids, max_new_tokens=max_new_tokens, sampling=sampling, stop=stop,

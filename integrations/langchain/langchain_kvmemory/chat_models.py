@@ -1,7 +1,7 @@
 """`ChatKVGraft`: a LangChain chat model over a frozen Hugging Face model with kvmemory's exact grafts.
 
 Each call renders the conversation with the model's chat template, routes its last user message to
-stored verified solutions (which go before the conversation, as `KVMemory.chat` places them), grafts
+stored verified solutions (placed before the conversation by `KVMemory.chat_ids`, as `KVMemory.chat` places them), grafts
 the longest stored chain (a routed entry's own KV, a stored system prompt) and decodes the rest. The
 usage metadata says how many prompt tokens came from the store (`input_token_details.cache_read`), and
 `response_metadata["kvmemory"]` gives the provenance: entries, scores, verified flags, attestation ids,
@@ -39,7 +39,7 @@ from pydantic import ConfigDict, Field, model_validator
 from kvmemory.graft import plan_chain
 from kvmemory.memory import KVMemory
 from kvmemory.models import DEFAULT_MODEL
-from kvmemory.prompts import continuation_ids, entry_messages, render_ids
+from kvmemory.prompts import render_ids
 from kvmemory.runner import Sampling
 from kvmemory.store import EntryRecord
 
@@ -74,22 +74,6 @@ def normalize_tool_choice(tool_choice: Any, names: Sequence[str]) -> str:
     if isinstance(name, str) and name in names:
         return name
     raise ToolChoiceError(f"tool_choice {tool_choice!r} names no bound tool; bound tools: {list(names)}")
-
-
-def build_prompt_ids(memory: KVMemory, turns: list[dict[str, str]], entries: Sequence[EntryRecord]) -> list[int]:
-    """Token ids of the conversation with the routed entries placed as `KVMemory.chat` places them:
-    without a system turn, the first entry's stored ids are the prefix (grafted as they are); with one,
-    the entries follow it."""
-    tok = memory.engine.tokenizer
-    if entries and turns[0]["role"] != "system":
-        first = entry_messages(entries[0].problem, entries[0].solution, entries[0].answer)
-        extra = [m for e in entries[1:] for m in entry_messages(e.problem, e.solution, e.answer)]
-        tail = continuation_ids(tok, first, extra + turns)
-        if tail is not None:
-            return list(entries[0].token_ids) + tail
-    context = [m for e in entries for m in entry_messages(e.problem, e.solution, e.answer)]
-    head = turns[:1] if turns[0]["role"] == "system" else []
-    return render_ids(tok, head + context + turns[len(head):], add_generation_prompt=True)
 
 
 def _safe_text(raw: str, stops: Sequence[str]) -> str:
@@ -344,7 +328,7 @@ class ChatKVGraft(BaseChatModel):
             entries = [h.entry for h in hits]
             for e in entries:
                 mem.engine.require_profile(e.profile_id, f"entry {e.id}'s blocks")
-            ids = build_prompt_ids(mem, turns, entries)
+            ids = mem.chat_ids(turns, entries)
             has_system = turns[0]["role"] == "system"
             policy = mem.block_policy
             store_new = policy == "always" or (policy == "multi" and (len(entries) > 1 or (bool(entries) and has_system)))

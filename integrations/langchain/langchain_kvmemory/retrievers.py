@@ -17,24 +17,12 @@ from pydantic import ConfigDict, Field, model_validator
 
 from kvmemory.memory import KVMemory, Recalled
 from kvmemory.models import DEFAULT_MODEL
-from kvmemory.prompts import solution_text
 
 from ._memory import SharedMemory, env_store, shared_memory, wrap_memory
 
 
 def to_document(hit: Recalled) -> Document:
-    e = hit.entry
-    content = f"Problem: {e.problem}\nSolution: {solution_text(e.solution, e.answer)}"
-    return Document(id=e.id, page_content=content, metadata={
-        "entry_id": e.id,
-        "score": float(hit.score),
-        "answer": e.answer,
-        "verified": bool(e.verified),
-        "attestation_id": e.attestation.get("attestation_id"),
-        "namespace": e.namespace,
-        "problem": e.problem,
-        "matched_text": hit.matched_text,
-    })
+    return Document(id=hit.entry.id, page_content=hit.text(), metadata=hit.metadata())
 
 
 class KVMemoryRetriever(BaseRetriever):

@@ -13,28 +13,18 @@ the test requires neither to have been needed.)
 from __future__ import annotations
 
 import asyncio
+import importlib.util
+from pathlib import Path
 
 from kvmemory.memory import KVMemory
-from llama_index.core.agent.react.formatter import ReActChatFormatter
-from llama_index.core.agent.workflow import AgentOutput, ReActAgent, ToolCallResult
-from llama_index.core.llms import MessageRole
-from llama_index.core.tools import FunctionTool
-from llama_index.llms.kvgraft import KVGraftLLM
+from llama_index.core.agent.workflow import AgentOutput, ToolCallResult
 
-DEMO_PROBLEM = "What is 12 times 9?"
-DEMO_SOLUTION = (
-    "Thought: I need to use a tool to help me answer the question.\n"
-    "Action: multiply\n"
-    'Action Input: {"a": 12, "b": 9}\n'
-    "Observation: 108\n"
-    "Thought: I can answer without using any more tools.\n"
-    "Answer: 12 * 9 = 108. The answer is 108."
-)
-
-
-def multiply(a: int, b: int) -> int:
-    """Multiply two integers and return the product."""
-    return a * b
+# The agent is set up by the example itself (examples/llamaindex_agent.py), so what is tested is what
+# a user runs.
+_EXAMPLE = Path(__file__).resolve().parents[4] / "examples" / "llamaindex_agent.py"
+_spec = importlib.util.spec_from_file_location("llamaindex_agent_example", _EXAMPLE)
+example = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(example)
 
 
 def test_react_agent_calls_real_tools_and_answers(li_memory, capsys):
@@ -42,20 +32,8 @@ def test_react_agent_calls_real_tools_and_answers(li_memory, capsys):
     # Same model and router, but every newly computed block is kept: each ReAct step re-reads the same
     # long tool header, so from the second step on it is grafted instead of recomputed.
     mem = KVMemory(engine=li_memory.engine, router=li_memory.router, namespace=ns, block_policy="always")
-    demo = mem.remember(DEMO_PROBLEM, DEMO_SOLUTION, "108", verifier="arithmetic")
+    agent, demo, tools = example.build_agent(mem, max_new_tokens=48)
     assert demo.verified
-
-    def recall_solution(question: str) -> str:
-        """Look up a verified worked solution to a similar problem."""
-        hits = mem.recall(question, k=1)
-        return hits[0].entry.solution if hits else "no verified solution found"
-
-    tools = {"recall_solution": recall_solution, "multiply": multiply}
-    llm = KVGraftLLM(memory=mem, max_new_tokens=48, stop=["Observation:"])
-    # Observations as tool turns: the LLM keeps routing on the question (not on "Observation: 84").
-    formatter = ReActChatFormatter.from_defaults(observation_role=MessageRole.TOOL)
-    agent = ReActAgent(tools=[FunctionTool.from_defaults(fn) for fn in tools.values()], llm=llm,
-                       formatter=formatter)
     max_iterations = 4
 
     async def run():

@@ -23,6 +23,7 @@ from kvmemory.errors import InvalidInput
 from kvmemory.memory import Answer, KVMemory
 from kvmemory.models import DEFAULT_MODEL
 from kvmemory.runner import Sampling
+from kvmemory.shared import memory_lock, shared_memory
 from kvmemory.store import EntryRecord
 from llama_index.core.base.llms.types import (
     ChatMessage,
@@ -40,7 +41,6 @@ from llama_index.core.callbacks import CallbackManager
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.llm import LLM
 
-from ._shared import engine_lock, shared_memory
 from ._stream import avisible_stream, visible_stream
 
 # LlamaIndex's roles onto the three every chat template knows. Tool output keeps its own role (see
@@ -175,7 +175,7 @@ class KVGraftLLM(LLM):
 
     def _run_chat(self, messages: Sequence[ChatMessage], opts: dict[str, Any], on_text=None) -> Answer:
         msgs = to_kv_messages(messages, self.tool_role)
-        with engine_lock(self._memory):
+        with memory_lock(self._memory):
             ans = self._memory.chat(msgs, route=opts["route"], k=opts["k"], namespace=opts["namespace"],
                                     threshold=opts["threshold"], max_new_tokens=opts["max_new_tokens"],
                                     sampling=opts["sampling"], stop=opts["stop"], on_text=on_text)
@@ -188,7 +188,7 @@ class KVGraftLLM(LLM):
         mem = self._memory
         if not isinstance(prompt, str) or not prompt:
             raise InvalidInput("empty prompt: give the model something to continue")
-        with engine_lock(mem):
+        with memory_lock(mem):
             ids = mem.engine.encode(prompt)
             ans = mem.generate(ids, max_new_tokens=opts["max_new_tokens"], sampling=opts["sampling"],
                                stop=opts["stop"], on_text=on_text)
@@ -208,7 +208,7 @@ class KVGraftLLM(LLM):
             raise InvalidInput("no entries to answer from")
         for e in entries:
             mem.engine.require_profile(e.profile_id, f"entry {e.id}'s blocks")
-        with engine_lock(mem):
+        with memory_lock(mem):
             ids = mem.followup_ids(list(entries), question)
             if answer_prefix:
                 ids = ids + mem.engine.encode(answer_prefix)

@@ -20,18 +20,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvmemory.errors import InvalidInput, VerificationFailed
-from kvmemory.memory import KVMemory, Recalled
+from kvmemory.memory import TEXT_TEMPLATE, KVMemory, Recalled
 from kvmemory.models import DEFAULT_MODEL
 from kvmemory.problems import VERIFIERS
-from kvmemory.prompts import solution_text
+from kvmemory.shared import shared_memory
 from kvmemory.store import EntryRecord
 from llama_index.core.base.llms.types import ChatMessage, MessageRole, TextBlock
 from llama_index.core.bridge.pydantic import Field, PrivateAttr, field_validator, model_validator
 from llama_index.core.memory.memory import BaseMemoryBlock
 
-from ._shared import shared_memory
-
-DEFAULT_FORMAT = "Problem: {problem}\nSolution: {solution}"
+DEFAULT_FORMAT = TEXT_TEMPLATE
 # Between two solutions in the block's text; truncation cuts at these.
 SEPARATOR = "\n\n"
 
@@ -117,11 +115,7 @@ class KVMemoryBlock(BaseMemoryBlock[str]):
         return [h for h in hits if self.include_unverified or h.entry.verified]
 
     def _format(self, hits: list[Recalled]) -> str:
-        # The solution as the model read it when it was stored (ending with its answer).
-        return SEPARATOR.join(
-            self.format_template.format(problem=e.problem, solution=solution_text(e.solution, e.answer),
-                                        answer=e.answer or "").strip()
-            for e in (h.entry for h in hits))
+        return SEPARATOR.join(h.text(self.format_template).strip() for h in hits)
 
     async def _aget(self, messages: list[ChatMessage] | None = None, **block_kwargs: Any) -> str:
         query = next((_text(m) for m in reversed(messages or []) if m.role == MessageRole.USER), "")

@@ -12,18 +12,16 @@ import asyncio
 import os
 from typing import Any
 
-from kvmemory.memory import KVMemory, Recalled
+from kvmemory.memory import TEXT_TEMPLATE, KVMemory, Recalled
 from kvmemory.models import DEFAULT_MODEL
-from kvmemory.prompts import solution_text
+from kvmemory.shared import shared_memory
 from llama_index.core.base.base_retriever import BaseRetriever
 from llama_index.core.callbacks.base import CallbackManager
 from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
 
-from ._shared import shared_memory
-
-DEFAULT_TEXT_TEMPLATE = "Problem: {problem}\nSolution: {solution}"
-# The keys every kvmemory adapter (LangChain and LlamaIndex) puts on a retrieved solution; both also
-# carry `problem` and `matched_text` (the problem or alias the query matched).
+DEFAULT_TEXT_TEMPLATE = TEXT_TEMPLATE
+# The keys every kvmemory adapter (LangChain and LlamaIndex) puts on a retrieved solution
+# (`Recalled.metadata`), besides `problem` and `matched_text` (the problem or alias the query matched).
 METADATA_KEYS = ("entry_id", "score", "answer", "verified", "attestation_id", "namespace")
 # Provenance is for the caller, not for the model: a 135M model given "attestation_id: 3f9a..." in its
 # context only has more tokens to read, and an embedder would embed the hashes.
@@ -32,26 +30,8 @@ _HIDDEN_KEYS = [*METADATA_KEYS, "problem", "matched_text"]
 
 def node_from_recalled(hit: Recalled, text_template: str = DEFAULT_TEXT_TEMPLATE) -> NodeWithScore:
     """One routed entry as a LlamaIndex node (id = entry id) with its cosine score."""
-    e = hit.entry
-    metadata: dict[str, Any] = {
-        "entry_id": e.id,
-        "score": float(hit.score),
-        "answer": e.answer,
-        "verified": bool(e.verified),
-        "attestation_id": e.attestation.get("attestation_id"),
-        "namespace": e.namespace,
-        "problem": e.problem,
-        "matched_text": hit.matched_text,
-    }
-    # The solution as the model read it when it was stored (ending with its answer), as LangChain's has it.
-    solution = solution_text(e.solution, e.answer)
-    node = TextNode(
-        id_=e.id,
-        text=text_template.format(problem=e.problem, solution=solution, answer=e.answer or ""),
-        metadata=metadata,
-        excluded_llm_metadata_keys=list(_HIDDEN_KEYS),
-        excluded_embed_metadata_keys=list(_HIDDEN_KEYS),
-    )
+    node = TextNode(id_=hit.entry.id, text=hit.text(text_template), metadata=hit.metadata(),
+                    excluded_llm_metadata_keys=list(_HIDDEN_KEYS), excluded_embed_metadata_keys=list(_HIDDEN_KEYS))
     return NodeWithScore(node=node, score=float(hit.score))
 
 
