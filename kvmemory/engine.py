@@ -88,12 +88,15 @@ class Engine:
     @classmethod
     def open(cls, model: str = DEFAULT_MODEL, store=None, *, chunk: int = DEFAULT_CHUNK, dtype=None,
              device: str = "cpu", threads: int | None = None, attn_implementation: str = "sdpa",
-             max_positions: int | None = None) -> "Engine":
+             max_positions: int | None = None, pack_linears: bool = True) -> "Engine":
+        """Load `model` and open `store`. `pack_linears=False` keeps the linears plain on the CPU
+        (slower, no second copy of their weights in memory; another profile: linear.py)."""
         from .stores import open_store
 
         # A folder (local store), a redis:// URL (shared store), None (KVMEMORY_STORE or the default).
         store = open_store(store)
-        loaded = load_model(model, dtype=dtype, device=device, attn_implementation=attn_implementation)
+        loaded = load_model(model, dtype=dtype, device=device, attn_implementation=attn_implementation,
+                            pack_linears=pack_linears)
         return cls(loaded, store, chunk=chunk, threads=threads, max_positions=max_positions)
 
     # ------------------------------------------------------------------ tokens

@@ -78,3 +78,13 @@ def test_graft_is_exact_with_packed_linears(tmp_path):
     assert res.generated == ref.generated
     assert torch.equal(res.decode_logits, ref.decode_logits)
     assert torch.equal(res.prefill_logits, ref.prefill_logits[64:])
+
+
+def test_engine_can_keep_plain_linears(tmp_path):
+    """The opt-out for memory-tight machines: no packed copies, and a profile that says so."""
+    from kvmemory.models import DEFAULT_MODEL
+
+    eng = Engine.open(DEFAULT_MODEL, tmp_path / "s", pack_linears=False)
+    assert eng.profile.linear_impl == linear.PLAIN
+    assert not any(isinstance(m, linear.PackedLinear) for m in eng.model.modules())
+    assert eng.profile.attn_implementation == "kvmemory_sdpa"  # only the linears stay plain
