@@ -1,0 +1,44 @@
+"""kvmemory.shared: one KVMemory per (model, store) in a process, one lock per engine."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvmemory import shared
+from kvmemory.memory import KVMemory
+from kvmemory.models import DEFAULT_MODEL
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    path = tmp_path_factory.mktemp("shared") / "s"
+    yield path
+    # Let the model this module loaded go (the registry would keep it for the whole session).
+    for key in [k for k in shared._memories if k[1] == shared.resolve_store(path)]:
+        del shared._memories[key]
+
+
+def test_one_memory_per_model_and_store(store, monkeypatch):
+    a = shared.shared_memory(None, store)
+    # The same store spelled another way, and the default model named: the same instance.
+    monkeypatch.chdir(store.parent)
+    assert shared.shared_memory(DEFAULT_MODEL, "s") is a
+    assert shared.resolve_store(store.parent / "other") != shared.resolve_store(store)
+
+
+def test_one_lock_per_engine(store):
+    mem = shared.shared_memory(None, store)
+    other_view = KVMemory(engine=mem.engine, namespace="elsewhere")
+    assert shared.memory_lock(other_view) is shared.memory_lock(mem)
+    with shared.memory_lock(mem):  # reentrant: an adapter may call another while holding it
+        with shared.memory_lock(other_view):
+            pass
+
+
+def test_adapters_of_both_frameworks_share_it(store):
+    from langchain_kvmemory._memory import shared_memory as lc_shared
+    from llama_index.retrievers.kvmemory import KVMemoryRetriever
+
+    lc = lc_shared(None, store)
+    li = KVMemoryRetriever(store=store)
+    assert li.memory is lc.memory is shared.shared_memory(None, store)
