@@ -20,6 +20,7 @@ from pathlib import Path
 from .memory import KVMemory
 from .models import DEFAULT_MODEL
 from .paths import default_store_path
+from .stores import is_redis_url
 
 _registry_lock = threading.Lock()
 _memories: dict[tuple[str, str], KVMemory] = {}
@@ -27,9 +28,12 @@ _locks: "weakref.WeakKeyDictionary[object, threading.RLock]" = weakref.WeakKeyDi
 
 
 def resolve_store(store: str | os.PathLike[str] | None) -> str:
-    """The absolute store folder: the given one, else $KVMEMORY_STORE, else the per-user default."""
-    path = Path(store).expanduser() if store else default_store_path()
-    return str(path.resolve())
+    """What names the store, one spelling per store: a Redis URL as given, else the absolute folder
+    (the given one, else $KVMEMORY_STORE, else the per-user default)."""
+    spec = store if store else os.environ.get("KVMEMORY_STORE") or default_store_path()
+    if is_redis_url(spec):
+        return str(spec).strip()
+    return str(Path(spec).expanduser().resolve())
 
 
 def shared_memory(model: str | None = None, store: str | os.PathLike[str] | None = None) -> KVMemory:

@@ -42,3 +42,11 @@ def test_adapters_of_both_frameworks_share_it(store):
     lc = lc_shared(None, store)
     li = KVMemoryRetriever(store=store)
     assert li.memory is lc.memory is shared.shared_memory(None, store)
+
+
+def test_a_redis_store_is_named_by_its_url(monkeypatch):
+    """A Redis URL is not a folder: resolving it as a path would open a local store named `redis:`."""
+    url = "redis://127.0.0.1:6379/3"
+    assert shared.resolve_store(url) == url
+    monkeypatch.setenv("KVMEMORY_STORE", url)
+    assert shared.resolve_store(None) == url
