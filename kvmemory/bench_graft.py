@@ -113,7 +113,9 @@ class _LlamaCpp:
 def run_graft_bench(lengths=DEFAULT_LENGTHS, *, new_tokens: int = 16, repeats: int = 3, model: str | None = None,
                     dtype: str | None = None, llamacpp: bool = True, progress: bool = True, seed: int = 0) -> dict:
     from .engine import Engine
-    from .models import DEFAULT_MODEL, embedded_gguf_path, load_model
+    from transformers import AutoModelForCausalLM
+
+    from .models import DEFAULT_MODEL, embedded_gguf_path, resolve_model_path
 
     lengths = sorted(int(x) for x in lengths)
     tmp = tempfile.TemporaryDirectory(prefix="kvmemory-bench-graft-")
@@ -126,7 +128,8 @@ def run_graft_bench(lengths=DEFAULT_LENGTHS, *, new_tokens: int = 16, repeats: i
             raise ValueError(f"lengths must be multiples of the grid C={C}: {bad}")
         if new_tokens >= C:
             raise ValueError(f"new_tokens must be below the grid C={C}")
-        plain = load_model(model or DEFAULT_MODEL, dtype=dtype, plain=True).model  # the single-pass baseline
+        # The single-pass baseline: the same weights as transformers loads them (its sdpa, plain linears).
+        plain = AutoModelForCausalLM.from_pretrained(resolve_model_path(model or DEFAULT_MODEL), dtype=dtype).eval()
         vocab = eng.runner.vocab_size
         g = torch.Generator().manual_seed(seed)
         ids = torch.randint(100, min(vocab, 40000), (lengths[-1] + new_tokens,), generator=g).tolist()

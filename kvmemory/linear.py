@@ -32,27 +32,14 @@ PLAIN = "aten"
 # rows; the same layout serves every row count (the grid's 64 rows ran no faster packed for 64).
 _PACK_ROWS = 16
 
-
-def _available() -> bool:
-    ops = torch.ops.mkldnn
-    try:
-        return torch.backends.mkldnn.is_available() and hasattr(ops, "_linear_pointwise") and \
-            hasattr(ops, "_reorder_linear_weight")
-    except (AttributeError, RuntimeError):
-        return False
-
-
-AVAILABLE = _available()
-
-
-def _packable_dtypes() -> set[torch.dtype]:
-    dtypes = {torch.float32}
-    if AVAILABLE and torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        dtypes.add(torch.bfloat16)
-    return dtypes
-
-
-PACKABLE_DTYPES = _packable_dtypes() if AVAILABLE else set()
+# Chosen once, at import: whether this torch build can pack, and for which dtypes.
+AVAILABLE = torch.backends.mkldnn.is_available() and all(
+    hasattr(torch.ops.mkldnn, op) for op in ("_reorder_linear_weight", "_linear_pointwise"))
+PACKABLE_DTYPES: set[torch.dtype] = set()
+if AVAILABLE:
+    PACKABLE_DTYPES.add(torch.float32)
+    if torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        PACKABLE_DTYPES.add(torch.bfloat16)
 
 
 class PackedLinear(torch.nn.Linear):

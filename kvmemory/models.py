@@ -107,27 +107,25 @@ def load_model(
     dtype: torch.dtype | str | None = None,
     attn_implementation: str = "sdpa",
     device: str = "cpu",
-    plain: bool = False,
     pack_linears: bool = True,
 ) -> LoadedModel:
     """Load a frozen causal LM and its tokenizer through transformers' own `from_pretrained`.
 
     On the CPU the model then runs kvmemory's kernels (grouped-query SDPA, attention.py; packed
-    linears, linear.py), both recorded in the execution profile. `plain=True` loads it exactly as
-    transformers would (the benches' single-pass baseline); `pack_linears=False` keeps only the packed
-    linears out (they hold a second copy of the linear weights in memory)."""
+    linears, linear.py), both recorded in the execution profile. `pack_linears=False` keeps the
+    linears plain (packed ones hold a second copy of the linear weights in memory)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = resolve_model_path(name_or_path)
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     # On the CPU, sdpa runs grouped-query attention natively (attention.py); recorded in the profile.
-    kwargs = {"attn_implementation": attn_implementation if plain else attention.for_device(attn_implementation, device)}
+    kwargs = {"attn_implementation": attention.for_device(attn_implementation, device)}
     if dtype is not None:
         kwargs["dtype"] = dtype
     model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     model.eval().requires_grad_(False).to(device)
-    if pack_linears and not plain:
+    if pack_linears:
         linear.pack_linears(model)
     tokenizer = AutoTokenizer.from_pretrained(path)
     return LoadedModel(model=model, tokenizer=tokenizer, source=name_or_path, path=path)
