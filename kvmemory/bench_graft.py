@@ -137,20 +137,24 @@ def run_graft_bench(lengths=DEFAULT_LENGTHS, *, new_tokens: int = 16, repeats: i
     from transformers import AutoModelForCausalLM
 
     from .engine import Engine
+    from .errors import InvalidInput
     from .graft import _READ_THREADS, plan_chain
     from .models import DEFAULT_MODEL, embedded_gguf_path, resolve_model_path
+    from .runner import DEFAULT_CHUNK as C  # the grid the bench's fresh store is opened with
 
+    # Checked before anything is loaded: a typo should not cost a model load.
     lengths = sorted(int(x) for x in lengths)
+    bad = [L for L in lengths if L <= 0 or L % C]
+    if not lengths or bad:
+        raise InvalidInput(f"lengths must be positive multiples of the grid C={C}, got {bad or 'none'}")
+    if not 0 < new_tokens < C:
+        raise InvalidInput(f"new_tokens must be between 1 and the grid C={C} - 1, got {new_tokens}")
+    if repeats < 1:
+        raise InvalidInput(f"repeats must be at least 1, got {repeats}")
     tmp = tempfile.TemporaryDirectory(prefix="kvmemory-bench-graft-")
     try:
-        eng = Engine.open(model or DEFAULT_MODEL, f"{tmp.name}/store", dtype=dtype,
+        eng = Engine.open(model or DEFAULT_MODEL, f"{tmp.name}/store", chunk=C, dtype=dtype,
                           max_positions=lengths[-1] + new_tokens + 64)
-        C = eng.chunk
-        bad = [L for L in lengths if L % C]
-        if bad:
-            raise ValueError(f"lengths must be multiples of the grid C={C}: {bad}")
-        if new_tokens >= C:
-            raise ValueError(f"new_tokens must be below the grid C={C}")
         # The single-pass baseline: the same weights as transformers loads them (its sdpa, plain linears).
         plain = AutoModelForCausalLM.from_pretrained(resolve_model_path(model or DEFAULT_MODEL), dtype=dtype).eval()
         vocab = eng.runner.vocab_size

@@ -39,6 +39,27 @@ def _memory(args):
     return KVMemory(model=args.model, store=store, namespace=args.namespace, **kw)
 
 
+def _count(minimum: int = 1):
+    """An argparse type: an integer >= `minimum` (a bad value is a usage error, not a traceback)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+    return parse
+
+
+def _counts(text: str) -> tuple[int, ...]:
+    """An argparse type: comma-separated positive integers."""
+    parts = [x.strip() for x in text.split(",") if x.strip()]
+    if not parts:
+        raise argparse.ArgumentTypeError("give at least one number")
+    return tuple(_count()(x) for x in parts)
+
+
 def _emit(args, obj: dict, text: str) -> None:
     if getattr(args, "json", False):
         print(json.dumps(obj, indent=2, sort_keys=True, default=str))
@@ -167,13 +188,13 @@ def cmd_bench(args) -> int:
     elif args.which == "router":
         from .bench_router import run_router_bench
 
-        sizes = tuple(int(x) for x in args.sizes.split(",")) if args.sizes else (10_000, 100_000, 1_000_000)
+        sizes = args.sizes or (10_000, 100_000, 1_000_000)
         r = run_router_bench(sizes=sizes, queries=args.queries, seed=args.seed, progress=not args.json)
         _emit(args, r, json.dumps(r, indent=2, default=str))
     elif args.which == "graft":
         from .bench_graft import DEFAULT_LENGTHS, format_table, plot, run_graft_bench
 
-        lengths = tuple(int(x) for x in args.lengths.split(",")) if args.lengths else DEFAULT_LENGTHS
+        lengths = args.lengths or DEFAULT_LENGTHS
         r = run_graft_bench(lengths, repeats=args.repeats, model=None if args.model == "embedded:smollm2-135m-instruct"
                             else args.model, dtype=args.dtype, progress=not args.json)
         if args.plot:
@@ -306,20 +327,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", parents=[common], help="benchmarks: recurring, router, graft, store, capacity")
     b.add_argument("which", choices=["recurring", "router", "graft", "store", "capacity"])
-    b.add_argument("--lengths", help="graft: stored prefix lengths, comma separated (default 256..16384)")
-    b.add_argument("--repeats", type=int, default=3)
+    b.add_argument("--lengths", type=_counts, help="graft: stored prefix lengths, comma separated (default 256..16384)")
+    b.add_argument("--repeats", type=_count(), default=3)
     b.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                    help="graft: the dtype the model computes (and stores K/V) in; default: the model's (float32)")
     b.add_argument("--plot", help="graft, capacity: write a PNG plot here")
-    b.add_argument("--blocks", type=int, default=64, help="store: blocks per measurement")
-    b.add_argument("--target-tokens", type=int, default=3_000_000, help="capacity: tokens to fill the store with")
-    b.add_argument("--problems", type=int, default=12)
-    b.add_argument("--rewordings", type=int, default=2)
-    b.add_argument("--unrelated", type=int, default=40)
-    b.add_argument("--base-budget", type=int, default=256)
+    b.add_argument("--blocks", type=_count(), default=64, help="store: blocks per measurement")
+    b.add_argument("--target-tokens", type=_count(), default=3_000_000, help="capacity: tokens to fill the store with")
+    b.add_argument("--problems", type=_count(), default=12)
+    b.add_argument("--rewordings", type=_count(), default=2)
+    b.add_argument("--unrelated", type=_count(0), default=40)
+    b.add_argument("--base-budget", type=_count(), default=256)
     b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--sizes", help="router sizes, comma separated (default 10000,100000,1000000)")
-    b.add_argument("--queries", type=int, default=1000)
+    b.add_argument("--sizes", type=_counts, help="router sizes, comma separated (default 10000,100000,1000000)")
+    b.add_argument("--queries", type=_count(), default=1000)
     b.set_defaults(func=cmd_bench)
 
     s = sub.add_parser("stats", parents=[common], help="entries, blocks, bytes, tokens, dedup ratio")

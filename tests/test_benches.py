@@ -80,3 +80,29 @@ def test_study_choices_tiny():
     s = r["seeds"][0]
     assert s["questions"] == 2 and set(s["correct"]) == {"free_decode", "contrast_0.0", "contrast_0.5"}
     assert all(0 <= v <= 2 for v in s["correct"].values()) and r["questions"] == 2
+
+
+def test_bench_graft_refuses_bad_lengths_before_loading():
+    import pytest
+
+    from kvmemory.bench_graft import run_graft_bench
+    from kvmemory.errors import InvalidInput
+
+    for bad in ((100,), (0,), ()):
+        with pytest.raises(InvalidInput, match="multiples of the grid"):
+            run_graft_bench(bad, llamacpp=False, progress=False)
+    with pytest.raises(InvalidInput, match="repeats"):
+        run_graft_bench((64,), repeats=0, llamacpp=False, progress=False)
+
+
+def test_bench_cli_arguments_are_checked(capsys):
+    import pytest
+
+    from kvmemory.cli import main
+
+    for argv in (["bench", "graft", "--lengths", "abc"], ["bench", "graft", "--lengths", "0,64"],
+                 ["bench", "graft", "--repeats", "0"], ["bench", "router", "--sizes", ","]):
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+        assert exc.value.code == 2
+        assert "error: argument" in capsys.readouterr().err
