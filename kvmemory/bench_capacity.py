@@ -66,10 +66,18 @@ def _measure(eng, probe: list[int], queries: int) -> dict:
             "store_tokens": eng.store.stats().tokens_stored, "store_bytes": eng.store.stats().bytes}
 
 
+SMALL_STORE_TOKENS = 10_000  # the store every larger one is compared with
+
+
 def run_capacity_bench(target_tokens: int = 3_000_000, seq_tokens: int = 4096, probe_tokens: int = 1024,
                        queries: int = 50, chunk: int = 64, progress: bool = True, folder: str | None = None,
                        checkpoints: tuple[int, ...] = (100_000, 1_000_000)) -> dict:
     """Measure at a 10 k-token store, at each checkpoint below the target, and at the target."""
+    from .errors import InvalidInput
+
+    if target_tokens <= SMALL_STORE_TOKENS:
+        raise InvalidInput(f"the target store must hold more than the {SMALL_STORE_TOKENS:,} tokens it is compared "
+                           f"with, got {target_tokens:,}")
     tmp = tempfile.TemporaryDirectory(prefix="kvmemory-bench-capacity-", dir=folder)
     try:
         eng = _tiny_engine(f"{tmp.name}/store", chunk)
@@ -92,7 +100,8 @@ def run_capacity_bench(target_tokens: int = 3_000_000, seq_tokens: int = 4096, p
 
         points = []
         t0 = time.perf_counter()
-        for size in [10_000, *sorted(c for c in checkpoints if 10_000 < c < target_tokens), target_tokens]:
+        for size in [SMALL_STORE_TOKENS, *sorted(c for c in checkpoints if SMALL_STORE_TOKENS < c < target_tokens),
+                     target_tokens]:
             fill(size, f"fill to {size:,}")
             points.append({"target": size, **_measure(eng, probe, queries)})
         fill_s = time.perf_counter() - t0

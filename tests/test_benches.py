@@ -106,3 +106,13 @@ def test_bench_cli_arguments_are_checked(capsys):
             main(argv)
         assert exc.value.code == 2
         assert "error: argument" in capsys.readouterr().err
+
+
+def test_bench_capacity_refuses_a_target_not_above_the_small_store():
+    import pytest
+
+    from kvmemory.bench_capacity import run_capacity_bench
+    from kvmemory.errors import InvalidInput
+
+    with pytest.raises(InvalidInput, match="more than the 10,000 tokens"):
+        run_capacity_bench(target_tokens=5_000, progress=False)
