@@ -7,15 +7,26 @@ natively (`enable_gqa=True`), reading each K/V head in place. Registered as `kvm
 transformers' attention and mask interfaces; the name lands in the execution profile like any other
 attention implementation, so blocks made under `sdpa` are never mixed with these.
 
-Chosen once, at load: on the CPU `sdpa` becomes `kvmemory_sdpa` (`models.load_model`); on a GPU
-SDPA with a mask and `enable_gqa` would fall back to the math kernel, so `sdpa` stays.
+`kvmemory_fewq` is the same, except that calls with few query rows (a graft's new tokens, a decode
+step: at most 64 query heads x tokens per K/V head) run the few-query kernel (cpu_attention.py),
+about twice as fast as SDPA there. Prefill's grid chunks keep SDPA, so the K/V a block stores are
+the same bytes under either name; the logits of the few-row steps differ in the last bits, which is
+why the two are different names (and so different execution profiles).
+
+Chosen once, at load (`models.load_model`): on the CPU `sdpa` becomes `kvmemory_fewq` where the kernel
+builds and runs (AVX-512), `kvmemory_sdpa` otherwise (with a warning saying why); on a GPU SDPA with
+a mask and `enable_gqa` would fall back to the math kernel, so `sdpa` stays.
 """
 
 from __future__ import annotations
 
 import torch
 
+from . import cpu_attention
+from .errors import UnsupportedArchitecture
+
 NAME = "kvmemory_sdpa"
+FEWQ = "kvmemory_fewq"
 
 # Arguments this function does not implement: a call that carries one goes to transformers' own sdpa.
 _DELEGATE = ("softcap", "position_bias", "s_aux", "sinks", "output_attentions")
@@ -42,18 +53,45 @@ def grouped_sdpa_forward(module: torch.nn.Module, query: torch.Tensor, key: torc
     return out.transpose(1, 2).contiguous(), None
 
 
-def register() -> str:
-    """Make `kvmemory_sdpa` a valid `attn_implementation` (idempotent); returns the name."""
+def few_query_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                      is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """`grouped_sdpa_forward`, with the few-query kernel for the calls it takes (it refuses the others:
+    other dtypes or head sizes, batches, masks that are not causal prefixes, too many rows)."""
+    T = query.shape[2]
+    if (T * query.shape[1] <= cpu_attention.MAX_ROWS * key.shape[1] and not dropout
+            and not any(kwargs.get(k) for k in _DELEGATE)):
+        causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+        causal = bool(T > 1 and attention_mask is None and causal)
+        if causal and key.shape[2] > T:  # causal without a mask only happens on an empty cache
+            key, value = key[:, :, :T], value[:, :, :T]
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        out = cpu_attention.attend(query, key, value, attention_mask, scale, causal)
+        if out is not None:
+            return out, None
+    return grouped_sdpa_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                is_causal=is_causal, **kwargs)
+
+
+def register(name: str = NAME) -> str:
+    """Make `name` (`kvmemory_sdpa` or `kvmemory_fewq`) a valid `attn_implementation` (idempotent)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-    AttentionInterface.register(NAME, grouped_sdpa_forward)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)
-    return NAME
+    AttentionInterface.register(name, few_query_forward if name == FEWQ else grouped_sdpa_forward)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(name, sdpa_mask)
+    return name
 
 
 def for_device(requested: str, device: str | torch.device) -> str:
-    """The attention implementation to load with: `sdpa` on the CPU becomes `kvmemory_sdpa`."""
-    if requested == NAME or (requested == "sdpa" and torch.device(device).type == "cpu"):
-        return register()
+    """The attention implementation to load with: `sdpa` on the CPU becomes `kvmemory_fewq` where the
+    kernel runs, else `kvmemory_sdpa`. Asking for `kvmemory_fewq` where it cannot run is an error."""
+    if requested == FEWQ:
+        if cpu_attention.load() is None:
+            raise UnsupportedArchitecture(f"{FEWQ} cannot run here: {cpu_attention.why_unavailable()}")
+        return register(FEWQ)
+    if requested == NAME:
+        return register(NAME)
+    if requested == "sdpa" and torch.device(device).type == "cpu":
+        return register(FEWQ if cpu_attention.load() is not None else NAME)
     return requested

@@ -6,7 +6,7 @@ import pytest
 import torch
 from tiny_models import tiny_engine, tiny_model
 
-from kvmemory import linear
+from kvmemory import attention, linear
 from kvmemory.engine import Engine
 from kvmemory.errors import ProfileMismatch
 from kvmemory.models import LoadedModel
@@ -87,4 +87,4 @@ def test_engine_can_keep_plain_linears(tmp_path):
     eng = Engine.open(DEFAULT_MODEL, tmp_path / "s", pack_linears=False)
     assert eng.profile.linear_impl == linear.PLAIN
     assert not any(isinstance(m, linear.PackedLinear) for m in eng.model.modules())
-    assert eng.profile.attn_implementation == "kvmemory_sdpa"  # only the linears stay plain
+    assert eng.profile.attn_implementation == attention.for_device("sdpa", "cpu")  # only the linears stay plain

@@ -1,0 +1,123 @@
+"""The few-query CPU attention kernel (csrc/few_query_attention.cpp): built once, loaded once.
+
+A graft's step attends 16 new tokens (1 while decoding) to thousands of cached positions. torch's
+CPU flash attention splits that call by query head only and runs at about half the machine's
+float32 FMA rate; the kernel folds the query heads of each K/V head into one block of rows, splits
+the keys into fixed units and merges them by log-sum-exp: 1.7x faster at 2k cached tokens, 1.8x at
+8k, 2.8x at 16k for SmolLM2's shapes (float32, 2 threads), 1.5-1.9x in bfloat16 and 7x when
+decoding in bfloat16 (`python -m kvmemory.cpu_attention` measures it here).
+
+It is C++ against torch's headers, compiled on first use with torch's own extension builder (g++,
+ninja) into the user cache directory (~30 s, once per source/torch version; `scripts/setup.sh` does
+it ahead of time), for AVX-512 CPUs only. Chosen once per process: `load()` returns the module, or
+None with `why_unavailable()` saying why (no AVX-512, no compiler ...), and the attention name in
+the execution profile records which attention ran (attention.py).
+
+Numerics: float32 accumulation for both dtypes, one rounding to the output dtype; it is not
+bit-equal to SDPA (different order of sums) and is not claimed to be: it is its own profile.
+For one shape the bytes are fixed: key units depend on the number of keys alone and each runs in
+one thread, so neither the thread count nor scheduling changes a bit.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import sys
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "few_query_attention.cpp"
+MAX_ROWS = 64  # query heads per K/V head x new tokens the kernel takes in one call
+HEAD_DIMS = tuple(range(16, 129, 16))  # head sizes the kernel takes
+_CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-fopenmp"]
+
+_why: str | None = None
+
+
+def _build_name() -> str:
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(_CFLAGS).encode() + torch.__version__.encode())
+    return f"kvmemory_fewq_{digest.hexdigest()[:12]}"
+
+
+def build_dir() -> Path:
+    from .paths import cache_dir
+
+    return cache_dir() / "ext" / _build_name()
+
+
+@functools.cache
+def load():
+    """The compiled kernel module, or None where it cannot run here (see `why_unavailable`)."""
+    global _why
+    if torch.backends.cpu.get_cpu_capability() != "AVX512":
+        _why = f"the CPU does not run AVX-512 (torch reports {torch.backends.cpu.get_cpu_capability()})"
+        return None
+    try:
+        from torch.utils import cpp_extension
+
+        out = build_dir()
+        out.mkdir(parents=True, exist_ok=True)
+        fresh = not any(out.glob("*.so"))
+        if fresh:
+            print(f"kvmemory: building the few-query CPU attention kernel into {out} (once, ~30 s)", file=sys.stderr)
+        module = cpp_extension.load(_build_name(), [str(SOURCE)], extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"],
+                                    build_directory=str(out), verbose=False)
+    except Exception as exc:  # no compiler, no ninja, a broken toolchain: SDPA runs instead, and the profile says so
+        _why = f"building {SOURCE.name} failed: {type(exc).__name__}: {str(exc).strip().splitlines()[-1:]}"
+        log.warning("kvmemory: few-query attention kernel unavailable (%s); attention runs on SDPA", _why)
+        return None
+    return module
+
+
+def why_unavailable() -> str | None:
+    load()
+    return _why
+
+
+def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scale: float,
+           causal: bool) -> torch.Tensor | None:
+    """[1, T, H_q, D] attention output, or None when this call is not one the kernel takes (the caller
+    runs SDPA). Shapes as transformers passes them: query [1, H_q, T, D], key/value [1, H_kv, S, D],
+    mask [1, 1, T, S] bool (rows must be prefixes of trues) or None (`causal`: bottom-right aligned)."""
+    module = load()
+    if module is None:
+        return None
+    return module.few_query_attention(query, key, value, mask, float(scale), bool(causal))  # None: refused
+
+
+def _main() -> None:
+    """Build the kernel, then time it against SDPA on SmolLM2's attention shapes."""
+    import time
+
+    module = load()
+    if module is None:
+        sys.exit(f"unavailable: {why_unavailable()}")
+    print(f"built: {build_dir()}")
+    F = torch.nn.functional
+    for dtype in (torch.float32, torch.bfloat16):
+        for cached, new in ((2048, 16), (8192, 16), (8192, 1)):
+            S = cached + new
+            q = torch.randn(1, new, 9, 64).to(dtype).transpose(1, 2)
+            k, v = torch.randn(1, 3, S, 64).to(dtype), torch.randn(1, 3, S, 64).to(dtype)
+            mask = torch.ones(new, S, dtype=torch.bool).tril(S - new)[None, None]
+
+            def timed(fn, n=20):
+                fn()
+                t = time.perf_counter()
+                for _ in range(n):
+                    fn()
+                return (time.perf_counter() - t) / n
+
+            sdpa = timed(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True))
+            kern = timed(lambda: attend(q, k, v, mask, 0.125, False))
+            print(f"{str(dtype):15} {cached:>5} cached + {new:>2} new: SDPA {sdpa * 1e3:.3f} ms, kernel "
+                  f"{kern * 1e3:.3f} ms ({sdpa / kern:.2f}x)")
+
+
+if __name__ == "__main__":
+    _main()

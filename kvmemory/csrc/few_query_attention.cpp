@@ -1,0 +1,317 @@
+// Attention for a few query rows over a long K/V cache on AVX-512 CPUs (float32 and bfloat16).
+//
+// The shape a graft's step has: T <= 16 new tokens (or 1 while decoding) against S = thousands of
+// cached positions, grouped-query heads. torch's CPU flash attention splits such a call by query
+// head only (9 items for SmolLM2 on 2 cores) and runs at about half the machine's float32 FMA rate.
+// Here the G = H_q / H_kv query heads that share a K/V head are folded into R = G * T rows, the
+// keys are cut into units of kUnitKeys, and each (K/V head, unit) is one work item: scores for all
+// R rows (rows in the SIMD lanes), a softmax over the unit, then P @ V. Units are merged per K/V
+// head with their maxima and sums (log-sum-exp), in unit order.
+//
+// Determinism: the units are fixed by S alone and each runs in one thread, so the bytes do not
+// depend on the thread count or on scheduling. Accumulation is float32 for both dtypes
+// (bfloat16 K/V are widened, P stays float32), and the output is rounded once to the input dtype.
+//
+// Layouts (elements; the last dimension contiguous):
+//   q    [1, H_q, T, D]     D a multiple of 16 up to 128; any strides for heads and rows (transformers
+//                           passes a transposed view); H_q / H_kv * T <= 64 rows per K/V head
+//   k, v [1, H_kv, S, D]    views of the reserved cache buffers: any head / row strides
+//   mask [1, 1, T, S] bool or none: row t must be a prefix of trues (keys [0, n_t) visible);
+//        anything else is refused (an undefined tensor is returned and the caller uses SDPA)
+//   out  [1, T, H_q, D]     contiguous: what transformers' attention functions return
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kUnitKeys = 512;  // keys per work item: scores + widened K/V stay in L2
+constexpr int kMaxRowBlocks = 4;    // R <= 64 rows (16 lanes each)
+
+inline __m512 exp_ps(__m512 x) {
+    // Cephes expf: x = n ln2 + r, |r| <= ln2 / 2, exp(r) by a degree-7 polynomial, then 2^n.
+    // Below -87.3 (where float32 leaves the normal range) the result is 0.
+    const __m512 lo = _mm512_set1_ps(-87.3f);
+    __mmask16 keep = _mm512_cmp_ps_mask(x, lo, _CMP_GE_OQ);
+    x = _mm512_max_ps(x, lo);
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 y = _mm512_set1_ps(1.9875691500E-4f);
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507E-3f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073E-3f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894E-2f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459E-1f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201E-1f));
+    y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_maskz_mov_ps(keep, _mm512_scalef_ps(y, n));
+}
+
+// Rows of K or V as float32: float32 rows are read in place, bfloat16 rows widened into `scratch`.
+inline const float* rows_f32(const float* src, int64_t stride, int64_t n, int D, float*, int64_t& ld) {
+    ld = stride;
+    return src;
+}
+inline const float* rows_f32(const at::BFloat16* src, int64_t stride, int64_t n, int D, float* scratch, int64_t& ld) {
+    for (int64_t j = 0; j < n; ++j) {
+        const uint16_t* s = reinterpret_cast<const uint16_t*>(src + j * stride);
+        float* d = scratch + j * D;
+        for (int c = 0; c < D; c += 16) {
+            __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + c));
+            _mm512_storeu_ps(d + c, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+        }
+    }
+    ld = D;
+    return scratch;
+}
+
+inline float to_f32(float x) { return x; }
+inline float to_f32(at::BFloat16 x) { return static_cast<float>(x); }
+
+// St[j][r] = sum_d Qt[d][r] * K[j][d] for KB keys and NR row blocks (16 rows each).
+template <int NR, int KB>
+inline void qk_tile(const float* Qt, int64_t ldq, const float* K, int64_t ldk, int D, float* St, int64_t lds) {
+    __m512 acc[KB][NR];
+    for (int kk = 0; kk < KB; ++kk)
+        for (int i = 0; i < NR; ++i) acc[kk][i] = _mm512_setzero_ps();
+    for (int d = 0; d < D; ++d) {
+        __m512 q[NR];
+        for (int i = 0; i < NR; ++i) q[i] = _mm512_loadu_ps(Qt + d * ldq + 16 * i);
+        for (int kk = 0; kk < KB; ++kk) {
+            __m512 b = _mm512_set1_ps(K[kk * ldk + d]);
+            for (int i = 0; i < NR; ++i) acc[kk][i] = _mm512_fmadd_ps(q[i], b, acc[kk][i]);
+        }
+    }
+    for (int kk = 0; kk < KB; ++kk)
+        for (int i = 0; i < NR; ++i) _mm512_storeu_ps(St + kk * lds + 16 * i, acc[kk][i]);
+}
+
+template <int NR>
+void qk_unit(const float* Qt, int64_t ldq, const float* K, int64_t ldk, int D, int64_t n, float* St, int64_t lds) {
+    constexpr int KB = NR == 1 ? 12 : (NR == 2 ? 8 : (NR == 3 ? 6 : 4));
+    int64_t j = 0;
+    for (; j + KB <= n; j += KB) qk_tile<NR, KB>(Qt, ldq, K + j * ldk, ldk, D, St + j * lds, lds);
+    for (; j < n; ++j) qk_tile<NR, 1>(Qt, ldq, K + j * ldk, ldk, D, St + j * lds, lds);
+}
+
+// O[r][:] += sum_j P[j][r] * V[j][:] for NW rows and DZ 16-wide column blocks.
+template <int DZ, int NW>
+inline void pv_tile(const float* P, int64_t ldp, const float* V, int64_t ldv, int64_t n, float* O, int64_t ldo) {
+    __m512 acc[NW][DZ];
+    for (int w = 0; w < NW; ++w)
+        for (int c = 0; c < DZ; ++c) acc[w][c] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; ++j) {
+        __m512 v[DZ];
+        for (int c = 0; c < DZ; ++c) v[c] = _mm512_loadu_ps(V + j * ldv + 16 * c);
+        for (int w = 0; w < NW; ++w) {
+            __m512 p = _mm512_set1_ps(P[j * ldp + w]);
+            for (int c = 0; c < DZ; ++c) acc[w][c] = _mm512_fmadd_ps(p, v[c], acc[w][c]);
+        }
+    }
+    for (int w = 0; w < NW; ++w)
+        for (int c = 0; c < DZ; ++c) _mm512_storeu_ps(O + w * ldo + 16 * c, acc[w][c]);
+}
+
+template <int DZ>
+void pv_unit(const float* P, int64_t ldp, const float* V, int64_t ldv, int64_t n, int R, float* O, int64_t ldo) {
+    constexpr int NW = 24 / DZ;
+    int r = 0;
+    for (; r + NW <= R; r += NW) pv_tile<DZ, NW>(P + r, ldp, V, ldv, n, O + r * ldo, ldo);
+    for (; r < R; ++r) pv_tile<DZ, 1>(P + r, ldp, V, ldv, n, O + r * ldo, ldo);
+}
+
+struct Shape {
+    int64_t Hq, Hkv, T, S, D, G, R, Rpad, units;
+};
+
+// One work item: K/V head h, keys [j0, j0 + n). Writes the unit's row maxima, sums and unnormalised
+// outputs to part = [R][D + 2] (D outputs, then max, then sum).
+template <typename scalar_t>
+void run_unit(const Shape& s, const float* Qt, const scalar_t* kh, int64_t k_ss, const scalar_t* vh, int64_t v_ss,
+              const int32_t* nvis_row, int64_t j0, int64_t n, float scale, float* part) {
+    thread_local std::vector<float> buf;
+    const int64_t need = n * s.Rpad + 2 * n * s.D;
+    if (static_cast<int64_t>(buf.size()) < need) buf.resize(need);
+    float* St = buf.data();
+    float* kbuf = St + n * s.Rpad;
+    float* vbuf = kbuf + n * s.D;
+    int64_t ldk, ldv;
+    const float* K = rows_f32(kh + j0 * k_ss, k_ss, n, s.D, kbuf, ldk);
+    switch (s.Rpad / 16) {
+        case 1: qk_unit<1>(Qt, s.Rpad, K, ldk, s.D, n, St, s.Rpad); break;
+        case 2: qk_unit<2>(Qt, s.Rpad, K, ldk, s.D, n, St, s.Rpad); break;
+        case 3: qk_unit<3>(Qt, s.Rpad, K, ldk, s.D, n, St, s.Rpad); break;
+        default: qk_unit<4>(Qt, s.Rpad, K, ldk, s.D, n, St, s.Rpad); break;
+    }
+    // Scale, mask (keys at or past a row's visible count), softmax over the unit, rows in lanes.
+    const int nb = s.Rpad / 16;
+    const __m512 vscale = _mm512_set1_ps(scale);
+    const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    __m512i nv[kMaxRowBlocks];
+    int32_t min_vis = std::numeric_limits<int32_t>::max();
+    for (int i = 0; i < nb; ++i) nv[i] = _mm512_loadu_si512(nvis_row + 16 * i);
+    for (int r = 0; r < s.R; ++r) min_vis = std::min(min_vis, nvis_row[r]);
+    __m512 mx[kMaxRowBlocks];
+    for (int i = 0; i < nb; ++i) mx[i] = ninf;
+    for (int64_t j = 0; j < n; ++j) {
+        const bool masked = j0 + j >= min_vis;
+        const __m512i jj = _mm512_set1_epi32(static_cast<int32_t>(j0 + j));
+        for (int i = 0; i < nb; ++i) {
+            __m512 x = _mm512_mul_ps(_mm512_loadu_ps(St + j * s.Rpad + 16 * i), vscale);
+            if (masked) x = _mm512_mask_mov_ps(x, _mm512_cmpge_epi32_mask(jj, nv[i]), ninf);
+            _mm512_storeu_ps(St + j * s.Rpad + 16 * i, x);
+            mx[i] = _mm512_max_ps(mx[i], x);
+        }
+    }
+    __m512 sum[kMaxRowBlocks];
+    for (int i = 0; i < nb; ++i) {
+        // a row with no visible key in this unit: max -inf, every weight 0, sum 0
+        mx[i] = _mm512_mask_mov_ps(mx[i], _mm512_cmp_ps_mask(mx[i], ninf, _CMP_EQ_OQ), _mm512_setzero_ps());
+        sum[i] = _mm512_setzero_ps();
+    }
+    for (int64_t j = 0; j < n; ++j)
+        for (int i = 0; i < nb; ++i) {
+            __m512 p = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(St + j * s.Rpad + 16 * i), mx[i]));
+            _mm512_storeu_ps(St + j * s.Rpad + 16 * i, p);
+            sum[i] = _mm512_add_ps(sum[i], p);
+        }
+    alignas(64) float mrow[16 * kMaxRowBlocks], lrow[16 * kMaxRowBlocks];
+    for (int i = 0; i < nb; ++i) {
+        _mm512_store_ps(mrow + 16 * i, mx[i]);
+        _mm512_store_ps(lrow + 16 * i, sum[i]);
+    }
+    const float* V = rows_f32(vh + j0 * v_ss, v_ss, n, s.D, vbuf, ldv);
+    const int64_t ldo = s.D + 2;
+    switch (s.D / 16) {
+        case 1: pv_unit<1>(St, s.Rpad, V, ldv, n, s.R, part, ldo); break;
+        case 2: pv_unit<2>(St, s.Rpad, V, ldv, n, s.R, part, ldo); break;
+        case 3: pv_unit<3>(St, s.Rpad, V, ldv, n, s.R, part, ldo); break;
+        case 4: pv_unit<4>(St, s.Rpad, V, ldv, n, s.R, part, ldo); break;
+        case 5: pv_unit<5>(St, s.Rpad, V, ldv, n, s.R, part, ldo); break;
+        case 6: pv_unit<6>(St, s.Rpad, V, ldv, n, s.R, part, ldo); break;
+        case 7: pv_unit<7>(St, s.Rpad, V, ldv, n, s.R, part, ldo); break;
+        default: pv_unit<8>(St, s.Rpad, V, ldv, n, s.R, part, ldo); break;
+    }
+    for (int r = 0; r < s.R; ++r) {
+        // a row that saw no key keeps max -inf so the merge skips it
+        part[r * ldo + s.D] = lrow[r] > 0.f ? mrow[r] : -std::numeric_limits<float>::infinity();
+        part[r * ldo + s.D + 1] = lrow[r];
+    }
+}
+
+template <typename scalar_t>
+void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::vector<int32_t>& nvis,
+         float scale, at::Tensor& out) {
+    Shape s;
+    s.Hq = q.size(1); s.T = q.size(2); s.D = q.size(3);
+    s.Hkv = k.size(1); s.S = k.size(2);
+    s.G = s.Hq / s.Hkv; s.R = s.G * s.T; s.Rpad = (s.R + 15) / 16 * 16;
+    const int64_t nsplit = (s.S + kUnitKeys - 1) / kUnitKeys;
+    s.units = s.Hkv * nsplit;
+    const scalar_t* qp = q.data_ptr<scalar_t>();
+    const scalar_t* kp = k.data_ptr<scalar_t>();
+    const scalar_t* vp = v.data_ptr<scalar_t>();
+    const int64_t q_sh = q.stride(1), q_st = q.stride(2), k_sh = k.stride(1), k_ss = k.stride(2);
+    const int64_t v_sh = v.stride(1), v_ss = v.stride(2);
+    // Per K/V head: Qt[d][r] (r = g * T + t, query head h * G + g), and each row's visible count.
+    std::vector<float> Qt(s.Hkv * s.D * s.Rpad, 0.f);
+    std::vector<int32_t> nvis_row(s.Rpad, 0);
+    for (int64_t r = 0; r < s.R; ++r) nvis_row[r] = nvis[r % s.T];
+    for (int64_t h = 0; h < s.Hkv; ++h)
+        for (int64_t g = 0; g < s.G; ++g)
+            for (int64_t t = 0; t < s.T; ++t) {
+                const scalar_t* src = qp + (h * s.G + g) * q_sh + t * q_st;
+                float* dst = Qt.data() + h * s.D * s.Rpad + g * s.T + t;
+                for (int64_t d = 0; d < s.D; ++d) dst[d * s.Rpad] = to_f32(src[d]);
+            }
+    const int64_t ldp = s.R * (s.D + 2);
+    std::vector<float> parts(s.units * ldp);
+    at::parallel_for(0, s.units, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t u = begin; u < end; ++u) {
+            const int64_t h = u / nsplit, j0 = (u % nsplit) * kUnitKeys;
+            run_unit<scalar_t>(s, Qt.data() + h * s.D * s.Rpad, kp + h * k_sh, k_ss, vp + h * v_sh, v_ss,
+                               nvis_row.data(), j0, std::min(kUnitKeys, s.S - j0), scale, parts.data() + u * ldp);
+        }
+    });
+    // Merge the units of each K/V head in unit order.
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, s.Hkv * s.R, 16, [&](int64_t begin, int64_t end) {
+        std::vector<float> acc(s.D);
+        for (int64_t hr = begin; hr < end; ++hr) {
+            const int64_t h = hr / s.R, r = hr % s.R, g = r / s.T, t = r % s.T;
+            float m = -std::numeric_limits<float>::infinity();
+            for (int64_t u = 0; u < nsplit; ++u) m = std::max(m, parts[(h * nsplit + u) * ldp + r * (s.D + 2) + s.D]);
+            std::fill(acc.begin(), acc.end(), 0.f);
+            float l = 0.f;
+            for (int64_t u = 0; u < nsplit; ++u) {
+                const float* p = parts.data() + (h * nsplit + u) * ldp + r * (s.D + 2);
+                if (p[s.D] == -std::numeric_limits<float>::infinity()) continue;
+                const float w = std::exp(p[s.D] - m);
+                l += w * p[s.D + 1];
+                for (int64_t d = 0; d < s.D; ++d) acc[d] += w * p[d];
+            }
+            scalar_t* dst = op + (t * s.Hq + h * s.G + g) * s.D;
+            const float inv = 1.f / l;
+            for (int64_t d = 0; d < s.D; ++d) dst[d] = static_cast<scalar_t>(acc[d] * inv);
+        }
+    });
+}
+
+// Keys each query row sees, from a bool mask [1, 1, T, S] whose rows are prefixes of trues;
+// empty when a row is not (or sees no key at all): the caller falls back to SDPA.
+std::vector<int32_t> visible_counts(const at::Tensor& mask, int64_t T, int64_t S) {
+    std::vector<int32_t> n(T);
+    const char* base = reinterpret_cast<const char*>(mask.data_ptr<bool>());
+    for (int64_t t = 0; t < T; ++t) {
+        const char* row = base + t * mask.stride(2);
+        const void* first_false = std::memchr(row, 0, S);
+        const int64_t j = first_false ? static_cast<const char*>(first_false) - row : S;
+        if (j == 0 || (j < S && std::memchr(row + j, 1, S - j))) return {};
+        n[t] = static_cast<int32_t>(j);
+    }
+    return n;
+}
+
+}  // namespace
+
+// Returns [1, T, H_q, D], or an undefined tensor when this call is not one the kernel takes.
+at::Tensor few_query_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                               const c10::optional<at::Tensor>& mask, double scale, bool causal) {
+    const bool ok_dtype = q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16;
+    if (!ok_dtype || k.scalar_type() != q.scalar_type() || v.scalar_type() != q.scalar_type() || q.dim() != 4 ||
+        k.dim() != 4 || v.dim() != 4 || q.size(0) != 1 || k.size(0) != 1 || v.size(0) != 1 || !q.device().is_cpu())
+        return {};
+    const int64_t Hq = q.size(1), T = q.size(2), D = q.size(3), Hkv = k.size(1), S = k.size(2);
+    if (D % 16 || D == 0 || D > 128 || k.size(3) != D || v.size(3) != D || v.size(1) != Hkv || v.size(2) != S ||
+        Hkv == 0 || Hq % Hkv || (Hq / Hkv) * T > 16 * kMaxRowBlocks || T > S || q.stride(3) != 1 ||
+        k.stride(3) != 1 || v.stride(3) != 1)
+        return {};
+    std::vector<int32_t> nvis;
+    if (mask.has_value() && mask->defined()) {
+        const auto& m = *mask;
+        if (m.scalar_type() != at::kBool || m.dim() != 4 || m.size(0) != 1 || m.size(1) != 1 || m.size(2) != T ||
+            m.size(3) != S || m.stride(3) != 1)
+            return {};
+        nvis = visible_counts(m, T, S);
+        if (nvis.empty()) return {};
+    } else {
+        nvis.resize(T);
+        for (int64_t t = 0; t < T; ++t) nvis[t] = static_cast<int32_t>(causal ? S - T + t + 1 : S);
+    }
+    auto out = at::empty({1, T, Hq, D}, q.options());
+    if (q.scalar_type() == at::kFloat) run<float>(q, k, v, nvis, static_cast<float>(scale), out);
+    else run<at::BFloat16>(q, k, v, nvis, static_cast<float>(scale), out);
+    return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+    m.def("few_query_attention", &few_query_attention, "Attention for few query rows over a long K/V cache");
+}

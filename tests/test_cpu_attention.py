@@ -1,0 +1,138 @@
+"""The few-query CPU attention kernel (kvmemory/cpu_attention.py, csrc/few_query_attention.cpp).
+
+On an AVX-512 CPU it must build (a build failure here is a FAILURE: CI proves it builds); elsewhere
+these tests skip, and `attention.for_device` keeps SDPA. It is not claimed bit-equal to SDPA, so it
+is compared with a float64 reference by tolerance, next to SDPA's own error; what is claimed exact
+(the same bytes whatever the thread count, run after run; grafted logits equal to the recompute's
+under the profile that uses it) is asserted with `torch.equal`.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import tiny_engine
+
+from kvmemory import attention, cpu_attention
+from kvmemory.errors import UnsupportedArchitecture
+
+AVX512 = torch.backends.cpu.get_cpu_capability() == "AVX512"
+needs_kernel = pytest.mark.skipif(not AVX512, reason="the few-query kernel runs on AVX-512 CPUs only")
+F = torch.nn.functional
+
+
+def _inputs(h_q, h_kv, new, cached, d, dtype, seed=0, mask=True):
+    g = torch.Generator().manual_seed(seed)
+    S = cached + new
+    # query as transformers passes it (a transposed view), K/V as views of longer reserved buffers
+    q = torch.randn(1, new, h_q, d, generator=g).to(dtype).transpose(1, 2)
+    k = torch.randn(1, h_kv, S + 7, d, generator=g).to(dtype)[:, :, :S]
+    v = torch.randn(1, h_kv, S + 7, d, generator=g).to(dtype)[:, :, :S]
+    m = torch.ones(new, S, dtype=torch.bool).tril(cached)[None, None] if mask else None
+    return q, k, v, m
+
+
+@needs_kernel
+def test_kernel_builds_and_is_the_cpu_default():
+    assert cpu_attention.load() is not None, cpu_attention.why_unavailable()
+    assert attention.for_device("sdpa", "cpu") == attention.FEWQ
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("h_q,h_kv,new,cached,d", [
+    (9, 3, 16, 2048, 64),   # SmolLM2: a graft's 16 new tokens
+    (9, 3, 1, 3000, 64),    # decoding (no unit boundary at a multiple of 512)
+    (4, 2, 16, 100, 16),    # the tiny test models: fewer keys than one unit
+    (8, 8, 5, 700, 128),    # no grouping, D = 128, a part-filled second unit
+    (4, 1, 16, 1030, 32),   # 64 rows per K/V head (the most it takes)
+])
+def test_matches_float64_reference(h_q, h_kv, new, cached, d, dtype, tol):
+    q, k, v, m = _inputs(h_q, h_kv, new, cached, d, dtype)
+    ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=m, enable_gqa=True)
+    ref = ref.transpose(1, 2)
+    sdpa = F.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=True).transpose(1, 2)
+    out = cpu_attention.attend(q, k, v, m, d ** -0.5, False)
+    assert out is not None and out.shape == (1, new, h_q, d) and out.dtype == dtype and out.is_contiguous()
+    err = (out.double() - ref).abs().max().item()
+    assert err <= tol, (err, (sdpa.double() - ref).abs().max().item())
+
+
+@needs_kernel
+def test_no_mask_means_causal_or_all_keys():
+    q, k, v, _ = _inputs(9, 3, 16, 0, 64, torch.float32)  # prefill on an empty cache: causal
+    ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True, enable_gqa=True)
+    out = cpu_attention.attend(q, k, v, None, 0.125, True)
+    assert (out.double() - ref.transpose(1, 2)).abs().max().item() < 2e-6
+    q, k, v, _ = _inputs(9, 3, 1, 900, 64, torch.float32)  # one decode token sees every key
+    ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), enable_gqa=True)
+    out = cpu_attention.attend(q, k, v, None, 0.125, False)
+    assert (out.double() - ref.transpose(1, 2)).abs().max().item() < 2e-6
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_same_bytes_whatever_the_thread_count(dtype):
+    q, k, v, m = _inputs(9, 3, 16, 4000, 64, dtype, seed=3)
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2, 3, 2):
+            torch.set_num_threads(threads)
+            outs.append(cpu_attention.attend(q, k, v, m, 0.125, False))
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+
+
+@needs_kernel
+def test_refuses_what_it_does_not_take():
+    q, k, v, m = _inputs(9, 3, 16, 600, 64, torch.float32)
+    holes = m.clone()
+    holes[0, 0, 3, 10] = False  # not a prefix of trues (padding, sliding windows): SDPA's job
+    assert cpu_attention.attend(q, k, v, holes, 0.125, False) is None
+    assert cpu_attention.attend(q, k, v, torch.zeros_like(m, dtype=torch.float32), 0.125, False) is None
+    blind = m.clone()
+    blind[0, 0, 0] = False  # a row that sees no key
+    assert cpu_attention.attend(q, k, v, blind, 0.125, False) is None
+    assert cpu_attention.attend(q.expand(2, -1, -1, -1), k.expand(2, -1, -1, -1), v.expand(2, -1, -1, -1),
+                                None, 0.125, False) is None  # batches
+    q72, k72, v72, m72 = _inputs(9, 3, 16, 600, 72, torch.float32)
+    assert cpu_attention.attend(q72, k72, v72, m72, 0.125, False) is None  # head size not a multiple of 16
+    q64, k64, v64, m64 = _inputs(9, 3, 22, 600, 64, torch.float32)
+    assert cpu_attention.attend(q64, k64, v64, m64, 0.125, False) is None  # 66 rows per K/V head
+    assert cpu_attention.attend(q.half(), k.half(), v.half(), m, 0.125, False) is None
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_engine_runs_the_kernel_and_stays_exact(dtype, store_dir, monkeypatch):
+    """Under `kvmemory_fewq` the grafted run's logits equal the recompute's, and the kernel really ran
+    (a refusal would silently give SDPA's numbers under the kernel's name)."""
+    taken = []
+    attend = cpu_attention.attend
+
+    def counting(*args):
+        out = attend(*args)
+        taken.append(out is not None)
+        return out
+
+    monkeypatch.setattr(cpu_attention, "attend", counting)
+    eng = tiny_engine("llama", store_dir, dtype)
+    assert eng.profile.attn_implementation == attention.FEWQ
+    ids = torch.randint(0, 512, (120,), generator=torch.Generator().manual_seed(5)).tolist()
+    eng.store_prefix(ids[:96])
+    got, rep = eng.forward(ids, max_new_tokens=4, stop_token_ids=(), keep_logits=True)
+    ref = eng.recompute(ids, max_new_tokens=4, stop_token_ids=())
+    assert rep.tokens_grafted == 96
+    assert torch.equal(got.prefill_logits, ref.prefill_logits[96:])
+    assert torch.equal(got.decode_logits, ref.decode_logits)
+    assert taken and all(taken)
+
+
+def test_asking_for_the_kernel_where_it_cannot_run_is_an_error(monkeypatch):
+    monkeypatch.setattr(cpu_attention, "load", lambda: None)
+    monkeypatch.setattr(cpu_attention, "_why", "the CPU does not run AVX-512 (test)")
+    with pytest.raises(UnsupportedArchitecture, match="AVX-512"):
+        attention.for_device(attention.FEWQ, "cpu")
+    assert attention.for_device("sdpa", "cpu") == attention.NAME  # the default falls back, by name
