@@ -9,8 +9,9 @@
 // head with their maxima and sums (log-sum-exp), in unit order.
 //
 // Determinism: the units are fixed by S alone and each runs in one thread, so the bytes do not
-// depend on the thread count or on scheduling. Accumulation is float32 for both dtypes
-// (bfloat16 K/V are widened, P stays float32), and the output is rounded once to the input dtype.
+// depend on the thread count or on scheduling. Accumulation is float32 for both dtypes: bfloat16
+// scores by AVX512-BF16's VDPBF16PS on pairs of dimensions where the CPU has it (widened otherwise:
+// the CPU model is in the profile), V widened and P kept float32; the output is rounded once.
 //
 // Layouts (elements; the last dimension contiguous):
 //   q    [1, H_q, T, D]     D a multiple of 16 up to 128; any strides for heads and rows (transformers
@@ -28,6 +29,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -102,6 +104,38 @@ void qk_unit(const float* Qt, int64_t ldq, const float* K, int64_t ldk, int D, i
     for (; j < n; ++j) qk_tile<NR, 1>(Qt, ldq, K + j * ldk, ldk, D, St + j * lds, lds);
 }
 
+// bfloat16 with AVX512-BF16: St[j][r] = sum over pairs d2 of QP[d2][r] . K[j][2 d2 : 2 d2 + 2], one
+// VDPBF16PS per pair (exact bfloat16 products, float32 sums): half the instructions of widening.
+template <int NR, int KB>
+__attribute__((target("avx512bf16"))) inline void qk_tile_bf16(const uint32_t* QP, int64_t ldq, const uint32_t* K,
+                                                               int64_t ldk, int D2, float* St, int64_t lds) {
+    __m512 acc[KB][NR];
+    for (int kk = 0; kk < KB; ++kk)
+        for (int i = 0; i < NR; ++i) acc[kk][i] = _mm512_setzero_ps();
+    for (int d = 0; d < D2; ++d) {
+        __m512bh q[NR];
+        for (int i = 0; i < NR; ++i) q[i] = (__m512bh)_mm512_loadu_si512(QP + d * ldq + 16 * i);
+        for (int kk = 0; kk < KB; ++kk) {
+            const __m512bh b = (__m512bh)_mm512_set1_epi32(static_cast<int>(K[kk * ldk + d]));
+            for (int i = 0; i < NR; ++i) acc[kk][i] = _mm512_dpbf16_ps(acc[kk][i], q[i], b);
+        }
+    }
+    for (int kk = 0; kk < KB; ++kk)
+        for (int i = 0; i < NR; ++i) _mm512_storeu_ps(St + kk * lds + 16 * i, acc[kk][i]);
+}
+
+template <int NR>
+__attribute__((target("avx512bf16"), noinline)) void qk_unit_bf16(const uint32_t* QP, int64_t ldq, const uint32_t* K,
+                                                                  int64_t ldk, int D2, int64_t n, float* St,
+                                                                  int64_t lds) {
+    constexpr int KB = NR == 1 ? 12 : (NR == 2 ? 8 : (NR == 3 ? 6 : 4));
+    int64_t j = 0;
+    for (; j + KB <= n; j += KB) qk_tile_bf16<NR, KB>(QP, ldq, K + j * ldk, ldk, D2, St + j * lds, lds);
+    for (; j < n; ++j) qk_tile_bf16<NR, 1>(QP, ldq, K + j * ldk, ldk, D2, St + j * lds, lds);
+}
+
+const bool kHasBf16Dot = __builtin_cpu_supports("avx512bf16");
+
 // O[r][:] += sum_j P[j][r] * V[j][:] for NW rows and DZ 16-wide column blocks.
 template <int DZ, int NW>
 inline void pv_tile(const float* P, int64_t ldp, const float* V, int64_t ldv, int64_t n, float* O, int64_t ldo) {
@@ -130,6 +164,7 @@ void pv_unit(const float* P, int64_t ldp, const float* V, int64_t ldv, int64_t n
 
 struct Shape {
     int64_t Hq, Hkv, T, S, D, G, R, Rpad, units;
+    bool bf16_dot;  // bfloat16 scores by VDPBF16PS (Q as pairs, K read in place as pairs)
 };
 
 // One work item: K/V head h, keys [j0, j0 + n). Writes the unit's row maxima, sums and unnormalised
@@ -144,12 +179,26 @@ void run_unit(const Shape& s, const float* Qt, const scalar_t* kh, int64_t k_ss,
     float* kbuf = St + n * s.Rpad;
     float* vbuf = kbuf + n * s.D;
     int64_t ldk, ldv;
-    const float* K = rows_f32(kh + j0 * k_ss, k_ss, n, s.D, kbuf, ldk);
-    switch (s.Rpad / 16) {
-        case 1: qk_unit<1>(Qt, s.Rpad, K, ldk, s.D, n, St, s.Rpad); break;
-        case 2: qk_unit<2>(Qt, s.Rpad, K, ldk, s.D, n, St, s.Rpad); break;
-        case 3: qk_unit<3>(Qt, s.Rpad, K, ldk, s.D, n, St, s.Rpad); break;
-        default: qk_unit<4>(Qt, s.Rpad, K, ldk, s.D, n, St, s.Rpad); break;
+    if (s.bf16_dot) {
+        // Qt holds the rows' query pairs here (see `run`); K is read in place as pairs.
+        const uint32_t* QP = reinterpret_cast<const uint32_t*>(Qt);
+        const uint32_t* K = reinterpret_cast<const uint32_t*>(kh + j0 * k_ss);
+        const int64_t ldk2 = k_ss / 2;
+        const int D2 = static_cast<int>(s.D / 2);
+        switch (s.Rpad / 16) {
+            case 1: qk_unit_bf16<1>(QP, s.Rpad, K, ldk2, D2, n, St, s.Rpad); break;
+            case 2: qk_unit_bf16<2>(QP, s.Rpad, K, ldk2, D2, n, St, s.Rpad); break;
+            case 3: qk_unit_bf16<3>(QP, s.Rpad, K, ldk2, D2, n, St, s.Rpad); break;
+            default: qk_unit_bf16<4>(QP, s.Rpad, K, ldk2, D2, n, St, s.Rpad); break;
+        }
+    } else {
+        const float* K = rows_f32(kh + j0 * k_ss, k_ss, n, s.D, kbuf, ldk);
+        switch (s.Rpad / 16) {
+            case 1: qk_unit<1>(Qt, s.Rpad, K, ldk, s.D, n, St, s.Rpad); break;
+            case 2: qk_unit<2>(Qt, s.Rpad, K, ldk, s.D, n, St, s.Rpad); break;
+            case 3: qk_unit<3>(Qt, s.Rpad, K, ldk, s.D, n, St, s.Rpad); break;
+            default: qk_unit<4>(Qt, s.Rpad, K, ldk, s.D, n, St, s.Rpad); break;
+        }
     }
     // Scale, mask (keys at or past a row's visible count), softmax over the unit, rows in lanes.
     const int nb = s.Rpad / 16;
@@ -214,6 +263,8 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const st
     s.Hq = q.size(1); s.T = q.size(2); s.D = q.size(3);
     s.Hkv = k.size(1); s.S = k.size(2);
     s.G = s.Hq / s.Hkv; s.R = s.G * s.T; s.Rpad = (s.R + 15) / 16 * 16;
+    s.bf16_dot = std::is_same<scalar_t, at::BFloat16>::value && kHasBf16Dot && k.stride(2) % 2 == 0 &&
+                 k.stride(1) % 2 == 0;
     const int64_t nsplit = (s.S + kUnitKeys - 1) / kUnitKeys;
     s.units = s.Hkv * nsplit;
     const scalar_t* qp = q.data_ptr<scalar_t>();
@@ -230,7 +281,15 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const st
             for (int64_t t = 0; t < s.T; ++t) {
                 const scalar_t* src = qp + (h * s.G + g) * q_sh + t * q_st;
                 float* dst = Qt.data() + h * s.D * s.Rpad + g * s.T + t;
-                for (int64_t d = 0; d < s.D; ++d) dst[d * s.Rpad] = to_f32(src[d]);
+                if (s.bf16_dot) {
+                    // QP[d / 2][r] = (q[d], q[d + 1]) as one 32-bit pair, in the head's Qt room
+                    uint32_t* pairs = reinterpret_cast<uint32_t*>(dst);
+                    const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
+                    for (int64_t d = 0; d < s.D; d += 2)
+                        pairs[(d / 2) * s.Rpad] = bits[d] | (static_cast<uint32_t>(bits[d + 1]) << 16);
+                } else {
+                    for (int64_t d = 0; d < s.D; ++d) dst[d * s.Rpad] = to_f32(src[d]);
+                }
             }
     const int64_t ldp = s.R * (s.D + 2);
     std::vector<float> parts(s.units * ldp);
