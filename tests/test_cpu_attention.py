@@ -9,6 +9,10 @@ under the profile that uses it) is asserted with `torch.equal`.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from tiny_models import tiny_engine
@@ -36,6 +40,20 @@ def _inputs(h_q, h_kv, new, cached, d, dtype, seed=0, mask=True):
 def test_kernel_builds_and_is_the_cpu_default():
     assert cpu_attention.load() is not None, cpu_attention.why_unavailable()
     assert attention.for_device("sdpa", "cpu") == attention.FEWQ
+
+
+@needs_kernel
+def test_kernel_compiles_from_scratch(tmp_path):
+    """A fresh machine has no build in its cache: compile into an empty cache folder, in a new
+    process, with the venv's bin (where the `ninja` wheel puts its binary) off PATH."""
+    env = dict(os.environ, KVMEMORY_CACHE=str(tmp_path))
+    venv_bin = os.path.dirname(sys.executable)
+    env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep) if p != venv_bin)
+    code = ("from kvmemory import cpu_attention as c; m = c.load(); "
+            "print('OK' if m is not None else 'FAILED: ' + str(c.why_unavailable()))")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert out.stdout.strip().endswith("OK"), out.stdout + out.stderr
+    assert list(tmp_path.glob("ext/kvmemory_fewq_*/*.so"))
 
 
 @needs_kernel
