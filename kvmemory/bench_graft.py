@@ -13,8 +13,9 @@ on the embedded model. Measured side by side in one process (one run, one machin
   first L tokens from a file, restore it, evaluate the same 16 tokens.
 
 Also reported: the graft throughput (bytes grafted / seconds reading, verifying and copying) against
-the machine's raw read-and-hash bandwidth over the same block files with the same threads. The block
-files are hot in the page cache (just written), as they are for a store in regular use.
+the machine's raw read-and-hash bandwidth over the same block files with the same threads, measured
+once after each timed graft (interleaved, so that drift in the machine's speed hits both alike). The
+block files are hot in the page cache (just written), as they are for a store in regular use.
 
 And, per L, the ceiling of the graft on this machine with this runner: the graft's own 16-token step
 (the runner over the grafted cache, the step the recompute ends with too) plus the chain's bytes read
@@ -177,13 +178,20 @@ def run_graft_bench(lengths=DEFAULT_LENGTHS, *, new_tokens: int = 16, repeats: i
                 first["single"] = int(out.logits[0, -1].argmax())
 
             graft()  # warm (first call allocates)
+            files = [eng.store.block_path(h) for h in reports[-1].blocks_used]
             reports.clear()
-            t_graft = _median(graft, repeats)
+            # Each timed graft is followed by one raw read + SHA-256 of the same files: this VM's speed
+            # drifts, and interleaving makes the drift hit the graft and its floor alike.
+            times, raws = [], []
+            for _ in range(repeats):
+                t = time.perf_counter()
+                graft()
+                times.append(time.perf_counter() - t)
+                raws.append(raw_read_hash_bandwidth(files, _READ_THREADS))
+            t_graft, raw_bw = statistics.median(times), statistics.median(raws)
             rep = reports[-1]
             parts = {k: statistics.median(getattr(r, k) for r in reports)
                      for k in ("read_verify_seconds", "copy_seconds", "compute_seconds")}
-            files = [eng.store.block_path(h) for h in rep.blocks_used]
-            raw_bw = statistics.median(raw_read_hash_bandwidth(files, _READ_THREADS) for _ in range(3))
             t_floor = rep.bytes_read / raw_bw / 1e9
             assert rep.tokens_grafted == L, (rep.tokens_grafted, L)
             t_rec = _median(recompute, 1 if L >= 4096 else repeats)
