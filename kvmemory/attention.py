@@ -32,6 +32,25 @@ FEWQ = "kvmemory_fewq"
 _DELEGATE = ("softcap", "position_bias", "s_aux", "sinks", "output_attentions")
 
 
+def _causal_keys(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 attention_mask: torch.Tensor | None, is_causal: bool | None):
+    """Whether the call is causal without a mask, and the keys / values it attends: causal without a
+    mask only happens on an empty cache, where the keys are the queries' own."""
+    T = query.shape[2]
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    causal = bool(T > 1 and attention_mask is None and causal)
+    if causal and key.shape[2] > T:
+        key, value = key[:, :, :T], value[:, :, :T]
+    return key, value, causal
+
+
+def _grouped_sdpa(query, key, value, attention_mask, dropout, scaling, causal) -> torch.Tensor:
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, is_causal=causal,
+        enable_gqa=query.shape[1] != key.shape[1])
+    return out.transpose(1, 2).contiguous()
+
+
 def grouped_sdpa_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                          attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                          is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
@@ -42,15 +61,8 @@ def grouped_sdpa_forward(module: torch.nn.Module, query: torch.Tensor, key: torc
     if any(kwargs.get(k) for k in _DELEGATE):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
-    T = query.shape[2]
-    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    causal = bool(T > 1 and attention_mask is None and causal)
-    if causal and key.shape[2] > T:  # causal without a mask only happens on an empty cache
-        key, value = key[:, :, :T], value[:, :, :T]
-    out = torch.nn.functional.scaled_dot_product_attention(
-        query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, is_causal=causal,
-        enable_gqa=query.shape[1] != key.shape[1])
-    return out.transpose(1, 2).contiguous(), None
+    key, value, causal = _causal_keys(module, query, key, value, attention_mask, is_causal)
+    return _grouped_sdpa(query, key, value, attention_mask, dropout, scaling, causal), None
 
 
 def few_query_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -58,19 +70,16 @@ def few_query_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                       is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """`grouped_sdpa_forward`, with the few-query kernel for the calls it takes (it refuses the others:
     other dtypes or head sizes, batches, masks that are not causal prefixes, too many rows)."""
-    T = query.shape[2]
-    if (T * query.shape[1] <= cpu_attention.MAX_ROWS * key.shape[1] and not dropout
-            and not any(kwargs.get(k) for k in _DELEGATE)):
-        causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-        causal = bool(T > 1 and attention_mask is None and causal)
-        if causal and key.shape[2] > T:  # causal without a mask only happens on an empty cache
-            key, value = key[:, :, :T], value[:, :, :T]
-        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        out = cpu_attention.attend(query, key, value, attention_mask, scale, causal)
-        if out is not None:
-            return out, None
-    return grouped_sdpa_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                is_causal=is_causal, **kwargs)
+    few_rows = query.shape[2] * query.shape[1] <= cpu_attention.MAX_ROWS * key.shape[1]
+    if not few_rows or dropout or any(kwargs.get(k) for k in _DELEGATE):
+        return grouped_sdpa_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                    is_causal=is_causal, **kwargs)
+    key, value, causal = _causal_keys(module, query, key, value, attention_mask, is_causal)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out = cpu_attention.attend(query, key, value, attention_mask, scale, causal)
+    if out is None:  # refused (see cpu_attention.attend): the same call as `kvmemory_sdpa` makes
+        out = _grouped_sdpa(query, key, value, attention_mask, dropout, scaling, causal)
+    return out, None
 
 
 def register(name: str = NAME) -> str:

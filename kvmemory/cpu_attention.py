@@ -35,13 +35,13 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "few_query_attention.cpp"
-MAX_ROWS = 64  # query heads per K/V head x new tokens the kernel takes in one call
-HEAD_DIMS = tuple(range(16, 129, 16))  # head sizes the kernel takes
+MAX_ROWS = 64  # query heads per K/V head x new tokens the kernel takes (its kMaxRowBlocks x 16)
 _CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-fopenmp"]
 
 _why: str | None = None
 
 
+@functools.cache
 def _build_name() -> str:
     digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(_CFLAGS).encode() + torch.__version__.encode())
     return f"kvmemory_fewq_{digest.hexdigest()[:12]}"

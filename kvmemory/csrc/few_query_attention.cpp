@@ -78,6 +78,9 @@ inline const float* rows_f32(const at::BFloat16* src, int64_t stride, int64_t n,
 inline float to_f32(float x) { return x; }
 inline float to_f32(at::BFloat16 x) { return static_cast<float>(x); }
 
+// Keys per score tile for NR row blocks: NR x KB accumulators stay within the 32 vector registers.
+constexpr int keys_per_tile(int NR) { return NR == 1 ? 12 : (NR == 2 ? 8 : (NR == 3 ? 6 : 4)); }
+
 // St[j][r] = sum_d Qt[d][r] * K[j][d] for KB keys and NR row blocks (16 rows each).
 template <int NR, int KB>
 inline void qk_tile(const float* Qt, int64_t ldq, const float* K, int64_t ldk, int D, float* St, int64_t lds) {
@@ -98,7 +101,7 @@ inline void qk_tile(const float* Qt, int64_t ldq, const float* K, int64_t ldk, i
 
 template <int NR>
 void qk_unit(const float* Qt, int64_t ldq, const float* K, int64_t ldk, int D, int64_t n, float* St, int64_t lds) {
-    constexpr int KB = NR == 1 ? 12 : (NR == 2 ? 8 : (NR == 3 ? 6 : 4));
+    constexpr int KB = keys_per_tile(NR);
     int64_t j = 0;
     for (; j + KB <= n; j += KB) qk_tile<NR, KB>(Qt, ldq, K + j * ldk, ldk, D, St + j * lds, lds);
     for (; j < n; ++j) qk_tile<NR, 1>(Qt, ldq, K + j * ldk, ldk, D, St + j * lds, lds);
@@ -106,6 +109,8 @@ void qk_unit(const float* Qt, int64_t ldq, const float* K, int64_t ldk, int D, i
 
 // bfloat16 with AVX512-BF16: St[j][r] = sum over pairs d2 of QP[d2][r] . K[j][2 d2 : 2 d2 + 2], one
 // VDPBF16PS per pair (exact bfloat16 products, float32 sums): half the instructions of widening.
+// The same tiling as qk_tile / qk_unit, written out again because these two carry the avx512bf16
+// target (the file is built for AVX-512 only, and runs on CPUs without BF16, where they are not called).
 template <int NR, int KB>
 __attribute__((target("avx512bf16"))) inline void qk_tile_bf16(const uint32_t* QP, int64_t ldq, const uint32_t* K,
                                                                int64_t ldk, int D2, float* St, int64_t lds) {
@@ -128,7 +133,7 @@ template <int NR>
 __attribute__((target("avx512bf16"), noinline)) void qk_unit_bf16(const uint32_t* QP, int64_t ldq, const uint32_t* K,
                                                                   int64_t ldk, int D2, int64_t n, float* St,
                                                                   int64_t lds) {
-    constexpr int KB = NR == 1 ? 12 : (NR == 2 ? 8 : (NR == 3 ? 6 : 4));
+    constexpr int KB = keys_per_tile(NR);
     int64_t j = 0;
     for (; j + KB <= n; j += KB) qk_tile_bf16<NR, KB>(QP, ldq, K + j * ldk, ldk, D2, St + j * lds, lds);
     for (; j < n; ++j) qk_tile_bf16<NR, 1>(QP, ldq, K + j * ldk, ldk, D2, St + j * lds, lds);
