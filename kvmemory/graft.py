@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from .blocks import DTYPES, BlockMeta, chain_hashes
@@ -185,11 +186,23 @@ def load_chain(store, rows: Sequence[BlockRow], report: GraftReport, runner=None
             _copy_blocks(staging, [offsets[i]], [meta], dst)
         return meta
 
-    rest = range(1, len(rows))
+    def place(meta: BlockMeta):
+        """Where a block's payload goes in the one-tensor cache: its rows, one per (layer, K|V, head)."""
+        if _layout(meta) != _layout(first):
+            raise IntegrityError(f"block {meta.hash[:12]} is laid out unlike the chain's first block")
+        return dst.row_addresses + meta.position * dst.position_bytes, meta.n_tokens * dst.position_bytes
+
+    def read_group(group: list[int]) -> list:
+        if len(group) > 1:  # 16 blocks to a call, hashed in the lanes of one register
+            return store.read_blocks_lanes([rows[i] for i in group], place)
+        return [read(group[0])]
+
+    groups = _groups(len(rows), into_whole and hasattr(store, "read_blocks_lanes")
+                     and (dst.position_bytes * first.n_tokens) % 64 == 0)
     if len(rows) > 2 and _READ_THREADS > 1:
-        results += list(_readers().map(read, rest))
+        results += [m for done in _readers().map(read_group, groups) for m in done]
     else:
-        results += [read(i) for i in rest]
+        results += [m for g in groups for m in read_group(g)]
     metas: list[BlockMeta] = []
     for r, res in zip(rows, results):
         if isinstance(res, Exception):
@@ -210,6 +223,21 @@ def load_chain(store, rows: Sequence[BlockRow], report: GraftReport, runner=None
     return chain
 
 
+def _groups(n: int, lanes: bool) -> list[list[int]]:
+    """Blocks 1..n-1 (block 0 is read first, alone) as the reader threads' work items: one block each,
+    or, with `lanes`, groups of up to 16 for `sha256_lanes` — as many groups as threads at least, so
+    every thread works, and none smaller than `MIN_LANES` (idle lanes would cost more than hashlib)."""
+    from . import sha256_lanes
+
+    rest = list(range(1, n))
+    if lanes and rest and sha256_lanes.load() is not None:
+        count = max(_READ_THREADS, -(-len(rest) // sha256_lanes.LANES))
+        size = -(-len(rest) // count)
+        if size >= sha256_lanes.MIN_LANES:
+            return [rest[i : i + size] for i in range(0, len(rest), size)]
+    return [[i] for i in rest]
+
+
 def _read(store, row: BlockRow, into):
     try:
         meta, _ = store.read_block(row, into=into)
@@ -225,8 +253,6 @@ def _layout(m: BlockMeta) -> tuple:
 def _copy_into_whole(payload: memoryview, meta: BlockMeta, dst: "_Dest") -> None:
     """Copy a verified payload (per layer: K heads then V heads, each [C, D]) to its rows of the
     one-tensor cache [layers, 2, H, S, D], as bytes (numpy releases the GIL and converts nothing)."""
-    import numpy as np
-
     rows = dst.whole_bytes[:, :, :, meta.position : meta.position + meta.n_tokens]
     np.copyto(rows, np.frombuffer(payload, dtype=np.uint8).reshape(rows.shape))
 
@@ -271,9 +297,14 @@ class _Dest:
     whole: torch.Tensor | None = None  # [layers, 2, H, room, D]: keys[l] = whole[l, 0], values[l] = whole[l, 1]
     whole_bytes: object = None  # `whole` as a numpy uint8 array [layers, 2, H, room, D * itemsize], no copy
 
+    row_addresses: object = None  # uint64 [layers * 2 * H]: where each (layer, K|V, head) row of `whole` starts
+    position_bytes: int = 0  # bytes of one position in a row (D * itemsize)
+
     def __post_init__(self):
         if self.whole is not None and self.whole.device.type == "cpu":
             self.whole_bytes = self.whole.view(torch.uint8).numpy().reshape(*self.whole.shape[:4], -1)
+            rows, room, self.position_bytes = int(np.prod(self.whole.shape[:3])), self.whole.shape[3], self.whole_bytes.shape[4]
+            self.row_addresses = self.whole.data_ptr() + np.arange(rows, dtype=np.uint64) * np.uint64(room * self.position_bytes)
 
 
 def _allocate(runner, m0: BlockMeta, end: int, capacity: int = 0, room=None) -> _Dest:

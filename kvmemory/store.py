@@ -541,36 +541,113 @@ class LocalStore:
         payload is hashed where it lies, with one call, so the verified bytes are the bytes that are
         used. Raises IntegrityError (after quarantining the block) on any mismatch.
         """
-        path = self.block_path(row.hash)
         if into is None:
             into = memoryview(bytearray(row.payload_nbytes))
         if into.nbytes != row.payload_nbytes:
             raise ValueError("the destination buffer has the wrong size")
+        fh, meta, head = self._open_checked(row)
         try:
-            with open(path, "rb", buffering=0) as fh:
-                fd = fh.fileno()
-                meta, head = self._checked_headers.get(row.hash, (None, b""))
-                if meta is not None and os.pread(fd, len(head), 0) == head:
-                    check_meta(meta, row)  # the same header bytes: only the row may differ
-                else:
-                    meta, head = self._check_header(fh, row)
+            with fh:
                 # One read fills the payload and asks for one byte more: a file with trailing bytes
                 # (or a truncated one) shows in the count.
-                got = _preadv_all(fd, [into, memoryview(bytearray(1))], len(head))
-                if got < row.payload_nbytes:
-                    raise IntegrityError(f"block file truncated ({got} of {row.payload_nbytes} payload bytes)")
-                if got > row.payload_nbytes:
-                    raise IntegrityError("block file has trailing bytes")
-        except FileNotFoundError:
-            self.quarantine(row.hash, "missing block file")
-            raise IntegrityError(f"block {row.hash[:12]} is in the catalogue but its file is missing") from None
+                got = _preadv_all(fh.fileno(), [into, memoryview(bytearray(1))], len(head))
+                self._check_size(row, got)
         except IntegrityError as exc:
             self.quarantine(row.hash, str(exc))
             raise IntegrityError(f"block {row.hash[:12]}: {exc}") from None
-        if hashlib.sha256(into).hexdigest() != row.payload_sha256:
+        self._check_digest(row, hashlib.sha256(into).hexdigest())
+        return meta, into
+
+    def read_blocks_lanes(self, rows: Sequence[BlockRow], place) -> list:
+        """Read and verify up to 16 blocks of one payload size together, straight into their places.
+
+        `place(meta)` returns where block `meta`'s payload goes: the addresses of its segments (a
+        uint64 array, in payload order) and their size in bytes, or raises IntegrityError (a block
+        laid out unlike the rest). Each block's header is checked as `read_block` checks it; then
+        `sha256_lanes.read_hash_lanes` fills every block's segments from its file and hashes them
+        there, 16 messages at once, without the GIL. Returns per row its BlockMeta or the
+        IntegrityError it failed with (after quarantining it), in order.
+        """
+        from . import sha256_lanes
+
+        out: list = [None] * len(rows)
+        opened, fds, offsets, segments, seg_bytes = [], [], [], [], None
+        try:
+            for i, row in enumerate(rows):
+                try:
+                    fh, meta, head = self._open_checked(row)
+                    opened.append(fh)
+                    segs, size = place(meta)
+                    if seg_bytes not in (None, size) or len(segs) * size != row.payload_nbytes:
+                        raise ValueError("blocks read together must have segments of one size covering the payload")
+                except IntegrityError as exc:
+                    out[i] = exc
+                    continue
+                seg_bytes = size
+                out[i] = meta
+                fds.append(fh.fileno())
+                offsets.append(len(head))
+                segments.append(segs)
+            if segments:
+                got, digests = sha256_lanes.read_hash_lanes(fds, offsets, np.stack(segments), seg_bytes)
+        finally:
+            for fh in opened:
+                fh.close()
+        k = 0
+        for i, row in enumerate(rows):
+            if isinstance(out[i], Exception):
+                continue
+            n, digest = got[k], digests[k]
+            k += 1
+            if n < 0:
+                raise OSError(f"reading block {row.hash[:12]} failed")  # as read_block lets an I/O error through
+            try:
+                self._check_size(row, n)
+            except IntegrityError as exc:
+                self.quarantine(row.hash, str(exc))
+                out[i] = IntegrityError(f"block {row.hash[:12]}: {exc}")
+                continue
+            try:
+                self._check_digest(row, digest.hex())
+            except IntegrityError as exc:
+                out[i] = exc
+        return out
+
+    def _open_checked(self, row: BlockRow):
+        """The block file, open, with its header checked against the catalogue: (file, meta, header
+        bytes). A missing or damaged file is quarantined and raises IntegrityError."""
+        try:
+            fh = open(self.block_path(row.hash), "rb", buffering=0)
+        except FileNotFoundError:
+            self.quarantine(row.hash, "missing block file")
+            raise IntegrityError(f"block {row.hash[:12]} is in the catalogue but its file is missing") from None
+        try:
+            meta, head = self._checked_headers.get(row.hash, (None, b""))
+            if meta is not None and os.pread(fh.fileno(), len(head), 0) == head:
+                check_meta(meta, row)  # the same header bytes: only the row may differ
+            else:
+                meta, head = self._check_header(fh, row)
+        except IntegrityError as exc:
+            fh.close()
+            self.quarantine(row.hash, str(exc))
+            raise IntegrityError(f"block {row.hash[:12]}: {exc}") from None
+        except BaseException:
+            fh.close()
+            raise
+        return fh, meta, head
+
+    @staticmethod
+    def _check_size(row: BlockRow, got: int) -> None:
+        """`got`: payload bytes read, asking for one byte more than the payload."""
+        if got < row.payload_nbytes:
+            raise IntegrityError(f"block file truncated ({got} of {row.payload_nbytes} payload bytes)")
+        if got > row.payload_nbytes:
+            raise IntegrityError("block file has trailing bytes")
+
+    def _check_digest(self, row: BlockRow, hexdigest: str) -> None:
+        if hexdigest != row.payload_sha256:
             self.quarantine(row.hash, "payload SHA-256 mismatch")
             raise IntegrityError(f"block {row.hash[:12]}: payload SHA-256 does not match the catalogue")
-        return meta, into
 
     def _check_header(self, fh, row: BlockRow) -> tuple[BlockMeta, bytes]:
         """Parse a block file's header and check it in full; remember it as checked."""

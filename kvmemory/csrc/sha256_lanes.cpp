@@ -1,0 +1,211 @@
+// SHA-256 of up to 16 equal-length messages at once, in the 16 32-bit lanes of AVX-512 registers,
+// and a reader that fills cache rows from block files and hashes them in the same pass.
+//
+// Why: verifying a graft is SHA-256 over every byte grafted. SHA-NI (what OpenSSL, hence hashlib,
+// uses) hashes one message at ~1.7 GB/s per core on the EPYC of BENCHMARKS.md; a chain's blocks are
+// independent messages of one size, so 16 of them can share each instruction: ~2.7 GB/s per core here.
+// The digests are plain SHA-256 (FIPS 180-4), checked against hashlib by the tests.
+//
+// Plain C entry points (no Python, no torch headers), called through ctypes, which releases the GIL.
+// Every lane's message is a list of `nseg` segments of `seg_bytes` bytes each (a multiple of 64), the
+// same for all lanes: for a block, its rows in the cache ([layer, K|V, head] -> C positions x D).
+
+#include <immintrin.h>
+#include <climits>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int kLanes = 16;
+constexpr uint32_t kK[64] = {
+    0x428a2f98, 0x71374491, 0xb5c0fbcf, 0xe9b5dba5, 0x3956c25b, 0x59f111f1, 0x923f82a4, 0xab1c5ed5,
+    0xd807aa98, 0x12835b01, 0x243185be, 0x550c7dc3, 0x72be5d74, 0x80deb1fe, 0x9bdc06a7, 0xc19bf174,
+    0xe49b69c1, 0xefbe4786, 0x0fc19dc6, 0x240ca1cc, 0x2de92c6f, 0x4a7484aa, 0x5cb0a9dc, 0x76f988da,
+    0x983e5152, 0xa831c66d, 0xb00327c8, 0xbf597fc7, 0xc6e00bf3, 0xd5a79147, 0x06ca6351, 0x14292967,
+    0x27b70a85, 0x2e1b2138, 0x4d2c6dfc, 0x53380d13, 0x650a7354, 0x766a0abb, 0x81c2c92e, 0x92722c85,
+    0xa2bfe8a1, 0xa81a664b, 0xc24b8b70, 0xc76c51a3, 0xd192e819, 0xd6990624, 0xf40e3585, 0x106aa070,
+    0x19a4c116, 0x1e376c08, 0x2748774c, 0x34b0bcb5, 0x391c0cb3, 0x4ed8aa4a, 0x5b9cca4f, 0x682e6ff3,
+    0x748f82ee, 0x78a5636f, 0x84c87814, 0x8cc70208, 0x90befffa, 0xa4506ceb, 0xbef9a3f7, 0xc67178f2};
+constexpr uint32_t kH0[8] = {0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a,
+                             0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19};
+
+inline __m512i ror(__m512i x, int n) { return _mm512_ror_epi32(x, n); }
+inline __m512i add(__m512i a, __m512i b) { return _mm512_add_epi32(a, b); }
+
+// Row i of r holds lane i's 16 message words; afterwards row j holds word j of every lane.
+inline void transpose16(__m512i r[16]) {
+    __m512i t[16], u[16];
+    for (int i = 0; i < 8; ++i) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; ++i) {
+        u[4 * i + 0] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int g = 0; g < 2; ++g)
+        for (int i = 0; i < 4; ++i) {
+            t[8 * g + i] = _mm512_shuffle_i32x4(u[8 * g + i], u[8 * g + i + 4], 0x88);
+            t[8 * g + i + 4] = _mm512_shuffle_i32x4(u[8 * g + i], u[8 * g + i + 4], 0xdd);
+        }
+    for (int i = 0; i < 8; ++i) {
+        r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+        r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+    }
+}
+
+// One 64-byte block of every lane (words already big-endian-decoded, one register per word).
+inline void compress(__m512i s[8], __m512i W[16]) {
+    __m512i a = s[0], b = s[1], c = s[2], d = s[3], e = s[4], f = s[5], g = s[6], h = s[7];
+#pragma GCC unroll 64
+    for (int t = 0; t < 64; ++t) {
+        __m512i w;
+        if (t < 16) {
+            w = W[t];
+        } else {
+            __m512i w15 = W[(t - 15) & 15], w2 = W[(t - 2) & 15];
+            __m512i s0 = _mm512_ternarylogic_epi32(ror(w15, 7), ror(w15, 18), _mm512_srli_epi32(w15, 3), 0x96);
+            __m512i s1 = _mm512_ternarylogic_epi32(ror(w2, 17), ror(w2, 19), _mm512_srli_epi32(w2, 10), 0x96);
+            w = add(add(W[t & 15], s0), add(s1, W[(t - 7) & 15]));
+            W[t & 15] = w;
+        }
+        __m512i S1 = _mm512_ternarylogic_epi32(ror(e, 6), ror(e, 11), ror(e, 25), 0x96);
+        __m512i ch = _mm512_ternarylogic_epi32(e, f, g, 0xCA);  // (e & f) ^ (~e & g)
+        __m512i T1 = add(add(h, S1), add(ch, add(w, _mm512_set1_epi32(static_cast<int>(kK[t])))));
+        __m512i S0 = _mm512_ternarylogic_epi32(ror(a, 2), ror(a, 13), ror(a, 22), 0x96);
+        __m512i maj = _mm512_ternarylogic_epi32(a, b, c, 0xE8);
+        h = g; g = f; f = e; e = add(d, T1);
+        d = c; c = b; b = a; a = add(T1, add(S0, maj));
+    }
+    s[0] = add(s[0], a); s[1] = add(s[1], b); s[2] = add(s[2], c); s[3] = add(s[3], d);
+    s[4] = add(s[4], e); s[5] = add(s[5], f); s[6] = add(s[6], g); s[7] = add(s[7], h);
+}
+
+struct Lanes {
+    __m512i s[8];
+    Lanes() { for (int i = 0; i < 8; ++i) s[i] = _mm512_set1_epi32(static_cast<int>(kH0[i])); }
+
+    // `bytes` (a multiple of 64) from each of the 16 pointers.
+    void update(const uint8_t* const p[kLanes], int64_t bytes) {
+        const __m512i bswap = _mm512_set4_epi32(0x0c0d0e0f, 0x08090a0b, 0x04050607, 0x00010203);
+        for (int64_t off = 0; off < bytes; off += 64) {
+            __m512i W[16];
+            for (int l = 0; l < kLanes; ++l) W[l] = _mm512_shuffle_epi8(_mm512_loadu_si512(p[l] + off), bswap);
+            transpose16(W);
+            compress(s, W);
+        }
+    }
+
+    // The padding block of a message of `total` bytes (a multiple of 64: the padding is a block of its own).
+    void finish(int64_t total, uint8_t* digests, int lanes) {
+        __m512i W[16];
+        const uint64_t bits = static_cast<uint64_t>(total) * 8;
+        for (int j = 0; j < 16; ++j) W[j] = _mm512_setzero_si512();
+        W[0] = _mm512_set1_epi32(static_cast<int>(0x80000000u));
+        W[14] = _mm512_set1_epi32(static_cast<int>(bits >> 32));
+        W[15] = _mm512_set1_epi32(static_cast<int>(bits & 0xffffffffu));
+        compress(s, W);
+        alignas(64) uint32_t out[8][kLanes];
+        for (int i = 0; i < 8; ++i) _mm512_store_si512(out[i], s[i]);
+        for (int l = 0; l < lanes; ++l)
+            for (int i = 0; i < 8; ++i) {
+                const uint32_t v = out[i][l];
+                uint8_t* d = digests + 32 * l + 4 * i;
+                d[0] = v >> 24; d[1] = v >> 16; d[2] = v >> 8; d[3] = v;
+            }
+    }
+};
+
+// Read `n` bytes at `off` into the `count` buffers of `iov` (updated on a short read); bytes read.
+int64_t preadv_all(int fd, struct iovec* iov, int count, int64_t off) {
+    int64_t total = 0;
+    while (count > 0) {
+        const ssize_t got = preadv(fd, iov, std::min(count, IOV_MAX), off + total);
+        if (got < 0) {
+            if (errno == EINTR) continue;
+            return -1;
+        }
+        if (got == 0) break;
+        total += got;
+        size_t left = static_cast<size_t>(got);
+        while (count > 0 && left >= iov->iov_len) { left -= iov->iov_len; ++iov; --count; }
+        if (count > 0 && left) {
+            iov->iov_base = static_cast<uint8_t*>(iov->iov_base) + left;
+            iov->iov_len -= left;
+        }
+    }
+    return total;
+}
+
+}  // namespace
+
+extern "C" {
+
+// Digests (lanes x 32 bytes) of `lanes` (1..16) messages of `nseg` segments of `seg_bytes` bytes:
+// segment k of lane l starts at seg[l * nseg + k]. Returns 0, or -1 on bad arguments.
+int kvm_sha256_lanes(int lanes, int64_t nseg, int64_t seg_bytes, const uint64_t* seg, uint8_t* digests) {
+    if (lanes < 1 || lanes > kLanes || nseg < 0 || seg_bytes < 0 || seg_bytes % 64) return -1;
+    Lanes h;
+    const uint8_t* p[kLanes];
+    for (int64_t k = 0; k < nseg; ++k) {
+        // Idle lanes hash lane 0's bytes again: their digests are not returned.
+        for (int l = 0; l < kLanes; ++l) p[l] = reinterpret_cast<const uint8_t*>(seg[(l < lanes ? l : 0) * nseg + k]);
+        h.update(p, seg_bytes);
+    }
+    h.finish(nseg * seg_bytes, digests, lanes);
+    return 0;
+}
+
+// Read each lane's payload from its file (`fds[l]`, from byte `offsets[l]`) straight into its segments
+// and hash it there: `slab` segments of every lane are read (one preadv each), then hashed while they
+// are still in the cache, then the next. `got[l]` = payload bytes read, plus one when the file holds
+// more bytes after the payload (a probe of one byte), so the caller sees truncation and trailing bytes.
+// A lane whose file ends early or fails to read stops being read (its digest is then meaningless and
+// got[l] says so; on a read error got[l] = -1). Returns 0, or -1 on bad arguments.
+int kvm_read_hash_lanes(int lanes, const int* fds, const int64_t* offsets, int64_t nseg, int64_t seg_bytes,
+                        const uint64_t* seg, int64_t slab, int64_t* got, uint8_t* digests) {
+    if (lanes < 1 || lanes > kLanes || nseg < 0 || seg_bytes < 0 || seg_bytes % 64 || slab < 1) return -1;
+    Lanes h;
+    const uint8_t* p[kLanes];
+    bool ok[kLanes];
+    std::vector<struct iovec> iov(static_cast<size_t>(slab));
+    for (int l = 0; l < lanes; ++l) { got[l] = 0; ok[l] = true; }
+    for (int64_t k0 = 0; k0 < nseg; k0 += slab) {
+        const int64_t n = std::min(slab, nseg - k0);
+        for (int l = 0; l < lanes; ++l) {
+            if (!ok[l]) continue;
+            for (int64_t k = 0; k < n; ++k) {
+                iov[k].iov_base = reinterpret_cast<void*>(seg[l * nseg + k0 + k]);
+                iov[k].iov_len = static_cast<size_t>(seg_bytes);
+            }
+            const int64_t r = preadv_all(fds[l], iov.data(), static_cast<int>(n), offsets[l] + k0 * seg_bytes);
+            if (r < 0) { got[l] = -1; ok[l] = false; continue; }
+            got[l] += r;
+            if (r < n * seg_bytes) ok[l] = false;  // truncated: nothing more to read
+        }
+        for (int64_t k = 0; k < n; ++k) {
+            for (int l = 0; l < kLanes; ++l) p[l] = reinterpret_cast<const uint8_t*>(seg[(l < lanes ? l : 0) * nseg + k0 + k]);
+            h.update(p, seg_bytes);
+        }
+    }
+    for (int l = 0; l < lanes; ++l) {
+        if (!ok[l]) continue;
+        uint8_t probe;
+        const ssize_t r = pread(fds[l], &probe, 1, offsets[l] + nseg * seg_bytes);
+        if (r < 0) got[l] = -1;
+        else got[l] += r;
+    }
+    h.finish(nseg * seg_bytes, digests, lanes);
+    return 0;
+}
+
+}  // extern "C"

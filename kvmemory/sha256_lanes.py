@@ -1,0 +1,154 @@
+"""SHA-256 of many blocks at once (csrc/sha256_lanes.cpp): built once, loaded once, called by ctypes.
+
+Verifying a graft is SHA-256 over every byte it grafts, and on a CPU that is most of a graft's read
+time. OpenSSL (hashlib) hashes one message at a time with the CPU's SHA instructions (~1.7 GB/s per
+core on the EPYC of BENCHMARKS.md); the blocks of a chain are independent messages of one size, so
+the kernel hashes 16 of them at once in the 16 lanes of AVX-512 registers (~2.7 GB/s per core there:
+`python -m kvmemory.sha256_lanes` measures both on yours). The digests are plain SHA-256, equal to
+hashlib's (tested). With fewer than `MIN_LANES` blocks to a call the idle lanes make it slower than
+hashlib, so callers keep hashlib for those.
+
+`read_hash_lanes` also reads: it fills each block's rows of the cache from its file (one preadv per
+slab of rows) and hashes the slab while it is still in the CPU cache, all without the GIL — the bytes
+hashed are the bytes the cache holds.
+
+Plain C++ (no torch headers), compiled with g++ on first use into the user cache folder (~2 s) for
+AVX-512 CPUs; where it cannot be (no AVX-512, no compiler) `load()` returns None, `why_unavailable()`
+says why, and hashing stays on hashlib.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "sha256_lanes.cpp"
+LANES = 16
+MIN_LANES = 10  # below this, idle lanes make a call slower than hashlib (SHA-NI) on the same bytes
+_CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-shared", "-fPIC", "-fno-exceptions"]
+
+_why: str | None = None
+
+
+@functools.cache
+def library_path() -> Path:
+    from .paths import cache_dir
+
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(_CFLAGS).encode()).hexdigest()[:12]
+    return cache_dir() / "ext" / f"kvmemory_sha256_lanes_{digest}.so"
+
+
+@functools.cache
+def load() -> ctypes.CDLL | None:
+    """The compiled library, or None where it cannot run here (see `why_unavailable`)."""
+    global _why
+    if torch.backends.cpu.get_cpu_capability() != "AVX512":
+        _why = f"the CPU does not run AVX-512 (torch reports {torch.backends.cpu.get_cpu_capability()})"
+        return None
+    out = library_path()
+    try:
+        if not out.exists():
+            _build(out)
+        lib = ctypes.CDLL(str(out))
+    except (OSError, subprocess.CalledProcessError) as exc:
+        detail = (getattr(exc, "stderr", None) or str(exc)).strip().splitlines()[-3:]
+        _why = f"building {SOURCE.name} failed: {type(exc).__name__}: {' '.join(detail)}"
+        log.warning("kvmemory: multi-lane SHA-256 unavailable (%s); blocks are hashed by hashlib", _why)
+        return None
+    u64p, i64p, u8p = (np.ctypeslib.ndpointer(t, flags="C_CONTIGUOUS") for t in (np.uint64, np.int64, np.uint8))
+    lib.kvm_sha256_lanes.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, u64p, u8p]
+    lib.kvm_sha256_lanes.restype = ctypes.c_int
+    lib.kvm_read_hash_lanes.argtypes = [ctypes.c_int, np.ctypeslib.ndpointer(np.int32, flags="C_CONTIGUOUS"), i64p,
+                                        ctypes.c_int64, ctypes.c_int64, u64p, ctypes.c_int64, i64p, u8p]
+    lib.kvm_read_hash_lanes.restype = ctypes.c_int
+    return lib
+
+
+def _build(out: Path) -> None:
+    """g++ into a temporary name, then an atomic rename: concurrent first uses do not collide."""
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        raise OSError("no C++ compiler (g++) on PATH")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so.tmp")
+    os.close(fd)
+    try:
+        subprocess.run([cxx, *_CFLAGS, str(SOURCE), "-o", tmp], check=True, capture_output=True, text=True)
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def why_unavailable() -> str | None:
+    load()
+    return _why
+
+
+def _pointers(buffers) -> np.ndarray:
+    return np.array([np.frombuffer(b, dtype=np.uint8).ctypes.data for b in buffers], dtype=np.uint64)
+
+
+def sha256_many(buffers) -> list[bytes]:
+    """SHA-256 digests of up to 16 writable buffers of one size (a multiple of 64 bytes)."""
+    lib = load()
+    if lib is None:
+        raise RuntimeError(f"multi-lane SHA-256 unavailable: {why_unavailable()}")
+    sizes = {memoryview(b).nbytes for b in buffers}
+    if not 1 <= len(buffers) <= LANES or len(sizes) != 1 or next(iter(sizes)) % 64:
+        raise ValueError("1 to 16 buffers of one size, a multiple of 64 bytes")
+    out = np.empty(32 * len(buffers), dtype=np.uint8)
+    if lib.kvm_sha256_lanes(len(buffers), 1, sizes.pop(), _pointers(buffers), out):
+        raise ValueError("bad arguments to kvm_sha256_lanes")
+    return [out[32 * i : 32 * i + 32].tobytes() for i in range(len(buffers))]
+
+
+def read_hash_lanes(fds: list[int], offsets: list[int], segments: np.ndarray, seg_bytes: int,
+                    slab: int = 16) -> tuple[list[int], list[bytes]]:
+    """Fill lane l's segments (`segments[l]`: addresses of `seg_bytes`-byte buffers, in payload order)
+    from file `fds[l]` at `offsets[l]` and hash them. Returns, per lane, the payload bytes read (+1
+    when the file holds more after the payload; -1 on a read error) and the digest."""
+    lib = load()
+    lanes, nseg = segments.shape
+    got = np.empty(lanes, dtype=np.int64)
+    out = np.empty(32 * lanes, dtype=np.uint8)
+    rc = lib.kvm_read_hash_lanes(lanes, np.asarray(fds, dtype=np.int32), np.asarray(offsets, dtype=np.int64), nseg,
+                                 seg_bytes, np.ascontiguousarray(segments, dtype=np.uint64), slab, got, out)
+    if rc:
+        raise ValueError("bad arguments to kvm_read_hash_lanes")
+    return got.tolist(), [out[32 * i : 32 * i + 32].tobytes() for i in range(lanes)]
+
+
+def _main() -> None:
+    """Build, then time 16-lane hashing against hashlib on 16 buffers of 3 MB (one thread)."""
+    import time
+
+    if load() is None:
+        sys.exit(f"unavailable: {why_unavailable()}")
+    print(f"built: {library_path()}")
+    bufs = [bytearray(os.urandom(3 << 20)) for _ in range(LANES)]
+    assert sha256_many(bufs) == [hashlib.sha256(b).digest() for b in bufs]
+    for name, fn in (("hashlib (one at a time)", lambda: [hashlib.sha256(b).digest() for b in bufs]),
+                     ("16 lanes", lambda: sha256_many(bufs))):
+        fn()
+        t = time.perf_counter()
+        for _ in range(5):
+            fn()
+        print(f"{name:24} {5 * LANES * len(bufs[0]) / (time.perf_counter() - t) / 1e9:.2f} GB/s")
+
+
+if __name__ == "__main__":
+    _main()

@@ -1,0 +1,190 @@
+"""Multi-lane SHA-256 (kvmemory/sha256_lanes.py, csrc/sha256_lanes.cpp) and the graft reads that use it.
+
+The digests must be SHA-256's, byte for byte (against hashlib), for every lane count and for
+messages cut into segments; the reader must report truncated and extended files; a store read of a
+group must catch every kind of damage in any one of its blocks; and a graft whose chain is read in
+groups must give the recompute's logits exactly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+from redis_server import expected_payload, synth_entry
+from test_faults import _damage
+from tiny_models import tiny_engine
+
+from kvmemory import graft, sha256_lanes
+from kvmemory.errors import IntegrityError
+from kvmemory.store import LocalStore
+
+AVX512 = torch.backends.cpu.get_cpu_capability() == "AVX512"
+pytestmark = pytest.mark.skipif(not AVX512, reason="the multi-lane SHA-256 runs on AVX-512 CPUs only")
+
+
+def test_builds_here():
+    assert sha256_lanes.load() is not None, sha256_lanes.why_unavailable()
+
+
+@pytest.mark.parametrize("lanes", [1, 2, 9, 15, 16])
+@pytest.mark.parametrize("size", [0, 64, 128, 4096, 1 << 20])
+def test_digests_are_sha256(lanes, size):
+    rng = random.Random(lanes * 7919 + size)
+    bufs = [bytearray(rng.randbytes(size)) for _ in range(lanes)]
+    assert sha256_lanes.sha256_many(bufs) == [hashlib.sha256(b).digest() for b in bufs]
+
+
+def test_segments_hash_as_one_message():
+    """Lane l's message is its segments in order, wherever they lie (here: interleaved rows of one array)."""
+    lib = sha256_lanes.load()
+    lanes, nseg, seg = 13, 7, 192
+    data = np.frombuffer(os.urandom(lanes * nseg * seg), dtype=np.uint8).reshape(nseg, lanes, seg).copy()
+    addrs = np.array([[data[k, l].ctypes.data for k in range(nseg)] for l in range(lanes)], dtype=np.uint64)
+    out = np.empty(32 * lanes, dtype=np.uint8)
+    assert lib.kvm_sha256_lanes(lanes, nseg, seg, addrs, out) == 0
+    for l in range(lanes):
+        assert out[32 * l : 32 * l + 32].tobytes() == hashlib.sha256(data[:, l].tobytes()).digest()
+
+
+def test_bad_arguments_are_refused():
+    lib = sha256_lanes.load()
+    out = np.empty(32 * 17, dtype=np.uint8)
+    addrs = np.zeros(17, dtype=np.uint64)
+    assert lib.kvm_sha256_lanes(17, 1, 64, addrs, out) == -1  # more lanes than the register holds
+    assert lib.kvm_sha256_lanes(1, 1, 65, addrs, out) == -1  # segments not whole 64-byte blocks
+    with pytest.raises(ValueError):
+        sha256_lanes.sha256_many([bytearray(64), bytearray(128)])
+
+
+def test_reader_fills_hashes_and_reports_file_ends(tmp_path):
+    """Each lane's segments get its file's bytes after the header; short and long files are reported."""
+    head, nseg, seg = 64, 5, 256
+    payloads = [os.urandom(nseg * seg) for _ in range(12)]
+    extra = {3: b"", 7: b"x"}  # lane 3 truncated (below), lane 7 one byte too long
+    fds = []
+    for l, p in enumerate(payloads):
+        body = p[: nseg * seg - 100] if l == 3 else p + extra.get(l, b"")
+        (tmp_path / f"{l}.bin").write_bytes(b"h" * head + body)
+        fds.append(os.open(tmp_path / f"{l}.bin", os.O_RDONLY))
+    dest = np.zeros((12, nseg, seg), dtype=np.uint8)
+    addrs = np.array([[dest[l, k].ctypes.data for k in range(nseg)] for l in range(12)], dtype=np.uint64)
+    try:
+        got, digests = sha256_lanes.read_hash_lanes(fds, [head] * 12, addrs, seg, slab=2)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    for l, p in enumerate(payloads):
+        if l == 3:
+            assert got[l] == nseg * seg - 100
+            continue
+        assert got[l] == nseg * seg + (1 if l == 7 else 0)
+        assert dest[l].tobytes() == p
+        assert digests[l] == hashlib.sha256(p).digest()
+
+
+def _segments(buffers):
+    """A `place` for LocalStore.read_blocks_lanes: each block's payload into its own buffer, in 64-byte-
+    multiple segments."""
+    def place(meta):
+        buf = buffers.setdefault(meta.hash, np.zeros(meta.payload_nbytes, dtype=np.uint8))
+        seg = 256
+        return buf.ctypes.data + np.arange(meta.payload_nbytes // seg, dtype=np.uint64) * np.uint64(seg), seg
+    return place
+
+
+def test_group_reads_catch_every_damage(tmp_path):
+    """As test_faults' damage test, through the grouped read: one damaged block among 12 is refused and
+    quarantined, the 11 others are read byte-exact, 150 times over every kind of damage."""
+    store = LocalStore(tmp_path / "s")
+    made = [synth_entry(i, n_blocks=3, shared=0) for i in range(4)]
+    for e, b in made:
+        store.commit_entry(e, b)
+    blocks = {m.hash: (m, p) for _, bl in made for m, p in bl}
+    hashes = sorted(blocks)
+    assert len(hashes) == 12
+    rng = random.Random(7)
+    kinds = {}
+    for _ in range(150):
+        bad = rng.choice(hashes)
+        path = store.block_path(bad)
+        damaged, how = _damage(path.read_bytes(), rng)
+        path.write_bytes(damaged)
+        kinds[how] = kinds.get(how, 0) + 1
+        buffers = {}
+        out = store.read_blocks_lanes([store.get_block(h) for h in hashes], _segments(buffers))
+        for h, res in zip(hashes, out):
+            if h == bad:
+                assert isinstance(res, IntegrityError), f"{how} damage was not detected"
+            else:
+                assert res.hash == h and buffers[h].tobytes() == expected_payload(h)
+        assert store.get_block(bad).quarantined
+        store.put_blocks([blocks[bad]])  # write it again: replaces the quarantined copy
+    assert set(kinds) == {"bitflip", "truncate", "extend", "overwrite"}
+
+
+def test_missing_file_in_a_group_is_refused(tmp_path):
+    store = LocalStore(tmp_path / "s")
+    made = [synth_entry(i, n_blocks=3, shared=0) for i in range(4)]
+    for e, b in made:
+        store.commit_entry(e, b)
+    hashes = sorted(m.hash for _, bl in made for m, _ in bl)
+    store.block_path(hashes[5]).unlink()
+    buffers = {}
+    out = store.read_blocks_lanes([store.get_block(h) for h in hashes], _segments(buffers))
+    assert isinstance(out[5], IntegrityError) and "missing" in str(out[5])
+    assert all(buffers[h].tobytes() == expected_payload(h) for i, h in enumerate(hashes) if i != 5)
+
+
+def _spy(store, monkeypatch):
+    calls = []
+    real = store.read_blocks_lanes
+
+    def spy(rows, place):
+        calls.append(len(rows))
+        return real(rows, place)
+
+    monkeypatch.setattr(store, "read_blocks_lanes", spy)
+    return calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_graft_read_in_groups_is_exact(tmp_path, monkeypatch, dtype):
+    """A chain of 40 blocks is read in groups (the spy sees them) and the grafted logits equal the
+    recompute's, byte for byte."""
+    monkeypatch.setattr(graft, "_READ_THREADS", 2)
+    eng = tiny_engine("llama", tmp_path / "s", dtype)
+    ids = torch.randint(0, 512, (40 * 16 + 9,), generator=torch.Generator().manual_seed(3)).tolist()
+    eng.store_prefix(ids[: 40 * 16])
+    calls = _spy(eng.store, monkeypatch)
+    got, rep = eng.forward(ids, max_new_tokens=3, stop_token_ids=(), keep_logits=True)
+    ref = eng.recompute(ids, max_new_tokens=3, stop_token_ids=())
+    assert calls == [13, 13, 13]  # 39 blocks after the first: three groups for two threads
+    assert rep.tokens_grafted == 640 and not rep.quarantined
+    assert torch.equal(got.prefill_logits, ref.prefill_logits[640:])
+    assert torch.equal(got.decode_logits, ref.decode_logits)
+
+
+def test_graft_cut_at_a_damaged_block_in_a_group(tmp_path, monkeypatch):
+    """A bit flipped in block 25 of 40: the grouped read refuses it, the chain is cut before it, and the
+    rest is recomputed — the logits still equal the recompute's."""
+    monkeypatch.setattr(graft, "_READ_THREADS", 2)
+    eng = tiny_engine("llama", tmp_path / "s")
+    ids = torch.randint(0, 512, (40 * 16 + 9,), generator=torch.Generator().manual_seed(4)).tolist()
+    eng.store_prefix(ids[: 40 * 16])
+    rows = graft.plan_chain(eng.store, eng.profile_id, ids, 16)
+    path = eng.store.block_path(rows[25].hash)
+    data = bytearray(path.read_bytes())
+    data[-1000] ^= 0x10
+    path.write_bytes(bytes(data))
+    calls = _spy(eng.store, monkeypatch)
+    got, rep = eng.forward(ids, max_new_tokens=2, stop_token_ids=(), keep_logits=True)
+    ref = eng.recompute(ids, max_new_tokens=2, stop_token_ids=())
+    assert calls == [13, 13, 13]
+    assert rep.quarantined == [rows[25].hash] and rep.tokens_grafted == 25 * 16
+    assert torch.equal(got.prefill_logits, ref.prefill_logits[25 * 16 :])
+    assert torch.equal(got.decode_logits, ref.decode_logits)
