@@ -29,6 +29,10 @@ def test_bench_graft_tiny(tmp_path):
         # read + hashed at the raw bandwidth.
         assert row["ceiling_vs_recompute"] == row["recompute_ttft_s"] / (row["graft_compute_s"] + row["read_hash_floor_s"])
         assert row["read_hash_floor_s"] == row["bytes_grafted"] / row["raw_read_hash_gb_s"] / 1e9
+        # The raw bandwidth is the better of hashlib and the 16-lane hash (None: too few blocks for lanes).
+        lanes = row["raw_read_hash_lanes_gb_s"]
+        assert _positive(row["raw_read_hashlib_gb_s"]) and (lanes is None or _positive(lanes))
+        assert row["raw_read_hash_gb_s"] == max(row["raw_read_hashlib_gb_s"], lanes or 0.0)
     assert _positive(r["throughput"]["graft_gb_s"], r["throughput"]["raw_read_hash_gb_s"])
     assert "| 128 |" in format_table(r)
     plot(r, str(tmp_path / "graft.png"))
