@@ -11,6 +11,8 @@ from __future__ import annotations
 import hashlib
 import os
 import random
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -29,6 +31,18 @@ pytestmark = pytest.mark.skipif(not AVX512, reason="the multi-lane SHA-256 runs 
 
 def test_builds_here():
     assert sha256_lanes.load() is not None, sha256_lanes.why_unavailable()
+
+
+def test_compiles_from_scratch(tmp_path):
+    """A fresh machine has no build in its cache: compile into an empty cache folder, in a new process,
+    and hash with it there."""
+    env = dict(os.environ, KVMEMORY_CACHE=str(tmp_path))
+    code = ("import hashlib; from kvmemory import sha256_lanes as s; b = [bytearray(b'x' * 640)] * 16; "
+            "print('OK' if s.load() is not None and s.sha256_many(b) == [hashlib.sha256(b[0]).digest()] * 16 "
+            "else 'FAILED: ' + str(s.why_unavailable()))")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.stdout.strip().endswith("OK"), out.stdout + out.stderr
+    assert list(tmp_path.glob("ext/kvmemory_sha256_lanes_*.so"))
 
 
 @pytest.mark.parametrize("lanes", [1, 2, 9, 15, 16])
@@ -187,4 +201,19 @@ def test_graft_cut_at_a_damaged_block_in_a_group(tmp_path, monkeypatch):
     assert calls == [13, 13, 13]
     assert rep.quarantined == [rows[25].hash] and rep.tokens_grafted == 25 * 16
     assert torch.equal(got.prefill_logits, ref.prefill_logits[25 * 16 :])
+    assert torch.equal(got.decode_logits, ref.decode_logits)
+
+
+def test_without_the_lanes_blocks_are_read_one_by_one(tmp_path, monkeypatch):
+    """Where the library cannot be built, the same chain is read block by block (hashlib), as exactly."""
+    monkeypatch.setattr(graft, "_READ_THREADS", 2)
+    monkeypatch.setattr(sha256_lanes, "load", lambda: None)
+    eng = tiny_engine("llama", tmp_path / "s")
+    ids = torch.randint(0, 512, (40 * 16 + 9,), generator=torch.Generator().manual_seed(5)).tolist()
+    eng.store_prefix(ids[: 40 * 16])
+    calls = _spy(eng.store, monkeypatch)
+    got, rep = eng.forward(ids, max_new_tokens=2, stop_token_ids=(), keep_logits=True)
+    ref = eng.recompute(ids, max_new_tokens=2, stop_token_ids=())
+    assert calls == [] and rep.tokens_grafted == 640
+    assert torch.equal(got.prefill_logits, ref.prefill_logits[640:])
     assert torch.equal(got.decode_logits, ref.decode_logits)
