@@ -78,13 +78,17 @@ inline void compress(__m512i s[8], __m512i W[16]) {
             w = add(add(W[t & 15], s0), add(s1, W[(t - 7) & 15]));
             W[t & 15] = w;
         }
+        // The sums are grouped so that what does not depend on this round's e and a (h + K + w, and
+        // d + that) is added off the critical path: e and a each wait for four operations, not five.
+        const __m512i hkw = add(h, add(w, _mm512_set1_epi32(static_cast<int>(kK[t]))));
+        const __m512i dhkw = add(d, hkw);
         __m512i S1 = _mm512_ternarylogic_epi32(ror(e, 6), ror(e, 11), ror(e, 25), 0x96);
         __m512i ch = _mm512_ternarylogic_epi32(e, f, g, 0xCA);  // (e & f) ^ (~e & g)
-        __m512i T1 = add(add(h, S1), add(ch, add(w, _mm512_set1_epi32(static_cast<int>(kK[t])))));
         __m512i S0 = _mm512_ternarylogic_epi32(ror(a, 2), ror(a, 13), ror(a, 22), 0x96);
         __m512i maj = _mm512_ternarylogic_epi32(a, b, c, 0xE8);
-        h = g; g = f; f = e; e = add(d, T1);
-        d = c; c = b; b = a; a = add(T1, add(S0, maj));
+        const __m512i s1ch = add(S1, ch);
+        h = g; g = f; f = e; e = add(dhkw, s1ch);
+        d = c; c = b; b = a; a = add(add(hkw, s1ch), add(S0, maj));
     }
     s[0] = add(s[0], a); s[1] = add(s[1], b); s[2] = add(s[2], c); s[3] = add(s[3], d);
     s[4] = add(s[4], e); s[5] = add(s[5], f); s[6] = add(s[6], g); s[7] = add(s[7], h);
