@@ -123,14 +123,19 @@ def load_chain(store, rows: Sequence[BlockRow], report: GraftReport, runner=None
     With a `runner`, the cache is built while loading, with room for `capacity` positions (in
     `room`'s kept buffers when they fit, see cache.Room). On the CPU, when every layer is a
     full-attention layer with the same K/V shapes, the cache is one tensor [layers, K|V, H, S, D]
-    and a block's payload is exactly its rows [:, :, :, p:p+C]: each worker reads a block into its
-    own small buffer (reused, so it stays in cache), hashes it there with one call and copies it into
-    place with one more — two calls that release the GIL per block, where reading straight into the
-    180 per-head rows of SmolLM2 took one hash call (and one GIL hand-over) per row and ran at 60 %
-    of the speed. Otherwise (GPU, sliding-window layers) each worker reads a block into its slice of
-    one staging buffer (pinned on a GPU), hashes it there and, once verified, copies it to its
-    positions with `graft_op.graft_copy`. Either way the threads overlap reading, hashing and
-    copying, and a cache built from a chain cut short is used only up to the last verified block.
+    and a block's payload is exactly its rows [:, :, :, p:p+C]; a local store's first header gives
+    its shape, and then every block is read by the reader threads straight into place: on AVX-512
+    CPUs in groups of up to 16 blocks, filled into their rows and hashed there 16 at a time
+    (`LocalStore.read_blocks_lanes`, sha256_lanes.py), elsewhere (or with too few blocks per
+    thread) one at a time into the thread's own small buffer (reused, so it stays in cache), hashed
+    there with one call and copied into place with one more — two calls that release the GIL per
+    block, where reading straight into the 180 per-head rows of SmolLM2 with hashlib took one hash
+    call (and one GIL hand-over) per row and ran at 60 % of the speed. Otherwise (GPU,
+    sliding-window layers, a store without local files) the first block is read alone for its
+    shapes, then each worker reads a block into its slice of one staging buffer (pinned on a GPU),
+    hashes it there and, once verified, copies it to its positions with `graft_op.graft_copy`.
+    Either way the threads overlap reading, hashing and copying, and a cache built from a chain cut
+    short is used only up to the last verified block.
     """
     offsets, total = [], 0
     for r in rows:
@@ -145,7 +150,23 @@ def load_chain(store, rows: Sequence[BlockRow], report: GraftReport, runner=None
     # Where one cache tensor may hold every layer, blocks are read through the reader threads' own
     # buffers and copied into it; a GPU keeps the pinned staging buffer the kernel reads.
     may_whole = runner is not None and device.type == "cpu" and runner.full_attention_only
-    if rows:
+    start = 1  # the first block the threads read (block 0 is read alone first, unless its header sufficed)
+    if rows and may_whole and hasattr(store, "block_meta"):
+        # The first block's header alone gives the shapes the cache is allocated with: every block,
+        # the first included, is then read by the threads, straight into the cache.
+        try:
+            first = store.block_meta(rows[0])
+        except IntegrityError as exc:
+            results.append(exc)  # the chain ends before it: nothing else is read
+            start = len(rows)
+        else:
+            dst = _allocate(runner, first, len(rows) * first.n_tokens, capacity, room)
+            into_whole = dst.whole is not None
+            if into_whole:
+                start = 0
+            else:
+                dst = None  # layers of unequal shapes: read block 0 first, as below
+    if rows and start == 1:
         # The first block's header gives the shapes the cache is allocated with. It is read like
         # the others: into this thread's reader buffer, or into its slice of the one staging buffer
         # (pinned on a GPU), allocated once.
@@ -197,9 +218,9 @@ def load_chain(store, rows: Sequence[BlockRow], report: GraftReport, runner=None
             return store.read_blocks_lanes([rows[i] for i in group], place)
         return [read(group[0])]
 
-    groups = _groups(len(rows), into_whole and hasattr(store, "read_blocks_lanes")
+    groups = _groups(start, len(rows), into_whole and hasattr(store, "read_blocks_lanes")
                      and (dst.position_bytes * first.n_tokens) % 64 == 0)
-    if len(rows) > 2 and _READ_THREADS > 1:
+    if len(groups) > 1 and _READ_THREADS > 1:
         results += [m for done in _readers().map(read_group, groups) for m in done]
     else:
         results += [m for g in groups for m in read_group(g)]
@@ -223,13 +244,13 @@ def load_chain(store, rows: Sequence[BlockRow], report: GraftReport, runner=None
     return chain
 
 
-def _groups(n: int, lanes: bool) -> list[list[int]]:
-    """Blocks 1..n-1 (block 0 is read first, alone) as the reader threads' work items: one block each,
-    or, with `lanes`, groups of up to 16 for `sha256_lanes` — as many groups as threads at least, so
-    every thread works, and none smaller than `MIN_LANES` (idle lanes would cost more than hashlib)."""
+def _groups(start: int, n: int, lanes: bool) -> list[list[int]]:
+    """Blocks start..n-1 as the reader threads' work items: one block each, or, with `lanes`, groups
+    of up to 16 for `sha256_lanes` — as many groups as threads at least, so every thread works, and
+    none smaller than `MIN_LANES` (idle lanes would cost more than hashlib)."""
     from . import sha256_lanes
 
-    rest = list(range(1, n))
+    rest = list(range(start, n))
     if lanes and rest and sha256_lanes.load() is not None:
         count = max(_READ_THREADS, -(-len(rest) // sha256_lanes.LANES))
         size = -(-len(rest) // count)

@@ -558,6 +558,13 @@ class LocalStore:
         self._check_digest(row, hashlib.sha256(into).hexdigest())
         return meta, into
 
+    def block_meta(self, row: BlockRow) -> BlockMeta:
+        """A block's header, checked against the catalogue as `read_block` checks it (the payload is
+        not read: `read_block` checks it when it reads it)."""
+        fh, meta, _ = self._open_checked(row)
+        fh.close()
+        return meta
+
     def read_blocks_lanes(self, rows: Sequence[BlockRow], place) -> list:
         """Read and verify up to 16 blocks of one payload size together, straight into their places.
 

@@ -177,7 +177,7 @@ def test_graft_read_in_groups_is_exact(tmp_path, monkeypatch, dtype):
     calls = _spy(eng.store, monkeypatch)
     got, rep = eng.forward(ids, max_new_tokens=3, stop_token_ids=(), keep_logits=True)
     ref = eng.recompute(ids, max_new_tokens=3, stop_token_ids=())
-    assert calls == [13, 13, 13]  # 39 blocks after the first: three groups for two threads
+    assert calls == [14, 14, 12]  # 40 blocks: three groups of at most 16 for two threads
     assert rep.tokens_grafted == 640 and not rep.quarantined
     assert torch.equal(got.prefill_logits, ref.prefill_logits[640:])
     assert torch.equal(got.decode_logits, ref.decode_logits)
@@ -198,7 +198,7 @@ def test_graft_cut_at_a_damaged_block_in_a_group(tmp_path, monkeypatch):
     calls = _spy(eng.store, monkeypatch)
     got, rep = eng.forward(ids, max_new_tokens=2, stop_token_ids=(), keep_logits=True)
     ref = eng.recompute(ids, max_new_tokens=2, stop_token_ids=())
-    assert calls == [13, 13, 13]
+    assert calls == [14, 14, 12]
     assert rep.quarantined == [rows[25].hash] and rep.tokens_grafted == 25 * 16
     assert torch.equal(got.prefill_logits, ref.prefill_logits[25 * 16 :])
     assert torch.equal(got.decode_logits, ref.decode_logits)
@@ -216,4 +216,27 @@ def test_without_the_lanes_blocks_are_read_one_by_one(tmp_path, monkeypatch):
     ref = eng.recompute(ids, max_new_tokens=2, stop_token_ids=())
     assert calls == [] and rep.tokens_grafted == 640
     assert torch.equal(got.prefill_logits, ref.prefill_logits[640:])
+    assert torch.equal(got.decode_logits, ref.decode_logits)
+
+
+@pytest.mark.parametrize("where", ["header", "payload"])
+def test_damaged_first_block(tmp_path, monkeypatch, where):
+    """The cache is shaped on the first block's header, read before the rest: a damaged header stops the
+    graft before any payload is read, a damaged payload is caught in its group; either way nothing is
+    grafted and the logits are the recompute's."""
+    monkeypatch.setattr(graft, "_READ_THREADS", 2)
+    eng = tiny_engine("llama", tmp_path / "s")
+    ids = torch.randint(0, 512, (40 * 16 + 9,), generator=torch.Generator().manual_seed(6)).tolist()
+    eng.store_prefix(ids[: 40 * 16])
+    rows = graft.plan_chain(eng.store, eng.profile_id, ids, 16)
+    path = eng.store.block_path(rows[0].hash)
+    data = bytearray(path.read_bytes())
+    data[20 if where == "header" else -10] ^= 0x01
+    path.write_bytes(bytes(data))
+    calls = _spy(eng.store, monkeypatch)
+    got, rep = eng.forward(ids, max_new_tokens=2, stop_token_ids=(), keep_logits=True)
+    ref = eng.recompute(ids, max_new_tokens=2, stop_token_ids=())
+    assert calls == ([] if where == "header" else [14, 14, 12])
+    assert rep.quarantined == [rows[0].hash] and rep.tokens_grafted == 0
+    assert torch.equal(got.prefill_logits, ref.prefill_logits)
     assert torch.equal(got.decode_logits, ref.decode_logits)
