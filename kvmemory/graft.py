@@ -211,6 +211,8 @@ def load_chain(store, rows: Sequence[BlockRow], report: GraftReport, runner=None
         """Where a block's payload goes in the one-tensor cache: its rows, one per (layer, K|V, head)."""
         if _layout(meta) != _layout(first):
             raise IntegrityError(f"block {meta.hash[:12]} is laid out unlike the chain's first block")
+        if not 0 <= meta.position <= dst.whole.shape[3] - meta.n_tokens:  # raw addresses: never past the cache
+            raise IntegrityError(f"block {meta.hash[:12]} claims position {meta.position}, outside this chain's cache")
         return dst.row_addresses + meta.position * dst.position_bytes, meta.n_tokens * dst.position_bytes
 
     def read_group(group: list[int]) -> list:

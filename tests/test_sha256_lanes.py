@@ -240,3 +240,33 @@ def test_damaged_first_block(tmp_path, monkeypatch, where):
     assert rep.quarantined == [rows[0].hash] and rep.tokens_grafted == 0
     assert torch.equal(got.prefill_logits, ref.prefill_logits)
     assert torch.equal(got.decode_logits, ref.decode_logits)
+
+
+def test_a_block_claiming_a_far_position_is_refused_before_any_write(tmp_path, monkeypatch):
+    """Blocks are read into the cache through raw addresses: one whose header and catalogue row agree on
+    an index far past the chain (a crafted store) is refused by `place`, never written out of bounds."""
+    monkeypatch.setattr(graft, "_READ_THREADS", 2)
+    eng = tiny_engine("llama", tmp_path / "s")
+    ids = torch.randint(0, 512, (40 * 16 + 9,), generator=torch.Generator().manual_seed(8)).tolist()
+    eng.store_prefix(ids[: 40 * 16])
+    rows = graft.plan_chain(eng.store, eng.profile_id, ids, 16)
+    real = eng.store.read_blocks_lanes
+    seen = []
+
+    def far(rows_, place):
+        def shifted(meta):  # the header says index 10**6 (as a crafted file + row would)
+            import dataclasses
+            m = dataclasses.replace(meta, index=10**6, position=10**6 * 16) if meta.hash == rows[30].hash else meta
+            try:
+                return place(m)
+            except IntegrityError as exc:
+                seen.append(str(exc))
+                raise
+        return real(rows_, shifted)
+
+    monkeypatch.setattr(eng.store, "read_blocks_lanes", far)
+    got, rep = eng.forward(ids, max_new_tokens=1, stop_token_ids=(), keep_logits=True)
+    ref = eng.recompute(ids, max_new_tokens=1, stop_token_ids=())
+    assert seen and "outside this chain's cache" in seen[0]
+    assert rep.tokens_grafted == 30 * 16
+    assert torch.equal(got.prefill_logits, ref.prefill_logits[30 * 16 :])
