@@ -92,11 +92,9 @@ def raw_read_hash_lanes_bandwidth(files: list[Path], payload_nbytes: int, thread
     from . import sha256_lanes
 
     seg = math.gcd(payload_nbytes, 1 << 14)  # 16 KB segments, as a graft's rows of 64 float32 positions
-    count = max(threads, -(-len(files) // sha256_lanes.LANES))
-    size = -(-len(files) // count) if files else 0
-    if sha256_lanes.load() is None or seg % 64 or size < sha256_lanes.MIN_LANES:
+    groups = sha256_lanes.groups(files, threads)
+    if sha256_lanes.load() is None or seg % 64 or groups is None:
         return None
-    groups = [files[i : i + size] for i in range(0, len(files), size)]
     slab, nseg = 16, payload_nbytes // seg
     # Per group, a scratch ring of `slab` segments per lane (each slab is hashed before the next is read
     # into the same place) and its segment addresses, made before the clock starts.

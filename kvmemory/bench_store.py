@@ -98,13 +98,11 @@ def run_store_bench(blocks: int = 64, block_bytes: int = DEFAULT_BLOCK_BYTES, th
             def store_read(row):
                 return store.read_block(row, into=slot[row.hash])
 
-            # The grouped read: as many groups of up to 16 blocks as there are threads at least.
+            # The grouped read, grouped as a graft groups (any group size: the tiny test runs 4 blocks).
             lanes = sha256_lanes.load() is not None and block_bytes % 64 == 0
-            count = max(th, math.ceil(blocks / sha256_lanes.LANES))
-            groups = [rows[i : i + math.ceil(blocks / count)] for i in range(0, blocks, math.ceil(blocks / count))]
+            groups = sha256_lanes.groups(rows, th, min_lanes=1)
             seg = math.gcd(block_bytes, 1 << 14)
             dest_np = np.frombuffer(dest, dtype=np.uint8)
-
             starts = {m.hash: dest_np.ctypes.data + i * block_bytes for i, (m, _) in enumerate(items)}
 
             def place(meta):  # the block's slice of the destination, in 16 KB segments

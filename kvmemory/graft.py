@@ -247,18 +247,13 @@ def load_chain(store, rows: Sequence[BlockRow], report: GraftReport, runner=None
 
 
 def _groups(start: int, n: int, lanes: bool) -> list[list[int]]:
-    """Blocks start..n-1 as the reader threads' work items: one block each, or, with `lanes`, groups
-    of up to 16 for `sha256_lanes` — as many groups as threads at least, so every thread works, and
-    none smaller than `MIN_LANES` (idle lanes would cost more than hashlib)."""
+    """Blocks start..n-1 as the reader threads' work items: with `lanes` (and the library), groups for
+    `sha256_lanes` (`sha256_lanes.groups`), else one block each."""
     from . import sha256_lanes
 
     rest = list(range(start, n))
-    if lanes and rest and sha256_lanes.load() is not None:
-        count = max(_READ_THREADS, -(-len(rest) // sha256_lanes.LANES))
-        size = -(-len(rest) // count)
-        if size >= sha256_lanes.MIN_LANES:
-            return [rest[i : i + size] for i in range(0, len(rest), size)]
-    return [[i] for i in rest]
+    grouped = sha256_lanes.groups(rest, _READ_THREADS) if lanes and sha256_lanes.load() is not None else None
+    return grouped or [[i] for i in rest]
 
 
 def _read(store, row: BlockRow, into):

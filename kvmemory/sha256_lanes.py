@@ -98,6 +98,19 @@ def why_unavailable() -> str | None:
     return _why
 
 
+def groups(items: list, threads: int, min_lanes: int = MIN_LANES) -> list[list] | None:
+    """`items` (blocks) cut into consecutive groups of at most 16, as many as `threads` at least so
+    every thread works, of near-equal sizes; None when a group would hold fewer than `min_lanes`
+    (idle lanes would make the call slower than hashlib on the same bytes)."""
+    if not items:
+        return None
+    count = max(threads, -(-len(items) // LANES))
+    size = -(-len(items) // count)
+    if size < min_lanes:
+        return None
+    return [items[i : i + size] for i in range(0, len(items), size)]
+
+
 def _pointers(buffers) -> np.ndarray:
     return np.array([np.frombuffer(b, dtype=np.uint8).ctypes.data for b in buffers], dtype=np.uint64)
 

@@ -546,15 +546,11 @@ class LocalStore:
         if into.nbytes != row.payload_nbytes:
             raise ValueError("the destination buffer has the wrong size")
         fh, meta, head = self._open_checked(row)
-        try:
-            with fh:
-                # One read fills the payload and asks for one byte more: a file with trailing bytes
-                # (or a truncated one) shows in the count.
-                got = _preadv_all(fh.fileno(), [into, memoryview(bytearray(1))], len(head))
-                self._check_size(row, got)
-        except IntegrityError as exc:
-            self.quarantine(row.hash, str(exc))
-            raise IntegrityError(f"block {row.hash[:12]}: {exc}") from None
+        with fh:
+            # One read fills the payload and asks for one byte more: a file with trailing bytes
+            # (or a truncated one) shows in the count.
+            got = _preadv_all(fh.fileno(), [into, memoryview(bytearray(1))], len(head))
+        self._check_size(row, got)
         self._check_digest(row, hashlib.sha256(into).hexdigest())
         return meta, into
 
@@ -610,11 +606,6 @@ class LocalStore:
                 raise OSError(f"reading block {row.hash[:12]} failed")  # as read_block lets an I/O error through
             try:
                 self._check_size(row, n)
-            except IntegrityError as exc:
-                self.quarantine(row.hash, str(exc))
-                out[i] = IntegrityError(f"block {row.hash[:12]}: {exc}")
-                continue
-            try:
                 self._check_digest(row, digest.hex())
             except IntegrityError as exc:
                 out[i] = exc
@@ -643,13 +634,14 @@ class LocalStore:
             raise
         return fh, meta, head
 
-    @staticmethod
-    def _check_size(row: BlockRow, got: int) -> None:
-        """`got`: payload bytes read, asking for one byte more than the payload."""
-        if got < row.payload_nbytes:
-            raise IntegrityError(f"block file truncated ({got} of {row.payload_nbytes} payload bytes)")
-        if got > row.payload_nbytes:
-            raise IntegrityError("block file has trailing bytes")
+    def _check_size(self, row: BlockRow, got: int) -> None:
+        """`got`: payload bytes read, asking for one byte more than the payload. A wrong size
+        quarantines the block and raises IntegrityError."""
+        why = (f"block file truncated ({got} of {row.payload_nbytes} payload bytes)" if got < row.payload_nbytes
+               else "block file has trailing bytes" if got > row.payload_nbytes else None)
+        if why:
+            self.quarantine(row.hash, why)
+            raise IntegrityError(f"block {row.hash[:12]}: {why}")
 
     def _check_digest(self, row: BlockRow, hexdigest: str) -> None:
         if hexdigest != row.payload_sha256:

@@ -8,6 +8,7 @@ groups must give the recompute's logits exactly.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import random
@@ -166,57 +167,61 @@ def _spy(store, monkeypatch):
     return calls
 
 
+def _stored_chain(tmp_path, monkeypatch, seed, dtype=torch.float32):
+    """A tiny engine (two reader threads) whose store holds a chain of 40 blocks of 16 tokens, the
+    prompt (the chain + 9 tokens) and the chain's catalogue rows."""
+    monkeypatch.setattr(graft, "_READ_THREADS", 2)
+    eng = tiny_engine("llama", tmp_path / "s", dtype)
+    ids = torch.randint(0, 512, (40 * 16 + 9,), generator=torch.Generator().manual_seed(seed)).tolist()
+    eng.store_prefix(ids[: 40 * 16])
+    return eng, ids, graft.plan_chain(eng.store, eng.profile_id, ids, 16)
+
+
+def _flip(store, row, offset: int, bit: int) -> None:
+    path = store.block_path(row.hash)
+    data = bytearray(path.read_bytes())
+    data[offset] ^= bit
+    path.write_bytes(bytes(data))
+
+
+def _graft_matches_recompute(eng, ids, new_tokens: int):
+    """Graft and recompute `ids`; asserts every logit after the graft point is byte-equal. Returns the report."""
+    got, rep = eng.forward(ids, max_new_tokens=new_tokens, stop_token_ids=(), keep_logits=True)
+    ref = eng.recompute(ids, max_new_tokens=new_tokens, stop_token_ids=())
+    assert torch.equal(got.prefill_logits, ref.prefill_logits[rep.tokens_grafted :])
+    assert torch.equal(got.decode_logits, ref.decode_logits)
+    return rep
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_graft_read_in_groups_is_exact(tmp_path, monkeypatch, dtype):
     """A chain of 40 blocks is read in groups (the spy sees them) and the grafted logits equal the
     recompute's, byte for byte."""
-    monkeypatch.setattr(graft, "_READ_THREADS", 2)
-    eng = tiny_engine("llama", tmp_path / "s", dtype)
-    ids = torch.randint(0, 512, (40 * 16 + 9,), generator=torch.Generator().manual_seed(3)).tolist()
-    eng.store_prefix(ids[: 40 * 16])
+    eng, ids, _ = _stored_chain(tmp_path, monkeypatch, 3, dtype)
     calls = _spy(eng.store, monkeypatch)
-    got, rep = eng.forward(ids, max_new_tokens=3, stop_token_ids=(), keep_logits=True)
-    ref = eng.recompute(ids, max_new_tokens=3, stop_token_ids=())
+    rep = _graft_matches_recompute(eng, ids, 3)
     assert calls == [14, 14, 12]  # 40 blocks: three groups of at most 16 for two threads
     assert rep.tokens_grafted == 640 and not rep.quarantined
-    assert torch.equal(got.prefill_logits, ref.prefill_logits[640:])
-    assert torch.equal(got.decode_logits, ref.decode_logits)
 
 
 def test_graft_cut_at_a_damaged_block_in_a_group(tmp_path, monkeypatch):
     """A bit flipped in block 25 of 40: the grouped read refuses it, the chain is cut before it, and the
     rest is recomputed — the logits still equal the recompute's."""
-    monkeypatch.setattr(graft, "_READ_THREADS", 2)
-    eng = tiny_engine("llama", tmp_path / "s")
-    ids = torch.randint(0, 512, (40 * 16 + 9,), generator=torch.Generator().manual_seed(4)).tolist()
-    eng.store_prefix(ids[: 40 * 16])
-    rows = graft.plan_chain(eng.store, eng.profile_id, ids, 16)
-    path = eng.store.block_path(rows[25].hash)
-    data = bytearray(path.read_bytes())
-    data[-1000] ^= 0x10
-    path.write_bytes(bytes(data))
+    eng, ids, rows = _stored_chain(tmp_path, monkeypatch, 4)
+    _flip(eng.store, rows[25], -1000, 0x10)
     calls = _spy(eng.store, monkeypatch)
-    got, rep = eng.forward(ids, max_new_tokens=2, stop_token_ids=(), keep_logits=True)
-    ref = eng.recompute(ids, max_new_tokens=2, stop_token_ids=())
+    rep = _graft_matches_recompute(eng, ids, 2)
     assert calls == [14, 14, 12]
     assert rep.quarantined == [rows[25].hash] and rep.tokens_grafted == 25 * 16
-    assert torch.equal(got.prefill_logits, ref.prefill_logits[25 * 16 :])
-    assert torch.equal(got.decode_logits, ref.decode_logits)
 
 
 def test_without_the_lanes_blocks_are_read_one_by_one(tmp_path, monkeypatch):
     """Where the library cannot be built, the same chain is read block by block (hashlib), as exactly."""
-    monkeypatch.setattr(graft, "_READ_THREADS", 2)
     monkeypatch.setattr(sha256_lanes, "load", lambda: None)
-    eng = tiny_engine("llama", tmp_path / "s")
-    ids = torch.randint(0, 512, (40 * 16 + 9,), generator=torch.Generator().manual_seed(5)).tolist()
-    eng.store_prefix(ids[: 40 * 16])
+    eng, ids, _ = _stored_chain(tmp_path, monkeypatch, 5)
     calls = _spy(eng.store, monkeypatch)
-    got, rep = eng.forward(ids, max_new_tokens=2, stop_token_ids=(), keep_logits=True)
-    ref = eng.recompute(ids, max_new_tokens=2, stop_token_ids=())
+    rep = _graft_matches_recompute(eng, ids, 2)
     assert calls == [] and rep.tokens_grafted == 640
-    assert torch.equal(got.prefill_logits, ref.prefill_logits[640:])
-    assert torch.equal(got.decode_logits, ref.decode_logits)
 
 
 @pytest.mark.parametrize("where", ["header", "payload"])
@@ -224,38 +229,23 @@ def test_damaged_first_block(tmp_path, monkeypatch, where):
     """The cache is shaped on the first block's header, read before the rest: a damaged header stops the
     graft before any payload is read, a damaged payload is caught in its group; either way nothing is
     grafted and the logits are the recompute's."""
-    monkeypatch.setattr(graft, "_READ_THREADS", 2)
-    eng = tiny_engine("llama", tmp_path / "s")
-    ids = torch.randint(0, 512, (40 * 16 + 9,), generator=torch.Generator().manual_seed(6)).tolist()
-    eng.store_prefix(ids[: 40 * 16])
-    rows = graft.plan_chain(eng.store, eng.profile_id, ids, 16)
-    path = eng.store.block_path(rows[0].hash)
-    data = bytearray(path.read_bytes())
-    data[20 if where == "header" else -10] ^= 0x01
-    path.write_bytes(bytes(data))
+    eng, ids, rows = _stored_chain(tmp_path, monkeypatch, 6)
+    _flip(eng.store, rows[0], 20 if where == "header" else -10, 0x01)
     calls = _spy(eng.store, monkeypatch)
-    got, rep = eng.forward(ids, max_new_tokens=2, stop_token_ids=(), keep_logits=True)
-    ref = eng.recompute(ids, max_new_tokens=2, stop_token_ids=())
+    rep = _graft_matches_recompute(eng, ids, 2)
     assert calls == ([] if where == "header" else [14, 14, 12])
     assert rep.quarantined == [rows[0].hash] and rep.tokens_grafted == 0
-    assert torch.equal(got.prefill_logits, ref.prefill_logits)
-    assert torch.equal(got.decode_logits, ref.decode_logits)
 
 
 def test_a_block_claiming_a_far_position_is_refused_before_any_write(tmp_path, monkeypatch):
     """Blocks are read into the cache through raw addresses: one whose header and catalogue row agree on
     an index far past the chain (a crafted store) is refused by `place`, never written out of bounds."""
-    monkeypatch.setattr(graft, "_READ_THREADS", 2)
-    eng = tiny_engine("llama", tmp_path / "s")
-    ids = torch.randint(0, 512, (40 * 16 + 9,), generator=torch.Generator().manual_seed(8)).tolist()
-    eng.store_prefix(ids[: 40 * 16])
-    rows = graft.plan_chain(eng.store, eng.profile_id, ids, 16)
+    eng, ids, rows = _stored_chain(tmp_path, monkeypatch, 8)
     real = eng.store.read_blocks_lanes
     seen = []
 
     def far(rows_, place):
         def shifted(meta):  # the header says index 10**6 (as a crafted file + row would)
-            import dataclasses
             m = dataclasses.replace(meta, index=10**6, position=10**6 * 16) if meta.hash == rows[30].hash else meta
             try:
                 return place(m)
@@ -265,8 +255,6 @@ def test_a_block_claiming_a_far_position_is_refused_before_any_write(tmp_path, m
         return real(rows_, shifted)
 
     monkeypatch.setattr(eng.store, "read_blocks_lanes", far)
-    got, rep = eng.forward(ids, max_new_tokens=1, stop_token_ids=(), keep_logits=True)
-    ref = eng.recompute(ids, max_new_tokens=1, stop_token_ids=())
+    rep = _graft_matches_recompute(eng, ids, 1)
     assert seen and "outside this chain's cache" in seen[0]
     assert rep.tokens_grafted == 30 * 16
-    assert torch.equal(got.prefill_logits, ref.prefill_logits[30 * 16 :])

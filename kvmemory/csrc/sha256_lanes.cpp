@@ -129,6 +129,11 @@ struct Lanes {
     }
 };
 
+// Segment k of every lane; idle lanes (l >= lanes) hash lane 0's bytes again (their digests are not returned).
+inline void lane_pointers(const uint64_t* seg, int lanes, int64_t nseg, int64_t k, const uint8_t* p[kLanes]) {
+    for (int l = 0; l < kLanes; ++l) p[l] = reinterpret_cast<const uint8_t*>(seg[(l < lanes ? l : 0) * nseg + k]);
+}
+
 // Read `n` bytes at `off` into the `count` buffers of `iov` (updated on a short read); bytes read.
 int64_t preadv_all(int fd, struct iovec* iov, int count, int64_t off) {
     int64_t total = 0;
@@ -161,8 +166,7 @@ int kvm_sha256_lanes(int lanes, int64_t nseg, int64_t seg_bytes, const uint64_t*
     Lanes h;
     const uint8_t* p[kLanes];
     for (int64_t k = 0; k < nseg; ++k) {
-        // Idle lanes hash lane 0's bytes again: their digests are not returned.
-        for (int l = 0; l < kLanes; ++l) p[l] = reinterpret_cast<const uint8_t*>(seg[(l < lanes ? l : 0) * nseg + k]);
+        lane_pointers(seg, lanes, nseg, k, p);
         h.update(p, seg_bytes);
     }
     h.finish(nseg * seg_bytes, digests, lanes);
@@ -197,7 +201,7 @@ int kvm_read_hash_lanes(int lanes, const int* fds, const int64_t* offsets, int64
             if (r < n * seg_bytes) ok[l] = false;  // truncated: nothing more to read
         }
         for (int64_t k = 0; k < n; ++k) {
-            for (int l = 0; l < kLanes; ++l) p[l] = reinterpret_cast<const uint8_t*>(seg[(l < lanes ? l : 0) * nseg + k0 + k]);
+            lane_pointers(seg, lanes, nseg, k0 + k, p);
             h.update(p, seg_bytes);
         }
     }
