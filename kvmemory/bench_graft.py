@@ -104,13 +104,8 @@ def raw_read_hash_lanes_bandwidth(files: list[Path], payload_nbytes: int, thread
              for s, g in zip(scratch, groups)]
 
     def one(i: int) -> int:
-        fds = [os.open(f, os.O_RDONLY) for f in groups[i]]
-        try:
-            offsets = [os.fstat(fd).st_size - payload_nbytes for fd in fds]
-            got, _ = sha256_lanes.read_hash_lanes(fds, offsets, addrs[i], seg, slab)
-        finally:
-            for fd in fds:
-                os.close(fd)
+        offsets = [os.stat(f).st_size - payload_nbytes for f in groups[i]]
+        got, _ = sha256_lanes.read_hash_lanes(groups[i], offsets, addrs[i], seg, slab=slab)
         return sum(got)
 
     t = time.perf_counter()

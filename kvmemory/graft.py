@@ -90,12 +90,13 @@ class GraftReport:
 def plan_chain(store, profile_id: str, token_ids: Sequence[int], chunk: int) -> list[BlockRow]:
     """The longest run of stored blocks from position 0. At least the last prompt token is always
     recomputed (its logits start the decode), so the chain covers at most floor((n-1)/C) blocks."""
+    hashes = list(chain_hashes(profile_id, token_ids, chunk, limit=len(token_ids) - 1))
+    known = store.known_blocks(hashes)  # one lookup for the chain, not one per block
     rows: list[BlockRow] = []
-    for h in chain_hashes(profile_id, token_ids, chunk, limit=len(token_ids) - 1):
-        row = store.get_block(h)
-        if row is None or row.quarantined:
+    for h in hashes:
+        if h not in known:
             break
-        rows.append(row)
+        rows.append(known[h])
     return rows
 
 
@@ -329,29 +330,27 @@ def _allocate(runner, m0: BlockMeta, end: int, capacity: int = 0, room=None) -> 
     """Cache buffers for positions [0, end), shaped as the model's cache layers hold them: full
     attention layers get room for `capacity` positions (the whole forward, cache.py), sliding-window
     layers exactly what they keep. With a `cache.Room`, its kept buffers are used when large enough."""
-    from .cache import ReservedLayer
-
     dtype = DTYPES[m0.dtype]
     model_dtype = next(runner.model.parameters()).dtype
     if dtype != model_dtype:
         raise UnsupportedArchitecture(f"blocks hold {m0.dtype} K/V but the model computes in {model_dtype}")
-    layers = runner.new_cache().layers
-    if len(m0.k_shapes) != len(layers):
-        raise UnsupportedArchitecture(f"blocks hold {len(m0.k_shapes)} layers, the model has {len(layers)}")
+    windows = runner.sliding_windows
+    if len(m0.k_shapes) != len(windows):
+        raise UnsupportedArchitecture(f"blocks hold {len(m0.k_shapes)} layers, the model has {len(windows)}")
     if runner.full_attention_only and len(set(m0.k_shapes) | set(m0.v_shapes)) == 1:
         # Every layer alike: one tensor holds them all, so a block's payload is one slice of it.
         (h, _, d), need = m0.k_shapes[0], max(end, capacity)
-        whole = room.take((len(layers), 2, h, need, d), dtype, runner.device) if room is not None else None
+        whole = room.take((len(windows), 2, h, need, d), dtype, runner.device) if room is not None else None
         if whole is None:
-            whole = torch.empty(len(layers), 2, h, need, d, dtype=dtype, device=runner.device)
+            whole = torch.empty(len(windows), 2, h, need, d, dtype=dtype, device=runner.device)
         return _Dest(end, [w[0].unsqueeze(0) for w in whole], [w[1].unsqueeze(0) for w in whole],
-                     [0] * len(layers), whole)
+                     [0] * len(windows), whole)
     keys, values, offs = [], [], []
-    for layer, (kh, _, kd), (vh, _, vd) in zip(layers, m0.k_shapes, m0.v_shapes):
-        if isinstance(layer, ReservedLayer):
+    for window, (kh, _, kd), (vh, _, vd) in zip(windows, m0.k_shapes, m0.v_shapes):
+        if window is None:
             keep = max(end, capacity)
         else:  # sliding window: what the layer itself would hold after `end` tokens
-            keep = min(end, layer.sliding_window - 1)
+            keep = min(end, window - 1)
         keys.append(torch.empty(1, kh, keep, kd, dtype=dtype, device=runner.device))
         values.append(torch.empty(1, vh, keep, vd, dtype=dtype, device=runner.device))
         offs.append(end - keep if keep < end else 0)

@@ -165,9 +165,12 @@ class CanonicalRunner:
         cfg = model.config.get_text_config(decoder=True)
         self.vocab_size = int(cfg.vocab_size)
         self.max_positions = int(max_positions or getattr(cfg, "max_position_embeddings", 0) or 1 << 30)
-        # Whether every cache layer reserves room (no sliding windows): a graft can then hold all
-        # layers in one tensor (graft.py).
-        self.full_attention_only = all(isinstance(l, ReservedLayer) for l in self.new_cache().layers)
+        # Per cache layer, its sliding window, or None for a full-attention layer reserving room
+        # (known once: a graft shapes its buffers by them, graft.py). With no windows at all, a graft
+        # can hold every layer in one tensor.
+        self.sliding_windows = [None if isinstance(l, ReservedLayer) else l.sliding_window
+                                for l in self.new_cache().layers]
+        self.full_attention_only = all(w is None for w in self.sliding_windows)
 
     def new_cache(self, capacity: int = 0):
         """An empty cache whose full-attention layers reserve `capacity` positions (cache.py)."""
@@ -182,6 +185,11 @@ class CanonicalRunner:
                 f"{n} prompt tokens + {extra} to decode exceed the model's {self.max_positions} positions; "
                 "shorten the text (or raise max_positions if the model really supports more)"
             )
+        try:  # min / max run in C: 8k ids in 0.1 ms, where int() on each took 1 ms
+            if 0 <= min(token_ids) and max(token_ids) < self.vocab_size:
+                return
+        except TypeError:  # not all numbers: int() decides below
+            pass
         bad = [t for t in token_ids if not 0 <= int(t) < self.vocab_size]
         if bad:
             raise InvalidInput(f"token ids out of the vocabulary [0, {self.vocab_size}): {bad[:5]}")

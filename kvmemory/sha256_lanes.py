@@ -8,9 +8,10 @@ the kernel hashes 16 of them at once in the 16 lanes of AVX-512 registers (~2.7 
 hashlib's (tested). With fewer than `MIN_LANES` blocks to a call the idle lanes make it slower than
 hashlib, so callers keep hashlib for those.
 
-`read_hash_lanes` also reads: it fills each block's rows of the cache from its file (one preadv per
-slab of rows) and hashes the slab while it is still in the CPU cache, all without the GIL — the bytes
-hashed are the bytes the cache holds.
+`read_hash_lanes` also reads: it opens each block's file, checks that it still begins with the header
+checked before, fills the block's rows of the cache from it (one preadv per slab of rows) and hashes
+the slab while it is still in the CPU cache, all without the GIL — the bytes hashed are the bytes the
+cache holds, and a reader thread makes no system call holding the GIL.
 
 Plain C++ (no torch headers), compiled with g++ on first use into the user cache folder (~2 s) for
 AVX-512 CPUs; where it cannot be (no AVX-512, no compiler) `load()` returns None, `why_unavailable()`
@@ -71,8 +72,9 @@ def load() -> ctypes.CDLL | None:
     u64p, i64p, u8p = (np.ctypeslib.ndpointer(t, flags="C_CONTIGUOUS") for t in (np.uint64, np.int64, np.uint8))
     lib.kvm_sha256_lanes.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, u64p, u8p]
     lib.kvm_sha256_lanes.restype = ctypes.c_int
-    lib.kvm_read_hash_lanes.argtypes = [ctypes.c_int, np.ctypeslib.ndpointer(np.int32, flags="C_CONTIGUOUS"), i64p,
-                                        ctypes.c_int64, ctypes.c_int64, u64p, ctypes.c_int64, i64p, u8p]
+    lib.kvm_read_hash_lanes.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p), i64p,
+                                        ctypes.POINTER(ctypes.c_char_p), ctypes.c_int64, ctypes.c_int64, u64p,
+                                        ctypes.c_int64, i64p, u8p]
     lib.kvm_read_hash_lanes.restype = ctypes.c_int
     return lib
 
@@ -129,17 +131,30 @@ def sha256_many(buffers) -> list[bytes]:
     return [out[32 * i : 32 * i + 32].tobytes() for i in range(len(buffers))]
 
 
-def read_hash_lanes(fds: list[int], offsets: list[int], segments: np.ndarray, seg_bytes: int,
-                    slab: int = 16) -> tuple[list[int], list[bytes]]:
-    """Fill lane l's segments (`segments[l]`: addresses of `seg_bytes`-byte buffers, in payload order)
-    from file `fds[l]` at `offsets[l]` and hash them. Returns, per lane, the payload bytes read (+1
-    when the file holds more after the payload; -1 on a read error) and the digest."""
+# read_hash_lanes' byte counts that are not counts (csrc: kMissing, kHeadChanged; -1 any other error).
+READ_ERROR, MISSING, HEAD_CHANGED = -1, -2, -3
+
+
+def read_hash_lanes(paths: list, offsets: list[int], segments: np.ndarray, seg_bytes: int,
+                    heads: list[bytes | None] | None = None, slab: int = 16) -> tuple[list[int], list[bytes]]:
+    """Open file `paths[l]`, check that it begins with `heads[l]` (its `offsets[l]` header bytes, as
+    checked before; None: no check), then fill lane l's segments (`segments[l]`: addresses of
+    `seg_bytes`-byte buffers, in payload order) from byte `offsets[l]` on and hash them, every lane
+    in one call without the GIL. Returns, per lane, the payload bytes read (+1 when the file holds more
+    after the payload), or MISSING / HEAD_CHANGED / READ_ERROR, and the digest."""
     lib = load()
     lanes, nseg = segments.shape
+    heads = heads if heads is not None else [None] * lanes
+    if not len(paths) == len(offsets) == len(heads) == lanes:
+        raise ValueError("one path, offset and head per lane")
+    if any(h is not None and len(h) != o for h, o in zip(heads, offsets)):
+        raise ValueError("a lane's head must be its offset's length")
+    c_paths = (ctypes.c_char_p * lanes)(*[os.fsencode(p) for p in paths])
+    c_heads = (ctypes.c_char_p * lanes)(*heads)
     got = np.empty(lanes, dtype=np.int64)
     out = np.empty(32 * lanes, dtype=np.uint8)
-    rc = lib.kvm_read_hash_lanes(lanes, np.asarray(fds, dtype=np.int32), np.asarray(offsets, dtype=np.int64), nseg,
-                                 seg_bytes, np.ascontiguousarray(segments, dtype=np.uint64), slab, got, out)
+    rc = lib.kvm_read_hash_lanes(lanes, c_paths, np.asarray(offsets, dtype=np.int64), c_heads, nseg, seg_bytes,
+                                 np.ascontiguousarray(segments, dtype=np.uint64), slab, got, out)
     if rc:
         raise ValueError("bad arguments to kvm_read_hash_lanes")
     return got.tolist(), [out[32 * i : 32 * i + 32].tobytes() for i in range(lanes)]

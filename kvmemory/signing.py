@@ -308,21 +308,16 @@ class SignedLocalStore(LocalStore):
 
     # ------------------------------------------------------------------ blocks
     def _raw_block(self, h: str) -> BlockRow | None:
-        return LocalStore.get_block(self, h)
+        return self._raw_blocks([h]).get(h)
 
     def block_visible(self, row: BlockRow) -> bool:
+        """Unsigned or forged rows (or another tenant's) are not there for this reader."""
         for ns, sig, _ in self._sigs("block", row.hash):
             if self.namespace is not None and ns != self.namespace:
                 continue
             if self.signer.block_valid(row, ns, sig):
                 return True
         return False
-
-    def get_block(self, h: str) -> BlockRow | None:
-        row = self._raw_block(h)
-        if row is None or not self.block_visible(row):
-            return None  # unsigned or forged rows (or another tenant's) are not there for this reader
-        return row
 
     def put_blocks(self, blocks, *, verified: bool = False, pinned: bool = False) -> int:
         ns = self._write_ns()

@@ -77,29 +77,33 @@ def test_bad_arguments_are_refused():
 
 
 def test_reader_fills_hashes_and_reports_file_ends(tmp_path):
-    """Each lane's segments get its file's bytes after the header; short and long files are reported."""
+    """Each lane's segments get its file's bytes after the header; short and long files, a missing file
+    and a header unlike the one expected are reported, each lane on its own."""
     head, nseg, seg = 64, 5, 256
-    payloads = [os.urandom(nseg * seg) for _ in range(12)]
+    payloads = [os.urandom(nseg * seg) for _ in range(14)]
     extra = {3: b"", 7: b"x"}  # lane 3 truncated (below), lane 7 one byte too long
-    fds = []
+    paths = [tmp_path / f"{l}.bin" for l in range(14)]
     for l, p in enumerate(payloads):
         body = p[: nseg * seg - 100] if l == 3 else p + extra.get(l, b"")
-        (tmp_path / f"{l}.bin").write_bytes(b"h" * head + body)
-        fds.append(os.open(tmp_path / f"{l}.bin", os.O_RDONLY))
-    dest = np.zeros((12, nseg, seg), dtype=np.uint8)
-    addrs = np.array([[dest[l, k].ctypes.data for k in range(nseg)] for l in range(12)], dtype=np.uint64)
-    try:
-        got, digests = sha256_lanes.read_hash_lanes(fds, [head] * 12, addrs, seg, slab=2)
-    finally:
-        for fd in fds:
-            os.close(fd)
-    for l, p in enumerate(payloads):
+        if l != 12:  # lane 12's file is missing
+            paths[l].write_bytes((b"H" if l == 13 else b"h") * head + body)  # lane 13's header differs
+    dest = np.zeros((14, nseg, seg), dtype=np.uint8)
+    addrs = np.array([[dest[l, k].ctypes.data for k in range(nseg)] for l in range(14)], dtype=np.uint64)
+    heads = [b"h" * head] * 13 + [b"h" * head]
+    got, digests = sha256_lanes.read_hash_lanes(paths, [head] * 14, addrs, seg, heads, slab=2)
+    assert got[12] == sha256_lanes.MISSING and got[13] == sha256_lanes.HEAD_CHANGED
+    for l, p in enumerate(payloads[:12]):
         if l == 3:
             assert got[l] == nseg * seg - 100
             continue
         assert got[l] == nseg * seg + (1 if l == 7 else 0)
         assert dest[l].tobytes() == p
         assert digests[l] == hashlib.sha256(p).digest()
+    # Without expected heads the header bytes are not looked at (the bench's raw read does this).
+    got, digests = sha256_lanes.read_hash_lanes(paths[13:], [head], addrs[13:], seg)
+    assert got == [nseg * seg] and digests[0] == hashlib.sha256(payloads[13]).digest()
+    with pytest.raises(ValueError):  # a head that is not its offset's length
+        sha256_lanes.read_hash_lanes(paths[:1], [head], addrs[:1], seg, [b"h"])
 
 
 def _segments(buffers):
@@ -142,17 +146,44 @@ def test_group_reads_catch_every_damage(tmp_path):
     assert set(kinds) == {"bitflip", "truncate", "extend", "overwrite"}
 
 
-def test_missing_file_in_a_group_is_refused(tmp_path):
+@pytest.mark.parametrize("seen", [False, True], ids=["header-unread", "header-checked-before"])
+def test_missing_file_in_a_group_is_refused(tmp_path, seen):
+    """A missing file is refused and quarantined whether its header was checked before (the reader
+    finds it gone) or not (the header check does)."""
     store = LocalStore(tmp_path / "s")
     made = [synth_entry(i, n_blocks=3, shared=0) for i in range(4)]
     for e, b in made:
         store.commit_entry(e, b)
     hashes = sorted(m.hash for _, bl in made for m, _ in bl)
+    if seen:
+        store.read_blocks_lanes([store.get_block(h) for h in hashes], _segments({}))
+        assert hashes[5] in store._checked_headers
     store.block_path(hashes[5]).unlink()
     buffers = {}
     out = store.read_blocks_lanes([store.get_block(h) for h in hashes], _segments(buffers))
     assert isinstance(out[5], IntegrityError) and "missing" in str(out[5])
+    assert store.get_block(hashes[5]).quarantined
     assert all(buffers[h].tobytes() == expected_payload(h) for i, h in enumerate(hashes) if i != 5)
+
+
+def test_header_damaged_after_it_was_checked_is_caught(tmp_path):
+    """The reader compares each file's header with the one checked before: one flipped header byte
+    sends the block back to a full check, which refuses and quarantines it; the others are read."""
+    store = LocalStore(tmp_path / "s")
+    made = [synth_entry(i, n_blocks=3, shared=0) for i in range(4)]
+    for e, b in made:
+        store.commit_entry(e, b)
+    hashes = sorted(m.hash for _, bl in made for m, _ in bl)
+    store.read_blocks_lanes([store.get_block(h) for h in hashes], _segments({}))
+    path = store.block_path(hashes[2])
+    data = bytearray(path.read_bytes())
+    data[40] ^= 0x04  # inside the header's JSON
+    path.write_bytes(bytes(data))
+    buffers = {}
+    out = store.read_blocks_lanes([store.get_block(h) for h in hashes], _segments(buffers))
+    assert isinstance(out[2], IntegrityError)
+    assert store.get_block(hashes[2]).quarantined
+    assert all(buffers[h].tobytes() == expected_payload(h) for i, h in enumerate(hashes) if i != 2)
 
 
 def _spy(store, monkeypatch):

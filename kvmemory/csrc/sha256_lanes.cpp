@@ -12,6 +12,7 @@
 
 #include <immintrin.h>
 #include <climits>
+#include <fcntl.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
@@ -173,20 +174,44 @@ int kvm_sha256_lanes(int lanes, int64_t nseg, int64_t seg_bytes, const uint64_t*
     return 0;
 }
 
-// Read each lane's payload from its file (`fds[l]`, from byte `offsets[l]`) straight into its segments
-// and hash it there: `slab` segments of every lane are read (one preadv each), then hashed while they
-// are still in the cache, then the next. `got[l]` = payload bytes read, plus one when the file holds
-// more bytes after the payload (a probe of one byte), so the caller sees truncation and trailing bytes.
-// A lane whose file ends early or fails to read stops being read (its digest is then meaningless and
-// got[l] says so; on a read error got[l] = -1). Returns 0, or -1 on bad arguments.
-int kvm_read_hash_lanes(int lanes, const int* fds, const int64_t* offsets, int64_t nseg, int64_t seg_bytes,
-                        const uint64_t* seg, int64_t slab, int64_t* got, uint8_t* digests) {
+// Read each lane's payload from its file straight into its segments and hash it there: lane l opens
+// `paths[l]`, checks that the file begins with the `offsets[l]` bytes at `heads[l]` (the header the
+// caller has checked before; no check where `heads[l]` is null), then its payload from byte
+// `offsets[l]` on fills its segments: `slab` segments of every lane are read (one preadv each), then
+// hashed while they are still in the cache, then the next. Opening and comparing here, not in the
+// caller, keeps a reader thread's per-block work free of the GIL.
+// `got[l]` = payload bytes read, plus one when the file holds more bytes after the payload (a probe
+// of one byte), so the caller sees truncation and trailing bytes; or kMissing (no such file),
+// kHeadChanged (the file does not begin with heads[l]), -1 (any other error opening or reading). A
+// lane that fails or ends early stops being read; its digest is then meaningless and got[l] says so.
+// Returns 0, or -1 on bad arguments.
+constexpr int64_t kMissing = -2, kHeadChanged = -3;
+
+int kvm_read_hash_lanes(int lanes, const char* const* paths, const int64_t* offsets, const uint8_t* const* heads,
+                        int64_t nseg, int64_t seg_bytes, const uint64_t* seg, int64_t slab, int64_t* got,
+                        uint8_t* digests) {
     if (lanes < 1 || lanes > kLanes || nseg < 0 || seg_bytes < 0 || seg_bytes % 64 || slab < 1) return -1;
+    for (int l = 0; l < lanes; ++l)
+        if (offsets[l] < 0 || (heads[l] && offsets[l] > 1 << 20)) return -1;
     Lanes h;
     const uint8_t* p[kLanes];
+    int fd[kLanes];
     bool ok[kLanes];
+    std::vector<uint8_t> head;
+    for (int l = 0; l < lanes; ++l) {
+        got[l] = 0;
+        fd[l] = open(paths[l], O_RDONLY | O_CLOEXEC);
+        ok[l] = fd[l] >= 0;
+        if (!ok[l]) { got[l] = errno == ENOENT ? kMissing : -1; continue; }
+        if (!heads[l]) continue;
+        head.resize(static_cast<size_t>(offsets[l]));
+        const ssize_t r = pread(fd[l], head.data(), head.size(), 0);
+        if (r != offsets[l] || std::memcmp(head.data(), heads[l], head.size()) != 0) {
+            got[l] = r < 0 ? -1 : kHeadChanged;
+            ok[l] = false;
+        }
+    }
     std::vector<struct iovec> iov(static_cast<size_t>(slab));
-    for (int l = 0; l < lanes; ++l) { got[l] = 0; ok[l] = true; }
     for (int64_t k0 = 0; k0 < nseg; k0 += slab) {
         const int64_t n = std::min(slab, nseg - k0);
         for (int l = 0; l < lanes; ++l) {
@@ -195,7 +220,7 @@ int kvm_read_hash_lanes(int lanes, const int* fds, const int64_t* offsets, int64
                 iov[k].iov_base = reinterpret_cast<void*>(seg[l * nseg + k0 + k]);
                 iov[k].iov_len = static_cast<size_t>(seg_bytes);
             }
-            const int64_t r = preadv_all(fds[l], iov.data(), static_cast<int>(n), offsets[l] + k0 * seg_bytes);
+            const int64_t r = preadv_all(fd[l], iov.data(), static_cast<int>(n), offsets[l] + k0 * seg_bytes);
             if (r < 0) { got[l] = -1; ok[l] = false; continue; }
             got[l] += r;
             if (r < n * seg_bytes) ok[l] = false;  // truncated: nothing more to read
@@ -206,11 +231,13 @@ int kvm_read_hash_lanes(int lanes, const int* fds, const int64_t* offsets, int64
         }
     }
     for (int l = 0; l < lanes; ++l) {
-        if (!ok[l]) continue;
-        uint8_t probe;
-        const ssize_t r = pread(fds[l], &probe, 1, offsets[l] + nseg * seg_bytes);
-        if (r < 0) got[l] = -1;
-        else got[l] += r;
+        if (ok[l]) {
+            uint8_t probe;
+            const ssize_t r = pread(fd[l], &probe, 1, offsets[l] + nseg * seg_bytes);
+            if (r < 0) got[l] = -1;
+            else got[l] += r;
+        }
+        if (fd[l] >= 0) close(fd[l]);
     }
     h.finish(nseg * seg_bytes, digests, lanes);
     return 0;
