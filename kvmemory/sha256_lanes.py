@@ -13,8 +13,11 @@ checked before, fills the block's rows of the cache from it (one preadv per slab
 the slab while it is still in the CPU cache, all without the GIL — the bytes hashed are the bytes the
 cache holds, and a reader thread makes no system call holding the GIL.
 
-Plain C++ (no torch headers), compiled with g++ on first use into the user cache folder (~2 s) for
-AVX-512 CPUs; where it cannot be (no AVX-512, no compiler) `load()` returns None, `why_unavailable()`
+Plain C++ (no torch headers), compiled with g++ on first use into the user cache folder (~2 s), in
+one of two builds chosen once per process by what the CPU runs (`kind()`): "avx512" (16 lanes in one
+register) or, on x86 CPUs with the SHA extensions but no AVX-512, "sha-ni" (each lane hashed on its
+own with the SHA instructions, as OpenSSL would, but right where the reader put it, with no copy and
+no GIL). Where neither can run (another CPU, no compiler) `load()` returns None, `why_unavailable()`
 says why, and hashing stays on hashlib.
 """
 
@@ -37,27 +40,70 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "sha256_lanes.cpp"
-LANES = 16
-MIN_LANES = 10  # below this, idle lanes make a call slower than hashlib (SHA-NI) on the same bytes
-_CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-shared", "-fPIC", "-fno-exceptions"]
+LANES = 16  # messages per call, at most
+_BASE_FLAGS = ["-O3", "-shared", "-fPIC", "-fno-exceptions"]
+# Per build: its compiler flags, and the fewest blocks a call should hash (with AVX-512, idle lanes
+# make a call of fewer than 10 slower than hashlib on the same bytes; SHA-NI lanes cost nothing idle).
+_BUILDS = {"avx512": (["-mavx512f", "-mavx512bw"], 10),
+           "sha-ni": (["-msha", "-msse4.1", "-mssse3", "-DKVM_SHA_NI"], 1)}
 
 _why: str | None = None
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(l.split(":", 1)[1].split()) for l in f if l.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
+@functools.cache
+def kind() -> str | None:
+    """The build this CPU runs: "avx512", "sha-ni", or None (neither). KVMEMORY_SHA256_LANES=sha-ni
+    (or avx512, or off) asks for one; a build the CPU cannot run is refused, with the reason."""
+    global _why
+    _why = None
+    capability = torch.backends.cpu.get_cpu_capability()
+    runs = {"avx512": capability == "AVX512", "sha-ni": {"sha_ni", "sse4_1", "ssse3"} <= _cpu_flags()}
+    wanted = os.environ.get("KVMEMORY_SHA256_LANES", "").strip().lower()
+    if wanted == "off":
+        _why = "turned off by KVMEMORY_SHA256_LANES=off"
+        return None
+    if wanted:
+        if wanted not in runs:
+            _why = f"KVMEMORY_SHA256_LANES={wanted!r} is none of avx512, sha-ni, off"
+        elif not runs[wanted]:
+            _why = f"KVMEMORY_SHA256_LANES asks for the {wanted} build, which this CPU cannot run"
+        return wanted if runs.get(wanted) else None
+    found = next((k for k, ok in runs.items() if ok), None)
+    if found is None:
+        _why = f"the CPU runs neither AVX-512 nor the SHA extensions (torch reports {capability})"
+    return found
+
+
+def fewest_lanes() -> int:
+    """The fewest blocks worth one call of this CPU's build."""
+    return _BUILDS[kind()][1] if kind() else LANES
+
+
+def _cflags() -> list[str]:
+    return _BASE_FLAGS + _BUILDS[kind()][0]
 
 
 @functools.cache
 def library_path() -> Path:
     from .paths import cache_dir
 
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(_CFLAGS).encode()).hexdigest()[:12]
-    return cache_dir() / "ext" / f"kvmemory_sha256_lanes_{digest}.so"
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(_cflags()).encode()).hexdigest()[:12]
+    return cache_dir() / "ext" / f"kvmemory_sha256_lanes_{kind()}_{digest}.so"
 
 
 @functools.cache
 def load() -> ctypes.CDLL | None:
     """The compiled library, or None where it cannot run here (see `why_unavailable`)."""
     global _why
-    if torch.backends.cpu.get_cpu_capability() != "AVX512":
-        _why = f"the CPU does not run AVX-512 (torch reports {torch.backends.cpu.get_cpu_capability()})"
+    if kind() is None:
         return None
     out = library_path()
     try:
@@ -88,7 +134,7 @@ def _build(out: Path) -> None:
     fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so.tmp")
     os.close(fd)
     try:
-        subprocess.run([cxx, *_CFLAGS, str(SOURCE), "-o", tmp], check=True, capture_output=True, text=True)
+        subprocess.run([cxx, *_cflags(), str(SOURCE), "-o", tmp], check=True, capture_output=True, text=True)
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):
@@ -100,10 +146,12 @@ def why_unavailable() -> str | None:
     return _why
 
 
-def groups(items: list, threads: int, min_lanes: int = MIN_LANES) -> list[list] | None:
+def groups(items: list, threads: int, min_lanes: int | None = None) -> list[list] | None:
     """`items` (blocks) cut into consecutive groups of at most 16, as many as `threads` at least so
     every thread works, of near-equal sizes; None when a group would hold fewer than `min_lanes`
-    (idle lanes would make the call slower than hashlib on the same bytes)."""
+    (default: this CPU's `fewest_lanes()`; idle AVX-512 lanes would make the call slower than hashlib)."""
+    if min_lanes is None:
+        min_lanes = fewest_lanes()
     if not items:
         return None
     count = max(threads, -(-len(items) // LANES))
@@ -161,16 +209,16 @@ def read_hash_lanes(paths: list, offsets: list[int], segments: np.ndarray, seg_b
 
 
 def _main() -> None:
-    """Build, then time 16-lane hashing against hashlib on 16 buffers of 3 MB (one thread)."""
+    """Build, then time this CPU's build against hashlib on 16 buffers of 3 MB (one thread)."""
     import time
 
     if load() is None:
         sys.exit(f"unavailable: {why_unavailable()}")
-    print(f"built: {library_path()}")
+    print(f"built ({kind()}): {library_path()}")
     bufs = [bytearray(os.urandom(3 << 20)) for _ in range(LANES)]
     assert sha256_many(bufs) == [hashlib.sha256(b).digest() for b in bufs]
     for name, fn in (("hashlib (one at a time)", lambda: [hashlib.sha256(b).digest() for b in bufs]),
-                     ("16 lanes", lambda: sha256_many(bufs))):
+                     (f"16 lanes ({kind()})", lambda: sha256_many(bufs))):
         fn()
         t = time.perf_counter()
         for _ in range(5):

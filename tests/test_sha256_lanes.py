@@ -26,8 +26,8 @@ from kvmemory import graft, sha256_lanes
 from kvmemory.errors import IntegrityError
 from kvmemory.store import LocalStore
 
-AVX512 = torch.backends.cpu.get_cpu_capability() == "AVX512"
-pytestmark = pytest.mark.skipif(not AVX512, reason="the multi-lane SHA-256 runs on AVX-512 CPUs only")
+pytestmark = pytest.mark.skipif(sha256_lanes.kind() is None,
+                                reason="the lanes' SHA-256 runs on CPUs with AVX-512 or the SHA extensions only")
 
 
 def test_builds_here():
@@ -44,6 +44,37 @@ def test_compiles_from_scratch(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.stdout.strip().endswith("OK"), out.stdout + out.stderr
     assert list(tmp_path.glob("ext/kvmemory_sha256_lanes_*.so"))
+
+
+SHA_NI = "sha_ni" in sha256_lanes._cpu_flags()
+
+
+@pytest.mark.skipif(not SHA_NI, reason="the CPU has no SHA extensions")
+@pytest.mark.parametrize("build", ["sha-ni", "avx512"])
+def test_each_build_this_cpu_runs_gives_sha256(tmp_path, build):
+    """Both builds of the one source, whichever this CPU picks by itself: each lane's digest is hashlib's,
+    for messages of several blocks cut into segments, and the reader fills and hashes as the default build."""
+    if build == "avx512" and torch.backends.cpu.get_cpu_capability() != "AVX512":
+        pytest.skip("the CPU does not run AVX-512")
+    env = dict(os.environ, KVMEMORY_CACHE=str(tmp_path), KVMEMORY_SHA256_LANES=build)
+    code = ("import hashlib, os; from kvmemory import sha256_lanes as s; "
+            "b = [bytearray(os.urandom(64 * n)) for n in (0, 1, 3, 5, 9) for _ in range(3)]; "
+            "by = {}; [by.setdefault(len(x), []).append(x) for x in b]; "
+            "ok = all(s.sha256_many(v) == [hashlib.sha256(x).digest() for x in v] for v in by.values()); "
+            "print(s.kind(), 'OK' if ok else 'FAILED')")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.stdout.split() == [build, "OK"], out.stdout + out.stderr
+
+
+def test_a_build_the_cpu_cannot_run_is_refused(monkeypatch):
+    monkeypatch.setenv("KVMEMORY_SHA256_LANES", "neon")
+    sha256_lanes.kind.cache_clear()
+    try:
+        assert sha256_lanes.kind() is None and "none of avx512, sha-ni, off" in sha256_lanes._why
+    finally:
+        monkeypatch.delenv("KVMEMORY_SHA256_LANES")
+        sha256_lanes.kind.cache_clear()
+    assert sha256_lanes.kind() is not None
 
 
 @pytest.mark.parametrize("lanes", [1, 2, 9, 15, 16])

@@ -1,9 +1,12 @@
-// SHA-256 of up to 16 equal-length messages at once, in the 16 32-bit lanes of AVX-512 registers,
-// and a reader that fills cache rows from block files and hashes them in the same pass.
+// SHA-256 of up to 16 equal-length messages at once, and a reader that fills cache rows from block
+// files and hashes them in the same pass.
 //
 // Why: verifying a graft is SHA-256 over every byte grafted. SHA-NI (what OpenSSL, hence hashlib,
-// uses) hashes one message at ~1.7 GB/s per core on the EPYC of BENCHMARKS.md; a chain's blocks are
-// independent messages of one size, so 16 of them can share each instruction: ~2.7 GB/s per core here.
+// uses) hashes one message at ~1.7 GB/s per core on the AVX-512 EPYC of BENCHMARKS.md; a chain's blocks
+// are independent messages of one size, so there 16 of them share each instruction, in the 16 32-bit
+// lanes of AVX-512 registers: ~2.7 GB/s per core. Built with -DKVM_SHA_NI (CPUs with SHA-NI but no
+// AVX-512), each lane is hashed on its own with the SHA-NI instructions instead, right after its
+// rows are read, while they are still in the core's cache: the reader is the same, only the hash differs.
 // The digests are plain SHA-256 (FIPS 180-4), checked against hashlib by the tests.
 //
 // Plain C entry points (no Python, no torch headers), called through ctypes, which releases the GIL.
@@ -36,6 +39,13 @@ constexpr uint32_t kK[64] = {
     0x748f82ee, 0x78a5636f, 0x84c87814, 0x8cc70208, 0x90befffa, 0xa4506ceb, 0xbef9a3f7, 0xc67178f2};
 constexpr uint32_t kH0[8] = {0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a,
                              0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19};
+
+// Segment k of every lane; idle lanes (l >= lanes) hash lane 0's bytes again (their digests are not returned).
+inline void lane_pointers(const uint64_t* seg, int lanes, int64_t nseg, int64_t k, const uint8_t* p[kLanes]) {
+    for (int l = 0; l < kLanes; ++l) p[l] = reinterpret_cast<const uint8_t*>(seg[(l < lanes ? l : 0) * nseg + k]);
+}
+
+#ifndef KVM_SHA_NI  // AVX-512: 16 lanes in one register
 
 inline __m512i ror(__m512i x, int n) { return _mm512_ror_epi32(x, n); }
 inline __m512i add(__m512i a, __m512i b) { return _mm512_add_epi32(a, b); }
@@ -97,7 +107,7 @@ inline void compress(__m512i s[8], __m512i W[16]) {
 
 struct Lanes {
     __m512i s[8];
-    Lanes() { for (int i = 0; i < 8; ++i) s[i] = _mm512_set1_epi32(static_cast<int>(kH0[i])); }
+    explicit Lanes(int) { for (int i = 0; i < 8; ++i) s[i] = _mm512_set1_epi32(static_cast<int>(kH0[i])); }
 
     // `bytes` (a multiple of 64) from each of the 16 pointers.
     void update(const uint8_t* const p[kLanes], int64_t bytes) {
@@ -107,6 +117,17 @@ struct Lanes {
             for (int l = 0; l < kLanes; ++l) W[l] = _mm512_shuffle_epi8(_mm512_loadu_si512(p[l] + off), bswap);
             transpose16(W);
             compress(s, W);
+        }
+    }
+
+    // The reader's hooks: lane l's segments k0..k0+n-1 have just been read (nothing to do: the lanes
+    // are hashed together once every lane's are), then every lane's have.
+    void lane_read(int, const uint64_t*, int64_t, int64_t, int64_t, int64_t) {}
+    void slab_read(const uint64_t* seg, int lanes, int64_t nseg, int64_t k0, int64_t n, int64_t seg_bytes) {
+        const uint8_t* p[kLanes];
+        for (int64_t k = k0; k < k0 + n; ++k) {
+            lane_pointers(seg, lanes, nseg, k, p);
+            update(p, seg_bytes);
         }
     }
 
@@ -130,10 +151,88 @@ struct Lanes {
     }
 };
 
-// Segment k of every lane; idle lanes (l >= lanes) hash lane 0's bytes again (their digests are not returned).
-inline void lane_pointers(const uint64_t* seg, int lanes, int64_t nseg, int64_t k, const uint8_t* p[kLanes]) {
-    for (int l = 0; l < kLanes; ++l) p[l] = reinterpret_cast<const uint8_t*>(seg[(l < lanes ? l : 0) * nseg + k]);
+#else  // KVM_SHA_NI: one lane at a time with the SHA-NI instructions
+
+// The state as SHA-NI keeps it: ABEF and CDGH (from the reference layout of Intel's SHA extensions).
+struct ShaNiState {
+    __m128i abef, cdgh;
+};
+
+inline ShaNiState sha_ni_init() {
+    __m128i t = _mm_shuffle_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kH0)), 0xB1);  // CDAB
+    __m128i efgh = _mm_shuffle_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kH0 + 4)), 0x1B);
+    return {_mm_alignr_epi8(t, efgh, 8), _mm_blend_epi16(efgh, t, 0xF0)};
 }
+
+// `blocks` 64-byte blocks from `p` (big-endian words are decoded here).
+inline void sha_ni_blocks(ShaNiState& st, const uint8_t* p, int64_t blocks) {
+    const __m128i bswap = _mm_set_epi64x(0x0c0d0e0f08090a0bULL, 0x0405060700010203ULL);
+    __m128i s0 = st.abef, s1 = st.cdgh;
+    for (int64_t b = 0; b < blocks; ++b, p += 64) {
+        const __m128i save0 = s0, save1 = s1;
+        __m128i m[4];
+#pragma GCC unroll 16
+        for (int j = 0; j < 16; ++j) {  // rounds 4j .. 4j+3
+            __m128i w;
+            if (j < 4) {
+                w = _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * j)), bswap);
+            } else {  // W[t] = s1(W[t-2]) + W[t-7] + s0(W[t-15]) + W[t-16], four at a time
+                __m128i x = _mm_sha256msg1_epu32(m[j & 3], m[(j + 1) & 3]);
+                x = _mm_add_epi32(x, _mm_alignr_epi8(m[(j + 3) & 3], m[(j + 2) & 3], 4));
+                w = _mm_sha256msg2_epu32(x, m[(j + 3) & 3]);
+            }
+            m[j & 3] = w;
+            const __m128i wk = _mm_add_epi32(w, _mm_loadu_si128(reinterpret_cast<const __m128i*>(kK + 4 * j)));
+            s1 = _mm_sha256rnds2_epu32(s1, s0, wk);
+            s0 = _mm_sha256rnds2_epu32(s0, s1, _mm_shuffle_epi32(wk, 0x0E));
+        }
+        s0 = _mm_add_epi32(s0, save0);
+        s1 = _mm_add_epi32(s1, save1);
+    }
+    st.abef = s0;
+    st.cdgh = s1;
+}
+
+struct Lanes {
+    ShaNiState s[kLanes];
+    int lanes;
+    explicit Lanes(int n) : lanes(n) { for (int l = 0; l < kLanes; ++l) s[l] = sha_ni_init(); }
+
+    void update_lane(int l, const uint8_t* p, int64_t bytes) { sha_ni_blocks(s[l], p, bytes / 64); }
+
+    void update(const uint8_t* const p[kLanes], int64_t bytes) {
+        for (int l = 0; l < lanes; ++l) update_lane(l, p[l], bytes);
+    }
+
+    // The reader's hooks: lane l's segments k0..k0+n-1 have just been read: hash them while they are
+    // still in this core's cache; then every lane's have (nothing left to do).
+    void lane_read(int l, const uint64_t* seg, int64_t nseg, int64_t k0, int64_t n, int64_t seg_bytes) {
+        for (int64_t k = k0; k < k0 + n; ++k) update_lane(l, reinterpret_cast<const uint8_t*>(seg[l * nseg + k]), seg_bytes);
+    }
+    void slab_read(const uint64_t*, int, int64_t, int64_t, int64_t, int64_t) {}
+
+    void finish(int64_t total, uint8_t* digests, int n) {
+        alignas(16) uint8_t pad[64] = {0x80};
+        const uint64_t bits = static_cast<uint64_t>(total) * 8;
+        for (int i = 0; i < 8; ++i) pad[63 - i] = static_cast<uint8_t>(bits >> (8 * i));
+        for (int l = 0; l < n; ++l) {
+            sha_ni_blocks(s[l], pad, 1);
+            // ABEF, CDGH back to A..H
+            const __m128i feba = _mm_shuffle_epi32(s[l].abef, 0x1B);
+            const __m128i dchg = _mm_shuffle_epi32(s[l].cdgh, 0xB1);
+            alignas(16) uint32_t h[8];
+            _mm_store_si128(reinterpret_cast<__m128i*>(h), _mm_blend_epi16(feba, dchg, 0xF0));      // DCBA -> a b c d
+            _mm_store_si128(reinterpret_cast<__m128i*>(h + 4), _mm_alignr_epi8(dchg, feba, 8));   // HGFE -> e f g h
+            for (int i = 0; i < 8; ++i) {
+                uint8_t* d = digests + 32 * l + 4 * i;
+                d[0] = h[i] >> 24; d[1] = h[i] >> 16; d[2] = h[i] >> 8; d[3] = h[i];
+            }
+        }
+    }
+};
+
+#endif  // KVM_SHA_NI
+
 
 // Read `n` bytes at `off` into the `count` buffers of `iov` (updated on a short read); bytes read.
 int64_t preadv_all(int fd, struct iovec* iov, int count, int64_t off) {
@@ -164,7 +263,7 @@ extern "C" {
 // segment k of lane l starts at seg[l * nseg + k]. Returns 0, or -1 on bad arguments.
 int kvm_sha256_lanes(int lanes, int64_t nseg, int64_t seg_bytes, const uint64_t* seg, uint8_t* digests) {
     if (lanes < 1 || lanes > kLanes || nseg < 0 || seg_bytes < 0 || seg_bytes % 64) return -1;
-    Lanes h;
+    Lanes h(lanes);
     const uint8_t* p[kLanes];
     for (int64_t k = 0; k < nseg; ++k) {
         lane_pointers(seg, lanes, nseg, k, p);
@@ -193,8 +292,7 @@ int kvm_read_hash_lanes(int lanes, const char* const* paths, const int64_t* offs
     if (lanes < 1 || lanes > kLanes || nseg < 0 || seg_bytes < 0 || seg_bytes % 64 || slab < 1) return -1;
     for (int l = 0; l < lanes; ++l)
         if (offsets[l] < 0 || (heads[l] && offsets[l] > 1 << 20)) return -1;
-    Lanes h;
-    const uint8_t* p[kLanes];
+    Lanes h(lanes);
     int fd[kLanes];
     bool ok[kLanes];
     std::vector<uint8_t> head;
@@ -224,11 +322,9 @@ int kvm_read_hash_lanes(int lanes, const char* const* paths, const int64_t* offs
             if (r < 0) { got[l] = -1; ok[l] = false; continue; }
             got[l] += r;
             if (r < n * seg_bytes) ok[l] = false;  // truncated: nothing more to read
+            h.lane_read(l, seg, nseg, k0, n, seg_bytes);
         }
-        for (int64_t k = 0; k < n; ++k) {
-            lane_pointers(seg, lanes, nseg, k0 + k, p);
-            h.update(p, seg_bytes);
-        }
+        h.slab_read(seg, lanes, nseg, k0, n, seg_bytes);
     }
     for (int l = 0; l < lanes; ++l) {
         if (ok[l]) {
