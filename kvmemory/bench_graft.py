@@ -15,9 +15,9 @@ on the embedded model. Measured side by side in one process (one run, one machin
 Also reported: the graft throughput (bytes grafted / seconds reading, verifying and copying) against
 the machine's raw read-and-hash bandwidth over the same block files with the same threads, measured
 once after each timed graft (interleaved, so that drift in the machine's speed hits both alike): the
-better of reading each file and hashing it with hashlib, and reading the payloads and hashing them 16
-at a time with the multi-lane SHA-256 the graft itself uses (sha256_lanes.py), so the graft is held to
-the fastest hash on the machine, not to a slower one. The block files are hot in the page cache (just
+better of reading each file and hashing it with hashlib, and reading the payloads and hashing them
+with the lanes' SHA-256 the graft itself uses (sha256_lanes.py: 16 at a time with AVX-512, each by the
+SHA instructions without), so the graft is held to the fastest hash on the machine, not to a slower one. The block files are hot in the page cache (just
 written), as they are for a store in regular use.
 
 And, per L, the ceiling of the graft on this machine with this runner: the graft's own 16-token step
@@ -81,10 +81,11 @@ def raw_read_hash_bandwidth(files: list[Path], threads: int) -> float:
 
 
 def raw_read_hash_lanes_bandwidth(files: list[Path], payload_nbytes: int, threads: int) -> float | None:
-    """GB/s for reading the files' payloads (their last `payload_nbytes` bytes) and hashing them 16 at a
-    time with the multi-lane SHA-256, grouped as a graft groups them, into scratch buffers (no header
-    checks, nothing placed): the machine's read-and-hash bandwidth with the fastest hash kvmemory has.
-    None where the lanes do not apply (no AVX-512, too few files per thread)."""
+    """GB/s for reading the files' payloads (their last `payload_nbytes` bytes) and hashing them with
+    the lanes' SHA-256 (16 at a time with AVX-512, else each with the SHA instructions), grouped as a
+    graft groups them, into scratch buffers (no header checks, nothing placed): the machine's
+    read-and-hash bandwidth with the fastest hash kvmemory has. None where the lanes do not apply
+    (neither AVX-512 nor SHA-NI, too few files per thread)."""
     import math
 
     import numpy as np
@@ -301,7 +302,7 @@ def format_table(r: dict) -> str:
     out.append("")
     out.append(f"graft throughput at L={t['at_L']}: {t['graft_gb_s']:.2f} GB/s read + SHA-256 verified + copied, "
                f"raw read-and-hash bandwidth {t['raw_read_hash_gb_s']:.2f} GB/s ({t['ratio']:.0%}; hashlib "
-               f"{t['raw_read_hashlib_gb_s']:.2f}, 16 lanes "
+               f"{t['raw_read_hashlib_gb_s']:.2f}, lanes "
                f"{'n/a' if t['raw_read_hash_lanes_gb_s'] is None else format(t['raw_read_hash_lanes_gb_s'], '.2f')}), "
                f"{t['threads']} threads")
     out.append(f"llama.cpp: {r['llamacpp']}")

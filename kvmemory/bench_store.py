@@ -4,9 +4,9 @@ On the same disk, with payloads of the default model's block size: writing block
 (header + payload, fsync, atomic rename, catalogue rows) vs writing the same bytes to plain files
 with fsync; reading blocks through the store (read + SHA-256 verification against the catalogue) vs
 plain reads of the same files, and vs plain reads + SHA-256; the cost of SHA-256 alone; each at
-1, 2 and 4 threads. Where the multi-lane SHA-256 runs (sha256_lanes.py, AVX-512), also the store's
-grouped read (`read_blocks_lanes`: 16 blocks per call, read into 16 KB segments and hashed there, as
-a graft reads) and the 16-lane hash alone. Reads are from the page cache (files just written), as in regular use, into one
+1, 2 and 4 threads. Where the lanes' SHA-256 runs (sha256_lanes.py: AVX-512 or SHA-NI), also the
+store's grouped read (`read_blocks_lanes`: 16 blocks per call, read into 16 KB segments and hashed
+there, as a graft reads) and the lanes' hash alone. Reads are from the page cache (files just written), as in regular use, into one
 preallocated destination for both the store and the plain reads.
 """
 
@@ -155,8 +155,8 @@ def format_table(r: dict) -> str:
         return "n/a" if v is None else f"{v:.2f}"
 
     out = ["| threads | write store GB/s | write raw GB/s | read+verify store GB/s | read raw GB/s | "
-           "read raw+SHA GB/s | SHA-256 only GB/s | store read / (raw+SHA) | read+verify store, 16 lanes GB/s | "
-           "SHA-256 16 lanes only GB/s |", "|---|---|---|---|---|---|---|---|---|---|"]
+           "read raw+SHA GB/s | SHA-256 only GB/s | store read / (raw+SHA) | read+verify store, lanes GB/s | "
+           "SHA-256 lanes only GB/s |", "|---|---|---|---|---|---|---|---|---|---|"]
     for x in r["results"]:
         out.append(f"| {x['threads']} | {x['write_store_gb_s']:.2f} | {x['write_raw_gb_s']:.2f} | "
                    f"{x['read_verified_store_gb_s']:.2f} | {x['read_raw_gb_s']:.2f} | {x['read_raw_plus_sha256_gb_s']:.2f} "
