@@ -5,8 +5,8 @@ time. OpenSSL (hashlib) hashes one message at a time with the CPU's SHA instruct
 core on the EPYC of BENCHMARKS.md); the blocks of a chain are independent messages of one size, so
 the kernel hashes 16 of them at once in the 16 lanes of AVX-512 registers (~2.7 GB/s per core there:
 `python -m kvmemory.sha256_lanes` measures both on yours). The digests are plain SHA-256, equal to
-hashlib's (tested). With fewer than `MIN_LANES` blocks to a call the idle lanes make it slower than
-hashlib, so callers keep hashlib for those.
+hashlib's (tested). With fewer than `fewest_lanes()` blocks to a call the idle lanes make it slower
+than hashlib, so callers keep hashlib for those.
 
 `read_hash_lanes` also reads: it opens each block's file, checks that it still begins with the header
 checked before, fills the block's rows of the cache from it (one preadv per slab of rows) and hashes
@@ -58,14 +58,19 @@ def _cpu_flags() -> set[str]:
         return set()
 
 
+def builds_here() -> dict[str, bool]:
+    """Per build, whether this CPU runs it."""
+    return {"avx512": torch.backends.cpu.get_cpu_capability() == "AVX512",
+            "sha-ni": {"sha_ni", "sse4_1", "ssse3"} <= _cpu_flags()}
+
+
 @functools.cache
 def kind() -> str | None:
     """The build this CPU runs: "avx512", "sha-ni", or None (neither). KVMEMORY_SHA256_LANES=sha-ni
     (or avx512, or off) asks for one; a build the CPU cannot run is refused, with the reason."""
     global _why
     _why = None
-    capability = torch.backends.cpu.get_cpu_capability()
-    runs = {"avx512": capability == "AVX512", "sha-ni": {"sha_ni", "sse4_1", "ssse3"} <= _cpu_flags()}
+    runs = builds_here()
     wanted = os.environ.get("KVMEMORY_SHA256_LANES", "").strip().lower()
     if wanted == "off":
         _why = "turned off by KVMEMORY_SHA256_LANES=off"
@@ -78,7 +83,8 @@ def kind() -> str | None:
         return wanted if runs.get(wanted) else None
     found = next((k for k, ok in runs.items() if ok), None)
     if found is None:
-        _why = f"the CPU runs neither AVX-512 nor the SHA extensions (torch reports {capability})"
+        _why = ("the CPU runs neither AVX-512 nor the SHA extensions "
+                f"(torch reports {torch.backends.cpu.get_cpu_capability()})")
     return found
 
 

@@ -307,9 +307,6 @@ class SignedLocalStore(LocalStore):
         return self.namespace or "default"
 
     # ------------------------------------------------------------------ blocks
-    def _raw_block(self, h: str) -> BlockRow | None:
-        return self._raw_blocks([h]).get(h)
-
     def block_visible(self, row: BlockRow) -> bool:
         """Unsigned or forged rows (or another tenant's) are not there for this reader."""
         for ns, sig, _ in self._sigs("block", row.hash):
@@ -332,7 +329,7 @@ class SignedLocalStore(LocalStore):
         for h in entry.chain:
             sha = metas.get(h)
             if sha is None:
-                row = self._raw_block(h)
+                row = self._raw_blocks([h]).get(h)
                 if row is None:
                     raise StoreError(f"entry {entry.id}: chain block {h[:12]} is neither given nor stored")
                 sha = row.payload_sha256

@@ -680,16 +680,14 @@ class LocalStore:
     def _check_size(self, row: BlockRow, got: int) -> None:
         """`got`: payload bytes read, asking for one byte more than the payload. A wrong size
         quarantines the block and raises IntegrityError."""
-        why = (f"block file truncated ({got} of {row.payload_nbytes} payload bytes)" if got < row.payload_nbytes
-               else "block file has trailing bytes" if got > row.payload_nbytes else None)
-        if why:
-            self.quarantine(row.hash, why)
-            raise IntegrityError(f"block {row.hash[:12]}: {why}")
+        if got < row.payload_nbytes:
+            raise self._quarantined(row, f"block file truncated ({got} of {row.payload_nbytes} payload bytes)")
+        if got > row.payload_nbytes:
+            raise self._quarantined(row, "block file has trailing bytes")
 
     def _check_digest(self, row: BlockRow, hexdigest: str) -> None:
         if hexdigest != row.payload_sha256:
-            self.quarantine(row.hash, "payload SHA-256 mismatch")
-            raise IntegrityError(f"block {row.hash[:12]}: payload SHA-256 does not match the catalogue")
+            raise self._quarantined(row, "payload SHA-256 does not match the catalogue")
 
     def _check_header(self, fh, row: BlockRow) -> tuple[BlockMeta, bytes]:
         """Parse a block file's header and check it in full; remember it as checked."""
