@@ -14,7 +14,7 @@ the same bytes under either name; the logits of the few-row steps differ in the 
 why the two are different names (and so different execution profiles).
 
 Chosen once, at load (`models.load_model`): on the CPU `sdpa` becomes `kvmemory_fewq` where the kernel
-builds and runs (AVX-512), `kvmemory_sdpa` otherwise (with a warning saying why); on a GPU SDPA with
+builds and runs (AVX-512 or AVX2), `kvmemory_sdpa` otherwise (with a warning saying why); on a GPU SDPA with
 a mask and `enable_gqa` would fall back to the math kernel, so `sdpa` stays.
 """
 

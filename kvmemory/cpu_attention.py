@@ -3,16 +3,20 @@
 A graft's step attends 16 new tokens (1 while decoding) to thousands of cached positions. torch's
 CPU flash attention splits that call by query head only and runs at about half the machine's
 float32 FMA rate; the kernel folds the query heads of each K/V head into one block of rows, splits
-the keys into fixed units and merges them by log-sum-exp. For SmolLM2's shapes on the 2-core EPYC
-of BENCHMARKS.md (`python -m kvmemory.cpu_attention` measures it on yours), against SDPA: 1.5-1.8x
-at 2k cached tokens, 2.3-2.6x at 8k and 16k in float32; 2.2x and 2.3-2.7x in bfloat16 (scores by
-AVX512-BF16 where the CPU has it); decoding one token 1.3x (float32) and 10-13x (bfloat16).
+the keys into fixed units and merges them by log-sum-exp. For SmolLM2's shapes on 2-core EPYCs
+(`python -m kvmemory.cpu_attention` measures it on yours), against SDPA: with AVX-512, 1.5-1.8x at 2k
+cached tokens, 2.3-2.6x at 8k and 16k in float32, 2.2x and 2.3-2.7x in bfloat16 (scores by
+AVX512-BF16 where the CPU has it), decoding one token 1.3x (float32) and 10-13x (bfloat16); with AVX2
+(Zen 3), 1.3x at 2k and 1.6-1.7x at 8k and 16k in float32 (~100 GFLOP/s on 2 cores, ~60 % of the FMA
+peak), 1.4x in bfloat16, decoding 1.2x and 8x.
 
 It is C++ against torch's headers, compiled on first use with torch's own extension builder (g++,
-ninja) into the user cache directory (~30 s, once per source/torch version; `scripts/setup.sh` does
-it ahead of time), for AVX-512 CPUs only. Chosen once per process: `load()` returns the module, or
-None with `why_unavailable()` saying why (no AVX-512, no compiler ...), and the attention name in
-the execution profile records which attention ran (attention.py).
+ninja) into the user cache directory (~30-50 s, once per source/torch version/ISA;
+`scripts/setup.sh` does it ahead of time). One source, two builds: AVX-512, and AVX2 + FMA for CPUs
+without AVX-512 (`isa()`, torch's own reading of the CPU, picks one). Chosen once per process:
+`load()` returns the module, or None with `why_unavailable()` saying why (neither ISA, no compiler
+...), and the attention name in the execution profile records which attention ran (attention.py);
+the profile's `cpu_isa` keeps the two builds' bits apart.
 
 Numerics: float32 accumulation for both dtypes, one rounding to the output dtype; it is not
 bit-equal to SDPA (different order of sums) and is not claimed to be: it is its own profile.
@@ -36,15 +40,25 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "few_query_attention.cpp"
 MAX_ROWS = 64  # query heads per K/V head x new tokens the kernel takes (its kMaxRowBlocks x 16)
-_CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-fopenmp"]
+# One source, one build per vector ISA torch reports for this CPU (the profile records that ISA).
+_BUILDS = {
+    "AVX512": ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-fopenmp"],
+    "AVX2": ["-O3", "-mavx2", "-mfma", "-DKVM_AVX2", "-fopenmp"],
+}
 
 _why: str | None = None
 
 
+def isa() -> str:
+    """The vector ISA torch's kernels use on this CPU ("AVX512", "AVX2", "DEFAULT" ...)."""
+    return torch.backends.cpu.get_cpu_capability()
+
+
 @functools.cache
 def _build_name() -> str:
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(_CFLAGS).encode() + torch.__version__.encode())
-    return f"kvmemory_fewq_{digest.hexdigest()[:12]}"
+    flags = " ".join(_BUILDS.get(isa(), []))
+    digest = hashlib.sha256(SOURCE.read_bytes() + flags.encode() + torch.__version__.encode())
+    return f"kvmemory_fewq_{isa().lower()}_{digest.hexdigest()[:12]}"
 
 
 def build_dir() -> Path:
@@ -57,8 +71,8 @@ def build_dir() -> Path:
 def load():
     """The compiled kernel module, or None where it cannot run here (see `why_unavailable`)."""
     global _why
-    if torch.backends.cpu.get_cpu_capability() != "AVX512":
-        _why = f"the CPU does not run AVX-512 (torch reports {torch.backends.cpu.get_cpu_capability()})"
+    if isa() not in _BUILDS:
+        _why = f"the CPU runs neither AVX-512 nor AVX2 (torch reports {isa()})"
         return None
     try:
         from torch.utils import cpp_extension
@@ -69,7 +83,7 @@ def load():
         fresh = not any(out.glob("*.so"))
         if fresh:
             print(f"kvmemory: building the few-query CPU attention kernel into {out} (once, ~30 s)", file=sys.stderr)
-        module = cpp_extension.load(_build_name(), [str(SOURCE)], extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"],
+        module = cpp_extension.load(_build_name(), [str(SOURCE)], extra_cflags=_BUILDS[isa()], extra_ldflags=["-fopenmp"],
                                     build_directory=str(out), verbose=False)
     except Exception as exc:  # no compiler, no ninja, a broken toolchain: SDPA runs instead, and the profile says so
         _why = f"building {SOURCE.name} failed: {type(exc).__name__}: {str(exc).strip().splitlines()[-1:]}"

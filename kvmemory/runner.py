@@ -13,7 +13,7 @@ per-block costs (a file, a catalogue row, a hash call) are amortised, and CPU pr
 chunks costs about the same per token as longer chunks (measured on SmolLM2: `kvmemory bench graft`).
 
 Kernels: on the CPU the model runs `kvmemory_sdpa` (attention.py), SDPA reading grouped K/V heads in
-place instead of expanding them per chunk, or on AVX-512 CPUs `kvmemory_fewq`, which also gives the
+place instead of expanding them per chunk, or on AVX-512 and AVX2 CPUs `kvmemory_fewq`, which also gives the
 steps with few query rows (a graft's tail, decoding) kvmemory's own attention kernel
 (cpu_attention.py), and linears with oneDNN-packed weights (linear.py); all are chosen at load and
 recorded in the profile.

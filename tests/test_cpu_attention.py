@@ -1,7 +1,8 @@
 """The few-query CPU attention kernel (kvmemory/cpu_attention.py, csrc/few_query_attention.cpp).
 
-On an AVX-512 CPU it must build (a build failure here is a FAILURE: CI proves it builds); elsewhere
-these tests skip, and `attention.for_device` keeps SDPA. It is not claimed bit-equal to SDPA, so it
+On an AVX-512 or AVX2 CPU it must build (a build failure here is a FAILURE: CI proves it builds);
+elsewhere these tests skip, and `attention.for_device` keeps SDPA. They run the build this CPU takes
+(cpu_attention.isa()); the other one is only compiled here (test_the_other_build_compiles). It is not claimed bit-equal to SDPA, so it
 is compared with a float64 reference by tolerance, next to SDPA's own error; what is claimed exact
 (the same bytes whatever the thread count, run after run; grafted logits equal to the recompute's
 under the profile that uses it) is asserted with `torch.equal`.
@@ -20,8 +21,8 @@ from tiny_models import tiny_engine
 from kvmemory import attention, cpu_attention
 from kvmemory.errors import UnsupportedArchitecture
 
-AVX512 = torch.backends.cpu.get_cpu_capability() == "AVX512"
-needs_kernel = pytest.mark.skipif(not AVX512, reason="the few-query kernel runs on AVX-512 CPUs only")
+RUNS_HERE = cpu_attention.isa() in cpu_attention._BUILDS
+needs_kernel = pytest.mark.skipif(not RUNS_HERE, reason="the few-query kernel runs on AVX-512 and AVX2 CPUs only")
 F = torch.nn.functional
 
 
@@ -154,3 +155,21 @@ def test_asking_for_the_kernel_where_it_cannot_run_is_an_error(monkeypatch):
     with pytest.raises(UnsupportedArchitecture, match="AVX-512"):
         attention.for_device(attention.FEWQ, "cpu")
     assert attention.for_device("sdpa", "cpu") == attention.NAME  # the default falls back, by name
+
+
+@pytest.mark.parametrize("isa", [b for b in sorted(cpu_attention._BUILDS) if b != cpu_attention.isa()])
+def test_the_other_build_compiles(isa, tmp_path):
+    """The build this CPU does not run still compiles, so a change made on an AVX2 machine cannot break
+    the AVX-512 build unseen (and the reverse). Compiled to an object only: loading code the CPU does
+    not run could fault. The build this CPU runs is built and run by the tests above."""
+    import sysconfig
+
+    from torch.utils import cpp_extension
+
+    flags = [f for f in cpu_attention._BUILDS[isa] if f != "-O3"] + ["-O0"]  # -O0: the same checks, faster
+    includes = [f"-I{p}" for p in cpp_extension.include_paths() + [sysconfig.get_paths()["include"]]]
+    cmd = ["g++", "-std=c++17", "-fPIC", "-c", "-w", *flags, "-DTORCH_EXTENSION_NAME=fewq_check", *includes,
+           str(cpu_attention.SOURCE), "-o", str(tmp_path / "fewq.o")]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert (tmp_path / "fewq.o").stat().st_size > 0

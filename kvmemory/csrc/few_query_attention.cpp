@@ -1,12 +1,18 @@
-// Attention for a few query rows over a long K/V cache on AVX-512 CPUs (float32 and bfloat16).
+// Attention for a few query rows over a long K/V cache on AVX-512 and AVX2 CPUs (float32 and bfloat16).
 //
 // The shape a graft's step has: T <= 16 new tokens (or 1 while decoding) against S = thousands of
 // cached positions, grouped-query heads. torch's CPU flash attention splits such a call by query
-// head only (9 items for SmolLM2 on 2 cores) and runs at about half the machine's float32 FMA rate.
-// Here the G = H_q / H_kv query heads that share a K/V head are folded into R = G * T rows, the
-// keys are cut into units of kUnitKeys, and each (K/V head, unit) is one work item: scores for all
-// R rows (rows in the SIMD lanes), a softmax over the unit, then P @ V. Units are merged per K/V
+// head only (9 items for SmolLM2 on 2 cores) and runs at a third to a half of the machine's float32
+// FMA rate. Here the G = H_q / H_kv query heads that share a K/V head are folded into R = G * T rows,
+// the keys are cut into units of kUnitKeys, and each (K/V head, unit) is one work item: scores for
+// all R rows (rows in the SIMD lanes), a softmax over the unit, then P @ V. Units are merged per K/V
 // head with their maxima and sums (log-sum-exp), in unit order.
+//
+// One source, two builds (cpu_attention.py picks the one the CPU runs): AVX-512 (16 lanes, 32
+// vector registers) by default, AVX2 + FMA (8 lanes, 16 registers) with -DKVM_AVX2. The few vector
+// operations the kernel needs are written once per build below (`vec` ...); the tiles are sized to
+// each build's register file. The two builds do not give the same bits (another exp, other tiles),
+// and need not: the CPU's ISA is part of the execution profile.
 //
 // Determinism: the units are fixed by S alone and each runs in one thread, so the bytes do not
 // depend on the thread count or on scheduling. Accumulation is float32 for both dtypes: bfloat16
@@ -35,9 +41,87 @@
 namespace {
 
 constexpr int64_t kUnitKeys = 512;  // keys per work item: scores + widened K/V stay in L2
-constexpr int kMaxRowBlocks = 4;    // R <= 64 rows (16 lanes each)
+constexpr int kMaxRows = 64;        // rows per K/V head the kernel takes
 
-inline __m512 exp_ps(__m512 x) {
+#ifdef KVM_AVX2
+// ---- AVX2 + FMA: 8 lanes, 16 registers ----
+using vec = __m256;
+using ivec = __m256i;
+constexpr int kLanes = 8;
+constexpr int kQkBlocks = 2;   // row blocks per score tile: 2 x 6 accumulators + 2 rows + 1 key
+constexpr int kPvCols = 2;     // column blocks per P @ V tile ...
+constexpr int kPvAcc = 12;     // ... and accumulators: 6 rows x 2 columns + 2 V + 1 weight
+inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, vec x) { _mm256_storeu_ps(p, x); }
+inline vec vset1(float x) { return _mm256_set1_ps(x); }
+inline vec vzero() { return _mm256_setzero_ps(); }
+inline vec vfmadd(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
+inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
+inline vec vsub(vec a, vec b) { return _mm256_sub_ps(a, b); }
+inline vec vmax(vec a, vec b) { return _mm256_max_ps(a, b); }
+inline ivec ivload(const int32_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline ivec ivset1(int32_t x) { return _mm256_set1_epi32(x); }
+// x where key index j < the lane's visible count, else `hidden`
+inline vec hide_past(vec x, ivec j, ivec nvis, vec hidden) {
+    return _mm256_blendv_ps(hidden, x, _mm256_castsi256_ps(_mm256_cmpgt_epi32(nvis, j)));
+}
+// x, with lanes equal to `what` replaced by `by`
+inline vec replace_eq(vec x, vec what, vec by) { return _mm256_blendv_ps(x, by, _mm256_cmp_ps(x, what, _CMP_EQ_OQ)); }
+
+inline vec exp_ps(vec x) {
+    // Cephes expf as in the AVX-512 build; 2^n built in the exponent bits (n >= -126 after the clamp).
+    const vec lo = _mm256_set1_ps(-87.3f);
+    const vec keep = _mm256_cmp_ps(x, lo, _CMP_GE_OQ);
+    x = _mm256_max_ps(x, lo);
+    vec n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    vec r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    vec y = _mm256_set1_ps(1.9875691500E-4f);
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507E-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073E-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894E-2f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459E-1f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201E-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_and_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(e)), keep);
+}
+
+// kLanes bfloat16 values (raw bits) widened to float32
+inline vec widen_bf16(const uint16_t* s) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// Keys per score tile for NR row blocks: NR x KB accumulators + NR rows + 1 key within 16 registers.
+constexpr int keys_per_tile(int NR) { return NR == 1 ? 12 : (NR == 2 ? 6 : 4); }
+#else
+// ---- AVX-512: 16 lanes, 32 registers ----
+using vec = __m512;
+using ivec = __m512i;
+constexpr int kLanes = 16;
+constexpr int kQkBlocks = 4;   // every row block in one score tile
+constexpr int kPvCols = 8;     // every column block in one P @ V tile ...
+constexpr int kPvAcc = 24;     // ... with 24 / (D / 16) rows
+inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, vec x) { _mm512_storeu_ps(p, x); }
+inline vec vset1(float x) { return _mm512_set1_ps(x); }
+inline vec vzero() { return _mm512_setzero_ps(); }
+inline vec vfmadd(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
+inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
+inline vec vsub(vec a, vec b) { return _mm512_sub_ps(a, b); }
+inline vec vmax(vec a, vec b) { return _mm512_max_ps(a, b); }
+inline ivec ivload(const int32_t* p) { return _mm512_loadu_si512(p); }
+inline ivec ivset1(int32_t x) { return _mm512_set1_epi32(x); }
+inline vec hide_past(vec x, ivec j, ivec nvis, vec hidden) {
+    return _mm512_mask_mov_ps(x, _mm512_cmpge_epi32_mask(j, nvis), hidden);
+}
+inline vec replace_eq(vec x, vec what, vec by) { return _mm512_mask_mov_ps(x, _mm512_cmp_ps_mask(x, what, _CMP_EQ_OQ), by); }
+
+inline vec exp_ps(vec x) {
     // Cephes expf: x = n ln2 + r, |r| <= ln2 / 2, exp(r) by a degree-7 polynomial, then 2^n.
     // Below -87.3 (where float32 leaves the normal range) the result is 0.
     const __m512 lo = _mm512_set1_ps(-87.3f);
@@ -57,6 +141,17 @@ inline __m512 exp_ps(__m512 x) {
     return _mm512_maskz_mov_ps(keep, _mm512_scalef_ps(y, n));
 }
 
+inline vec widen_bf16(const uint16_t* s) {
+    __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// Keys per score tile for NR row blocks: NR x KB accumulators stay within the 32 vector registers.
+constexpr int keys_per_tile(int NR) { return NR == 1 ? 12 : (NR == 2 ? 8 : (NR == 3 ? 6 : 4)); }
+#endif
+
+constexpr int kMaxRowBlocks = kMaxRows / kLanes;
+
 // Rows of K or V as float32: float32 rows are read in place, bfloat16 rows widened into `scratch`.
 inline const float* rows_f32(const float* src, int64_t stride, int64_t n, int D, float*, int64_t& ld) {
     ld = stride;
@@ -66,10 +161,7 @@ inline const float* rows_f32(const at::BFloat16* src, int64_t stride, int64_t n,
     for (int64_t j = 0; j < n; ++j) {
         const uint16_t* s = reinterpret_cast<const uint16_t*>(src + j * stride);
         float* d = scratch + j * D;
-        for (int c = 0; c < D; c += 16) {
-            __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + c));
-            _mm512_storeu_ps(d + c, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
-        }
+        for (int c = 0; c < D; c += kLanes) vstore(d + c, widen_bf16(s + c));
     }
     ld = D;
     return scratch;
@@ -78,25 +170,22 @@ inline const float* rows_f32(const at::BFloat16* src, int64_t stride, int64_t n,
 inline float to_f32(float x) { return x; }
 inline float to_f32(at::BFloat16 x) { return static_cast<float>(x); }
 
-// Keys per score tile for NR row blocks: NR x KB accumulators stay within the 32 vector registers.
-constexpr int keys_per_tile(int NR) { return NR == 1 ? 12 : (NR == 2 ? 8 : (NR == 3 ? 6 : 4)); }
-
-// St[j][r] = sum_d Qt[d][r] * K[j][d] for KB keys and NR row blocks (16 rows each).
+// St[j][r] = sum_d Qt[d][r] * K[j][d] for KB keys and NR row blocks (kLanes rows each).
 template <int NR, int KB>
 inline void qk_tile(const float* Qt, int64_t ldq, const float* K, int64_t ldk, int D, float* St, int64_t lds) {
-    __m512 acc[KB][NR];
+    vec acc[KB][NR];
     for (int kk = 0; kk < KB; ++kk)
-        for (int i = 0; i < NR; ++i) acc[kk][i] = _mm512_setzero_ps();
+        for (int i = 0; i < NR; ++i) acc[kk][i] = vzero();
     for (int d = 0; d < D; ++d) {
-        __m512 q[NR];
-        for (int i = 0; i < NR; ++i) q[i] = _mm512_loadu_ps(Qt + d * ldq + 16 * i);
+        vec q[NR];
+        for (int i = 0; i < NR; ++i) q[i] = vload(Qt + d * ldq + kLanes * i);
         for (int kk = 0; kk < KB; ++kk) {
-            __m512 b = _mm512_set1_ps(K[kk * ldk + d]);
-            for (int i = 0; i < NR; ++i) acc[kk][i] = _mm512_fmadd_ps(q[i], b, acc[kk][i]);
+            vec b = vset1(K[kk * ldk + d]);
+            for (int i = 0; i < NR; ++i) acc[kk][i] = vfmadd(q[i], b, acc[kk][i]);
         }
     }
     for (int kk = 0; kk < KB; ++kk)
-        for (int i = 0; i < NR; ++i) _mm512_storeu_ps(St + kk * lds + 16 * i, acc[kk][i]);
+        for (int i = 0; i < NR; ++i) vstore(St + kk * lds + kLanes * i, acc[kk][i]);
 }
 
 template <int NR>
@@ -107,10 +196,26 @@ void qk_unit(const float* Qt, int64_t ldq, const float* K, int64_t ldk, int D, i
     for (; j < n; ++j) qk_tile<NR, 1>(Qt, ldq, K + j * ldk, ldk, D, St + j * lds, lds);
 }
 
+// Scores for `nb` row blocks, kQkBlocks at a time (each pass reads the unit's keys again, from L2).
+void qk_rows(const float* Qt, int64_t ldq, const float* K, int64_t ldk, int D, int64_t n, float* St, int64_t lds,
+             int nb) {
+    for (int b = 0; b < nb; b += kQkBlocks) {
+        const float* Qb = Qt + kLanes * b;
+        float* Sb = St + kLanes * b;
+        switch (std::min(kQkBlocks, nb - b)) {
+            case 1: qk_unit<1>(Qb, ldq, K, ldk, D, n, Sb, lds); break;
+            case 2: qk_unit<2>(Qb, ldq, K, ldk, D, n, Sb, lds); break;
+            case 3: qk_unit<3>(Qb, ldq, K, ldk, D, n, Sb, lds); break;
+            default: qk_unit<4>(Qb, ldq, K, ldk, D, n, Sb, lds); break;
+        }
+    }
+}
+
+#ifndef KVM_AVX2
 // bfloat16 with AVX512-BF16: St[j][r] = sum over pairs d2 of QP[d2][r] . K[j][2 d2 : 2 d2 + 2], one
 // VDPBF16PS per pair (exact bfloat16 products, float32 sums): half the instructions of widening.
 // The same tiling as qk_tile / qk_unit, written out again because these two carry the avx512bf16
-// target (the file is built for AVX-512 only, and runs on CPUs without BF16, where they are not called).
+// target (the AVX-512 build runs on CPUs without BF16 too, where they are not called).
 template <int NR, int KB>
 __attribute__((target("avx512bf16"))) inline void qk_tile_bf16(const uint32_t* QP, int64_t ldq, const uint32_t* K,
                                                                int64_t ldk, int D2, float* St, int64_t lds) {
@@ -140,31 +245,53 @@ __attribute__((target("avx512bf16"), noinline)) void qk_unit_bf16(const uint32_t
 }
 
 const bool kHasBf16Dot = __builtin_cpu_supports("avx512bf16");
+#else
+const bool kHasBf16Dot = false;  // VDPBF16PS is an AVX-512 instruction: bfloat16 K is widened
+#endif
 
-// O[r][:] += sum_j P[j][r] * V[j][:] for NW rows and DZ 16-wide column blocks.
+// O[r][:] += sum_j P[j][r] * V[j][:] for NW rows and DZ kLanes-wide column blocks.
 template <int DZ, int NW>
 inline void pv_tile(const float* P, int64_t ldp, const float* V, int64_t ldv, int64_t n, float* O, int64_t ldo) {
-    __m512 acc[NW][DZ];
+    vec acc[NW][DZ];
     for (int w = 0; w < NW; ++w)
-        for (int c = 0; c < DZ; ++c) acc[w][c] = _mm512_setzero_ps();
+        for (int c = 0; c < DZ; ++c) acc[w][c] = vzero();
     for (int64_t j = 0; j < n; ++j) {
-        __m512 v[DZ];
-        for (int c = 0; c < DZ; ++c) v[c] = _mm512_loadu_ps(V + j * ldv + 16 * c);
+        vec v[DZ];
+        for (int c = 0; c < DZ; ++c) v[c] = vload(V + j * ldv + kLanes * c);
         for (int w = 0; w < NW; ++w) {
-            __m512 p = _mm512_set1_ps(P[j * ldp + w]);
-            for (int c = 0; c < DZ; ++c) acc[w][c] = _mm512_fmadd_ps(p, v[c], acc[w][c]);
+            vec p = vset1(P[j * ldp + w]);
+            for (int c = 0; c < DZ; ++c) acc[w][c] = vfmadd(p, v[c], acc[w][c]);
         }
     }
     for (int w = 0; w < NW; ++w)
-        for (int c = 0; c < DZ; ++c) _mm512_storeu_ps(O + w * ldo + 16 * c, acc[w][c]);
+        for (int c = 0; c < DZ; ++c) vstore(O + w * ldo + kLanes * c, acc[w][c]);
 }
 
 template <int DZ>
 void pv_unit(const float* P, int64_t ldp, const float* V, int64_t ldv, int64_t n, int R, float* O, int64_t ldo) {
-    constexpr int NW = 24 / DZ;
+    constexpr int NW = kPvAcc / DZ;
     int r = 0;
     for (; r + NW <= R; r += NW) pv_tile<DZ, NW>(P + r, ldp, V, ldv, n, O + r * ldo, ldo);
     for (; r < R; ++r) pv_tile<DZ, 1>(P + r, ldp, V, ldv, n, O + r * ldo, ldo);
+}
+
+// O = P @ V over `cols` column blocks, kPvCols at a time.
+void pv_rows(const float* P, int64_t ldp, const float* V, int64_t ldv, int64_t n, int R, float* O, int64_t ldo,
+             int cols) {
+    for (int c = 0; c < cols; c += kPvCols) {
+        const float* Vc = V + kLanes * c;
+        float* Oc = O + kLanes * c;
+        switch (std::min(kPvCols, cols - c)) {
+            case 1: pv_unit<1>(P, ldp, Vc, ldv, n, R, Oc, ldo); break;
+            case 2: pv_unit<2>(P, ldp, Vc, ldv, n, R, Oc, ldo); break;
+            case 3: pv_unit<3>(P, ldp, Vc, ldv, n, R, Oc, ldo); break;
+            case 4: pv_unit<4>(P, ldp, Vc, ldv, n, R, Oc, ldo); break;
+            case 5: pv_unit<5>(P, ldp, Vc, ldv, n, R, Oc, ldo); break;
+            case 6: pv_unit<6>(P, ldp, Vc, ldv, n, R, Oc, ldo); break;
+            case 7: pv_unit<7>(P, ldp, Vc, ldv, n, R, Oc, ldo); break;
+            default: pv_unit<8>(P, ldp, Vc, ldv, n, R, Oc, ldo); break;
+        }
+    }
 }
 
 struct Shape {
@@ -184,76 +311,65 @@ void run_unit(const Shape& s, const float* Qt, const scalar_t* kh, int64_t k_ss,
     float* kbuf = St + n * s.Rpad;
     float* vbuf = kbuf + n * s.D;
     int64_t ldk, ldv;
+    const int nb = s.Rpad / kLanes;
+#ifndef KVM_AVX2
     if (s.bf16_dot) {
         // Qt holds the rows' query pairs here (see `run`); K is read in place as pairs.
         const uint32_t* QP = reinterpret_cast<const uint32_t*>(Qt);
         const uint32_t* K = reinterpret_cast<const uint32_t*>(kh + j0 * k_ss);
         const int64_t ldk2 = k_ss / 2;
         const int D2 = static_cast<int>(s.D / 2);
-        switch (s.Rpad / 16) {
+        switch (nb) {
             case 1: qk_unit_bf16<1>(QP, s.Rpad, K, ldk2, D2, n, St, s.Rpad); break;
             case 2: qk_unit_bf16<2>(QP, s.Rpad, K, ldk2, D2, n, St, s.Rpad); break;
             case 3: qk_unit_bf16<3>(QP, s.Rpad, K, ldk2, D2, n, St, s.Rpad); break;
             default: qk_unit_bf16<4>(QP, s.Rpad, K, ldk2, D2, n, St, s.Rpad); break;
         }
-    } else {
+    } else
+#endif
+    {
         const float* K = rows_f32(kh + j0 * k_ss, k_ss, n, s.D, kbuf, ldk);
-        switch (s.Rpad / 16) {
-            case 1: qk_unit<1>(Qt, s.Rpad, K, ldk, s.D, n, St, s.Rpad); break;
-            case 2: qk_unit<2>(Qt, s.Rpad, K, ldk, s.D, n, St, s.Rpad); break;
-            case 3: qk_unit<3>(Qt, s.Rpad, K, ldk, s.D, n, St, s.Rpad); break;
-            default: qk_unit<4>(Qt, s.Rpad, K, ldk, s.D, n, St, s.Rpad); break;
-        }
+        qk_rows(Qt, s.Rpad, K, ldk, s.D, n, St, s.Rpad, nb);
     }
     // Scale, mask (keys at or past a row's visible count), softmax over the unit, rows in lanes.
-    const int nb = s.Rpad / 16;
-    const __m512 vscale = _mm512_set1_ps(scale);
-    const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    __m512i nv[kMaxRowBlocks];
+    const vec vscale = vset1(scale);
+    const vec ninf = vset1(-std::numeric_limits<float>::infinity());
+    ivec nv[kMaxRowBlocks];
     int32_t min_vis = std::numeric_limits<int32_t>::max();
-    for (int i = 0; i < nb; ++i) nv[i] = _mm512_loadu_si512(nvis_row + 16 * i);
+    for (int i = 0; i < nb; ++i) nv[i] = ivload(nvis_row + kLanes * i);
     for (int r = 0; r < s.R; ++r) min_vis = std::min(min_vis, nvis_row[r]);
-    __m512 mx[kMaxRowBlocks];
+    vec mx[kMaxRowBlocks];
     for (int i = 0; i < nb; ++i) mx[i] = ninf;
     for (int64_t j = 0; j < n; ++j) {
         const bool masked = j0 + j >= min_vis;
-        const __m512i jj = _mm512_set1_epi32(static_cast<int32_t>(j0 + j));
+        const ivec jj = ivset1(static_cast<int32_t>(j0 + j));
         for (int i = 0; i < nb; ++i) {
-            __m512 x = _mm512_mul_ps(_mm512_loadu_ps(St + j * s.Rpad + 16 * i), vscale);
-            if (masked) x = _mm512_mask_mov_ps(x, _mm512_cmpge_epi32_mask(jj, nv[i]), ninf);
-            _mm512_storeu_ps(St + j * s.Rpad + 16 * i, x);
-            mx[i] = _mm512_max_ps(mx[i], x);
+            vec x = vmul(vload(St + j * s.Rpad + kLanes * i), vscale);
+            if (masked) x = hide_past(x, jj, nv[i], ninf);
+            vstore(St + j * s.Rpad + kLanes * i, x);
+            mx[i] = vmax(mx[i], x);
         }
     }
-    __m512 sum[kMaxRowBlocks];
+    vec sum[kMaxRowBlocks];
     for (int i = 0; i < nb; ++i) {
         // a row with no visible key in this unit: max -inf, every weight 0, sum 0
-        mx[i] = _mm512_mask_mov_ps(mx[i], _mm512_cmp_ps_mask(mx[i], ninf, _CMP_EQ_OQ), _mm512_setzero_ps());
-        sum[i] = _mm512_setzero_ps();
+        mx[i] = replace_eq(mx[i], ninf, vzero());
+        sum[i] = vzero();
     }
     for (int64_t j = 0; j < n; ++j)
         for (int i = 0; i < nb; ++i) {
-            __m512 p = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(St + j * s.Rpad + 16 * i), mx[i]));
-            _mm512_storeu_ps(St + j * s.Rpad + 16 * i, p);
-            sum[i] = _mm512_add_ps(sum[i], p);
+            vec p = exp_ps(vsub(vload(St + j * s.Rpad + kLanes * i), mx[i]));
+            vstore(St + j * s.Rpad + kLanes * i, p);
+            sum[i] = vadd(sum[i], p);
         }
-    alignas(64) float mrow[16 * kMaxRowBlocks], lrow[16 * kMaxRowBlocks];
+    alignas(64) float mrow[kMaxRows], lrow[kMaxRows];
     for (int i = 0; i < nb; ++i) {
-        _mm512_store_ps(mrow + 16 * i, mx[i]);
-        _mm512_store_ps(lrow + 16 * i, sum[i]);
+        vstore(mrow + kLanes * i, mx[i]);
+        vstore(lrow + kLanes * i, sum[i]);
     }
     const float* V = rows_f32(vh + j0 * v_ss, v_ss, n, s.D, vbuf, ldv);
     const int64_t ldo = s.D + 2;
-    switch (s.D / 16) {
-        case 1: pv_unit<1>(St, s.Rpad, V, ldv, n, s.R, part, ldo); break;
-        case 2: pv_unit<2>(St, s.Rpad, V, ldv, n, s.R, part, ldo); break;
-        case 3: pv_unit<3>(St, s.Rpad, V, ldv, n, s.R, part, ldo); break;
-        case 4: pv_unit<4>(St, s.Rpad, V, ldv, n, s.R, part, ldo); break;
-        case 5: pv_unit<5>(St, s.Rpad, V, ldv, n, s.R, part, ldo); break;
-        case 6: pv_unit<6>(St, s.Rpad, V, ldv, n, s.R, part, ldo); break;
-        case 7: pv_unit<7>(St, s.Rpad, V, ldv, n, s.R, part, ldo); break;
-        default: pv_unit<8>(St, s.Rpad, V, ldv, n, s.R, part, ldo); break;
-    }
+    pv_rows(St, s.Rpad, V, ldv, n, s.R, part, ldo, static_cast<int>(s.D / kLanes));
     for (int r = 0; r < s.R; ++r) {
         // a row that saw no key keeps max -inf so the merge skips it
         part[r * ldo + s.D] = lrow[r] > 0.f ? mrow[r] : -std::numeric_limits<float>::infinity();
@@ -267,7 +383,7 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const st
     Shape s;
     s.Hq = q.size(1); s.T = q.size(2); s.D = q.size(3);
     s.Hkv = k.size(1); s.S = k.size(2);
-    s.G = s.Hq / s.Hkv; s.R = s.G * s.T; s.Rpad = (s.R + 15) / 16 * 16;
+    s.G = s.Hq / s.Hkv; s.R = s.G * s.T; s.Rpad = (s.R + kLanes - 1) / kLanes * kLanes;
     s.bf16_dot = std::is_same<scalar_t, at::BFloat16>::value && kHasBf16Dot && k.stride(2) % 2 == 0 &&
                  k.stride(1) % 2 == 0;
     const int64_t nsplit = (s.S + kUnitKeys - 1) / kUnitKeys;
@@ -355,7 +471,7 @@ at::Tensor few_query_attention(const at::Tensor& q, const at::Tensor& k, const a
         return {};
     const int64_t Hq = q.size(1), T = q.size(2), D = q.size(3), Hkv = k.size(1), S = k.size(2);
     if (D % 16 || D == 0 || D > 128 || k.size(3) != D || v.size(3) != D || v.size(1) != Hkv || v.size(2) != S ||
-        Hkv == 0 || Hq % Hkv || (Hq / Hkv) * T > 16 * kMaxRowBlocks || T > S || q.stride(3) != 1 ||
+        Hkv == 0 || Hq % Hkv || (Hq / Hkv) * T > kMaxRows || T > S || q.stride(3) != 1 ||
         k.stride(3) != 1 || v.stride(3) != 1)
         return {};
     std::vector<int32_t> nvis;
