@@ -10,8 +10,8 @@ attention implementation, so blocks made under `sdpa` are never mixed with these
 `kvmemory_fewq` is the same, except that calls with few query rows (a graft's new tokens, a decode
 step: at most 64 query heads x tokens per K/V head) run the few-query kernel (cpu_attention.py),
 1.3-2.7x as fast as SDPA there (its AVX2 and AVX-512 builds). Prefill's grid chunks keep SDPA, so
-the K/V a block stores are the same bytes under either name; the logits of the few-row steps differ in the last bits, which is
-why the two are different names (and so different execution profiles).
+the K/V a block stores are the same bytes under either name; the logits of the few-row steps differ
+in the last bits, which is why the two are different names (and so different execution profiles).
 
 Chosen once, at load (`models.load_model`): on the CPU `sdpa` becomes `kvmemory_fewq` where the kernel
 builds and runs (AVX-512 or AVX2), `kvmemory_sdpa` otherwise (with a warning saying why); on a GPU SDPA with
