@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "few_query_attention.cpp"
 MAX_ROWS = 64  # query heads per K/V head x new tokens the kernel takes (its kMaxRowBlocks x 16)
 # One source, one build per vector ISA torch reports for this CPU (the profile records that ISA).
-_BUILDS = {
+BUILDS = {
     "AVX512": ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-fopenmp"],
     "AVX2": ["-O3", "-mavx2", "-mfma", "-DKVM_AVX2", "-fopenmp"],
 }
@@ -56,7 +56,7 @@ def isa() -> str:
 
 @functools.cache
 def _build_name() -> str:
-    flags = " ".join(_BUILDS.get(isa(), []))
+    flags = " ".join(BUILDS.get(isa(), []))
     digest = hashlib.sha256(SOURCE.read_bytes() + flags.encode() + torch.__version__.encode())
     return f"kvmemory_fewq_{isa().lower()}_{digest.hexdigest()[:12]}"
 
@@ -71,7 +71,7 @@ def build_dir() -> Path:
 def load():
     """The compiled kernel module, or None where it cannot run here (see `why_unavailable`)."""
     global _why
-    if isa() not in _BUILDS:
+    if isa() not in BUILDS:
         _why = f"the CPU runs neither AVX-512 nor AVX2 (torch reports {isa()})"
         return None
     try:
@@ -83,7 +83,7 @@ def load():
         fresh = not any(out.glob("*.so"))
         if fresh:
             print(f"kvmemory: building the few-query CPU attention kernel into {out} (once, ~30 s)", file=sys.stderr)
-        module = cpp_extension.load(_build_name(), [str(SOURCE)], extra_cflags=_BUILDS[isa()], extra_ldflags=["-fopenmp"],
+        module = cpp_extension.load(_build_name(), [str(SOURCE)], extra_cflags=BUILDS[isa()], extra_ldflags=["-fopenmp"],
                                     build_directory=str(out), verbose=False)
     except Exception as exc:  # no compiler, no ninja, a broken toolchain: SDPA runs instead, and the profile says so
         _why = f"building {SOURCE.name} failed: {type(exc).__name__}: {str(exc).strip().splitlines()[-1:]}"

@@ -8,6 +8,7 @@ import torch
 from tiny_models import tiny_engine, tiny_model
 from transformers import DynamicCache
 
+from kvmemory import cpu_attention
 from kvmemory.attention import FEWQ, NAME, for_device
 from kvmemory.cache import ReservedLayer, new_cache
 
@@ -74,7 +75,7 @@ def test_room_is_reused_and_stays_exact(store_dir):
 def test_cpu_loads_grouped_sdpa(store_dir):
     # On an AVX-512 or AVX2 CPU the few-query kernel must build and be chosen (CI proves it builds);
     # elsewhere the grouped SDPA alone.
-    cpu_default = FEWQ if torch.backends.cpu.get_cpu_capability() in ("AVX512", "AVX2") else NAME
+    cpu_default = FEWQ if cpu_attention.isa() in cpu_attention.BUILDS else NAME
     assert for_device("sdpa", "cpu") == cpu_default
     assert for_device(NAME, "cpu") == NAME  # asked for by name: kept
     assert for_device("sdpa", "cuda") == "sdpa" and for_device("eager", "cpu") == "eager"

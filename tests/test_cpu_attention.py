@@ -21,7 +21,7 @@ from tiny_models import tiny_engine
 from kvmemory import attention, cpu_attention
 from kvmemory.errors import UnsupportedArchitecture
 
-RUNS_HERE = cpu_attention.isa() in cpu_attention._BUILDS
+RUNS_HERE = cpu_attention.isa() in cpu_attention.BUILDS
 needs_kernel = pytest.mark.skipif(not RUNS_HERE, reason="the few-query kernel runs on AVX-512 and AVX2 CPUs only")
 F = torch.nn.functional
 
@@ -157,7 +157,7 @@ def test_asking_for_the_kernel_where_it_cannot_run_is_an_error(monkeypatch):
     assert attention.for_device("sdpa", "cpu") == attention.NAME  # the default falls back, by name
 
 
-@pytest.mark.parametrize("isa", [b for b in sorted(cpu_attention._BUILDS) if b != cpu_attention.isa()])
+@pytest.mark.parametrize("isa", [b for b in sorted(cpu_attention.BUILDS) if b != cpu_attention.isa()])
 def test_the_other_build_compiles(isa, tmp_path):
     """The build this CPU does not run still compiles, so a change made on an AVX2 machine cannot break
     the AVX-512 build unseen (and the reverse). Compiled to an object only: loading code the CPU does
@@ -166,7 +166,7 @@ def test_the_other_build_compiles(isa, tmp_path):
 
     from torch.utils import cpp_extension
 
-    flags = [f for f in cpu_attention._BUILDS[isa] if f != "-O3"] + ["-O0"]  # -O0: the same checks, faster
+    flags = [f for f in cpu_attention.BUILDS[isa] if f != "-O3"] + ["-O0"]  # -O0: the same checks, faster
     includes = [f"-I{p}" for p in cpp_extension.include_paths() + [sysconfig.get_paths()["include"]]]
     cmd = ["g++", "-std=c++17", "-fPIC", "-c", "-w", *flags, "-DTORCH_EXTENSION_NAME=fewq_check", *includes,
            str(cpu_attention.SOURCE), "-o", str(tmp_path / "fewq.o")]

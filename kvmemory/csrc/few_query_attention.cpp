@@ -10,8 +10,8 @@
 //
 // One source, two builds (cpu_attention.py picks the one the CPU runs): AVX-512 (16 lanes, 32
 // vector registers) by default, AVX2 + FMA (8 lanes, 16 registers) with -DKVM_AVX2. The few vector
-// operations the kernel needs are written once per build below (`vec` ...); the tiles are sized to
-// each build's register file. The two builds do not give the same bits (another exp, other tiles),
+// operations the kernel needs are written once per build below (`vec` ...), the rest (exp, tiles,
+// softmax) once on top of them; the tiles are sized to each build's register file. The two builds do not give the same bits (another exp, other tiles),
 // and need not: the CPU's ISA is part of the execution profile.
 //
 // Determinism: the units are fixed by S alone and each runs in one thread, so the bytes do not
@@ -69,25 +69,15 @@ inline vec hide_past(vec x, ivec j, ivec nvis, vec hidden) {
 // x, with lanes equal to `what` replaced by `by`
 inline vec replace_eq(vec x, vec what, vec by) { return _mm256_blendv_ps(x, by, _mm256_cmp_ps(x, what, _CMP_EQ_OQ)); }
 
-inline vec exp_ps(vec x) {
-    // Cephes expf as in the AVX-512 build; 2^n built in the exponent bits (n >= -126 after the clamp).
-    const vec lo = _mm256_set1_ps(-87.3f);
-    const vec keep = _mm256_cmp_ps(x, lo, _CMP_GE_OQ);
-    x = _mm256_max_ps(x, lo);
-    vec n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    vec r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    vec y = _mm256_set1_ps(1.9875691500E-4f);
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507E-3f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073E-3f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894E-2f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459E-1f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201E-1f));
-    y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+inline vec vfnmadd(vec a, vec b, vec c) { return _mm256_fnmadd_ps(a, b, c); }
+inline vec vround(vec x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+// y * 2^n for integral n >= -126 (exp_ps clamps its input so): 2^n built in the exponent bits
+inline vec scale_pow2(vec y, vec n) {
     const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_and_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(e)), keep);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
+// y where x >= lo, else 0
+inline vec zero_below(vec y, vec x, vec lo) { return _mm256_and_ps(y, _mm256_cmp_ps(x, lo, _CMP_GE_OQ)); }
 
 // kLanes bfloat16 values (raw bits) widened to float32
 inline vec widen_bf16(const uint16_t* s) {
@@ -121,25 +111,10 @@ inline vec hide_past(vec x, ivec j, ivec nvis, vec hidden) {
 }
 inline vec replace_eq(vec x, vec what, vec by) { return _mm512_mask_mov_ps(x, _mm512_cmp_ps_mask(x, what, _CMP_EQ_OQ), by); }
 
-inline vec exp_ps(vec x) {
-    // Cephes expf: x = n ln2 + r, |r| <= ln2 / 2, exp(r) by a degree-7 polynomial, then 2^n.
-    // Below -87.3 (where float32 leaves the normal range) the result is 0.
-    const __m512 lo = _mm512_set1_ps(-87.3f);
-    __mmask16 keep = _mm512_cmp_ps_mask(x, lo, _CMP_GE_OQ);
-    x = _mm512_max_ps(x, lo);
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 y = _mm512_set1_ps(1.9875691500E-4f);
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507E-3f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073E-3f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894E-2f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459E-1f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201E-1f));
-    y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_maskz_mov_ps(keep, _mm512_scalef_ps(y, n));
-}
+inline vec vfnmadd(vec a, vec b, vec c) { return _mm512_fnmadd_ps(a, b, c); }
+inline vec vround(vec x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline vec scale_pow2(vec y, vec n) { return _mm512_scalef_ps(y, n); }
+inline vec zero_below(vec y, vec x, vec lo) { return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, lo, _CMP_GE_OQ), y); }
 
 inline vec widen_bf16(const uint16_t* s) {
     __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s));
@@ -151,6 +126,24 @@ constexpr int keys_per_tile(int NR) { return NR == 1 ? 12 : (NR == 2 ? 8 : (NR =
 #endif
 
 constexpr int kMaxRowBlocks = kMaxRows / kLanes;
+
+inline vec exp_ps(vec x) {
+    // Cephes expf: x = n ln2 + r, |r| <= ln2 / 2, exp(r) by a degree-7 polynomial, then 2^n.
+    // Below -87.3 (where float32 leaves the normal range) the result is 0.
+    const vec lo = vset1(-87.3f);
+    const vec xc = vmax(x, lo);
+    const vec n = vround(vmul(xc, vset1(1.44269504088896341f)));
+    vec r = vfnmadd(n, vset1(0.693359375f), xc);
+    r = vfnmadd(n, vset1(-2.12194440e-4f), r);
+    vec y = vset1(1.9875691500E-4f);
+    y = vfmadd(y, r, vset1(1.3981999507E-3f));
+    y = vfmadd(y, r, vset1(8.3334519073E-3f));
+    y = vfmadd(y, r, vset1(4.1665795894E-2f));
+    y = vfmadd(y, r, vset1(1.6666665459E-1f));
+    y = vfmadd(y, r, vset1(5.0000001201E-1f));
+    y = vfmadd(y, vmul(r, r), vadd(r, vset1(1.0f)));
+    return zero_below(scale_pow2(y, n), x, lo);
+}
 
 // Rows of K or V as float32: float32 rows are read in place, bfloat16 rows widened into `scratch`.
 inline const float* rows_f32(const float* src, int64_t stride, int64_t n, int D, float*, int64_t& ld) {
