@@ -13,6 +13,9 @@ step: at most 64 query heads x tokens per K/V head) run the few-query kernel (cp
 the K/V a block stores are the same bytes under either name; the logits of the few-row steps differ
 in the last bits, which is why the two are different names (and so different execution profiles).
 
+Both read a cache kept in bfloat16 under float32 queries (cache.py's `kv_dtype`): SDPA over K/V widened
+to float32 (exact: every bfloat16 is a float32), the kernel widening the rows itself.
+
 Chosen once, at load (`models.load_model`): on the CPU `sdpa` becomes `kvmemory_fewq` where the kernel
 builds and runs (AVX-512 or AVX2), `kvmemory_sdpa` otherwise (with a warning saying why); on a GPU SDPA with
 a mask and `enable_gqa` would fall back to the math kernel, so `sdpa` stays.
@@ -45,6 +48,8 @@ def _causal_keys(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor
 
 
 def _grouped_sdpa(query, key, value, attention_mask, dropout, scaling, causal) -> torch.Tensor:
+    if key.dtype != query.dtype:  # a bfloat16 cache under float32 queries: widened exactly (cache.py)
+        key, value = key.to(query.dtype), value.to(query.dtype)
     out = torch.nn.functional.scaled_dot_product_attention(
         query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, is_causal=causal,
         enable_gqa=query.shape[1] != key.shape[1])
@@ -59,6 +64,8 @@ def grouped_sdpa_forward(module: torch.nn.Module, query: torch.Tensor, key: torc
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     if any(kwargs.get(k) for k in _DELEGATE):
+        if key.dtype != query.dtype:
+            key, value = key.to(query.dtype), value.to(query.dtype)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
     key, value, causal = _causal_keys(module, query, key, value, attention_mask, is_causal)

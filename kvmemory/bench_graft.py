@@ -156,7 +156,8 @@ class _LlamaCpp:
 
 
 def run_graft_bench(lengths=DEFAULT_LENGTHS, *, new_tokens: int = 16, repeats: int = 3, model: str | None = None,
-                    dtype: str | None = None, llamacpp: bool = True, progress: bool = True, seed: int = 0) -> dict:
+                    dtype: str | None = None, kv_dtype: str | None = None, llamacpp: bool = True,
+                    progress: bool = True, seed: int = 0) -> dict:
     from transformers import AutoModelForCausalLM
 
     from .engine import Engine
@@ -176,7 +177,7 @@ def run_graft_bench(lengths=DEFAULT_LENGTHS, *, new_tokens: int = 16, repeats: i
         raise InvalidInput(f"repeats must be at least 1, got {repeats}")
     tmp = tempfile.TemporaryDirectory(prefix="kvmemory-bench-graft-")
     try:
-        eng = Engine.open(model or DEFAULT_MODEL, f"{tmp.name}/store", chunk=C, dtype=dtype,
+        eng = Engine.open(model or DEFAULT_MODEL, f"{tmp.name}/store", chunk=C, dtype=dtype, kv_dtype=kv_dtype,
                           max_positions=lengths[-1] + new_tokens + 64)
         # The single-pass baseline: the same weights as transformers loads them (its sdpa, plain linears).
         plain = AutoModelForCausalLM.from_pretrained(resolve_model_path(model or DEFAULT_MODEL), dtype=dtype).eval()
@@ -270,7 +271,7 @@ def run_graft_bench(lengths=DEFAULT_LENGTHS, *, new_tokens: int = 16, repeats: i
         graft_bw = last["bytes_grafted"] / (last["graft_read_verify_s"] + last["graft_copy_s"]) / 1e9
         return {
             "model": eng.loaded.source, "profile_id": eng.profile_id, "dtype": eng.profile.dtype,
-            "attn_implementation": eng.profile.attn_implementation,
+            "kv_dtype": eng.profile.kv_dtype, "attn_implementation": eng.profile.attn_implementation,
             "linear_impl": eng.profile.linear_impl, "chunk": C, "new_tokens": new_tokens,
             "repeats": repeats, "machine": machine_info(), "store_seconds_for_largest_L": store_seconds,
             "llamacpp": lcpp_note, "rows": rows,
@@ -288,7 +289,8 @@ def format_table(r: dict) -> str:
     head = "| L | graft TTFT s | recompute s | single pass s |" + (" llama.cpp restore s |" if has_l else "") + \
            " vs recompute | vs single pass |" + (" vs llama.cpp |" if has_l else "") + \
            " floor s (read+hash, 16-token step) | ceiling vs recompute |"
-    out = [head, "|" + "---|" * (head.count("|") - 1)]
+    out = [f"profile: {r['dtype']} compute, {r.get('kv_dtype', r['dtype'])} K/V, {r['attn_implementation']}, "
+           f"linears {r['linear_impl']}", "", head, "|" + "---|" * (head.count("|") - 1)]
     for x in r["rows"]:
         cells = [str(x["L"]), f"{x['graft_ttft_s']:.4f}", f"{x['recompute_ttft_s']:.3f}", f"{x['single_pass_ttft_s']:.3f}"]
         if has_l:

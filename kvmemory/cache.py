@@ -14,7 +14,13 @@ the stride between heads is not something the kernels compute with (tested: logi
 any capacity). Room runs out only when more is appended than was reserved; the layer then doubles
 once, copying what it holds.
 
-Sliding-window layers keep transformers' own `DynamicSlidingWindowLayer` (they hold a bounded suffix).
+KV dtype: the layers may keep K/V in a narrower dtype than the model computes in (`kv_dtype`:
+bfloat16 under a float32 model, as llama.cpp keeps an F16 KV cache): each chunk's K/V are rounded once
+as they are written, and attention reads the rounded values (attention.py widens them exactly). Half
+the bytes per block to store, read and hash; another execution profile (`kv_dtype` is a field).
+
+Sliding-window layers keep transformers' own `DynamicSlidingWindowLayer` (they hold a bounded suffix;
+a narrower KV dtype is refused for models that have them, runner.py).
 """
 
 from __future__ import annotations
@@ -29,9 +35,10 @@ from transformers.cache_utils import DynamicLayer
 class ReservedLayer(DynamicLayer):
     """A full-attention layer writing into reserved room; `keys` / `values` view the filled part."""
 
-    def __init__(self, capacity: int = 0, **kwargs):
+    def __init__(self, capacity: int = 0, kv_dtype: torch.dtype | None = None, **kwargs):
         super().__init__(**kwargs)
         self.capacity = int(capacity)  # positions to reserve at the first write
+        self.kv_dtype = kv_dtype  # the dtype K/V are kept in (None: the activations'), rounded once on write
         self.k_buf: torch.Tensor | None = None  # [B, H_kv, capacity, D]
         self.v_buf: torch.Tensor | None = None
         self.whole: torch.Tensor | None = None  # the one tensor every layer's buffers live in (a graft's)
@@ -57,8 +64,9 @@ class ReservedLayer(DynamicLayer):
         old = self.k_buf.shape[-2] if self.k_buf is not None else 0
         cap = max(need, self.capacity, 2 * old)
         B, H, _, Dk = key_states.shape
-        k = torch.empty(B, H, cap, Dk, dtype=key_states.dtype, device=key_states.device)
-        v = torch.empty(B, H, cap, value_states.shape[-1], dtype=value_states.dtype, device=value_states.device)
+        dtype = self.kv_dtype or key_states.dtype
+        k = torch.empty(B, H, cap, Dk, dtype=dtype, device=key_states.device)
+        v = torch.empty(B, H, cap, value_states.shape[-1], dtype=dtype, device=value_states.device)
         if n:
             k[:, :, :n].copy_(self.keys)
             v[:, :, :n].copy_(self.values)
@@ -70,21 +78,25 @@ class ReservedLayer(DynamicLayer):
         n = self.get_seq_length()
         end = n + key_states.shape[-2]
         fits = (self._views_buffers() and end <= self.k_buf.shape[-2]
-                and self.k_buf.shape[:2] == key_states.shape[:2] and self.k_buf.dtype == key_states.dtype)
+                and self.k_buf.shape[:2] == key_states.shape[:2]
+                and self.k_buf.dtype == (self.kv_dtype or key_states.dtype))
         if not fits:
             self._reserve(key_states, value_states, n, end)
+        # copy_ rounds to the cache's dtype when it is narrower (round to nearest even, the same bits
+        # on every run): attention then reads the rounded K/V, the new rows as the cached ones.
         self.k_buf[:, :, n:end].copy_(key_states)
         self.v_buf[:, :, n:end].copy_(value_states)
         self.keys, self.values = self.k_buf[:, :, :end], self.v_buf[:, :, :end]
         return self.keys, self.values
 
 
-def new_cache(model: torch.nn.Module, capacity: int = 0) -> DynamicCache:
-    """transformers' DynamicCache for `model`, its full-attention layers reserving `capacity` positions."""
+def new_cache(model: torch.nn.Module, capacity: int = 0, kv_dtype: torch.dtype | None = None) -> DynamicCache:
+    """transformers' DynamicCache for `model`, its full-attention layers reserving `capacity` positions
+    and keeping K/V in `kv_dtype` (None: the dtype the model computes them in)."""
     cache = DynamicCache(config=model.config)
     for i, layer in enumerate(cache.layers):
         if type(layer) is DynamicLayer:
-            cache.layers[i] = ReservedLayer(capacity)
+            cache.layers[i] = ReservedLayer(capacity, kv_dtype)
     return cache
 
 

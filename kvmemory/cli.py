@@ -196,7 +196,7 @@ def cmd_bench(args) -> int:
 
         lengths = args.lengths or DEFAULT_LENGTHS
         r = run_graft_bench(lengths, repeats=args.repeats, model=None if args.model == "embedded:smollm2-135m-instruct"
-                            else args.model, dtype=args.dtype, progress=not args.json)
+                            else args.model, dtype=args.dtype, kv_dtype=args.kv_dtype, progress=not args.json)
         if args.plot:
             plot(r, args.plot)
             r["plot"] = args.plot
@@ -331,6 +331,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--repeats", type=_count(), default=3)
     b.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                    help="graft: the dtype the model computes (and stores K/V) in; default: the model's (float32)")
+    b.add_argument("--kv-dtype", choices=["float32", "bfloat16"], default=None,
+                   help="graft: the dtype K/V are kept and stored in (bfloat16 under a float32 model halves the "
+                        "bytes per block); default: the dtype the model computes in")
     b.add_argument("--plot", help="graft, capacity: write a PNG plot here")
     b.add_argument("--blocks", type=_count(), default=64, help="store: blocks per measurement")
     b.add_argument("--target-tokens", type=_count(), default=3_000_000, help="capacity: tokens to fill the store with")

@@ -70,17 +70,18 @@ class Engine:
     """A frozen model + profile + canonical runner + store."""
 
     def __init__(self, loaded: LoadedModel, store, *, chunk: int = DEFAULT_CHUNK, threads: int | None = None,
-                 max_positions: int | None = None, model_sha256: str | None = None):
+                 max_positions: int | None = None, model_sha256: str | None = None, kv_dtype=None):
         self.loaded = loaded
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.store = store
         self.device = next(self.model.parameters()).device
         apply_determinism(self.device, threads)
-        self.runner = CanonicalRunner(self.model, chunk, max_positions)
+        self.runner = CanonicalRunner(self.model, chunk, max_positions, kv_dtype)
         self.room = Room()  # K/V buffers kept between grafted forwards (cache.Room; room.clear() frees them)
         self.chunk = chunk
-        self.profile: ExecutionProfile = build_profile(self.model, self.tokenizer, chunk, model_sha256=model_sha256)
+        self.profile: ExecutionProfile = build_profile(self.model, self.tokenizer, chunk, model_sha256=model_sha256,
+                                                     kv_dtype=self.runner.kv_dtype)
         self.profile_id = self.profile.profile_id
         if not getattr(store, "readonly", False):
             store.put_profile(self.profile_id, self.profile.to_dict())
@@ -88,16 +89,18 @@ class Engine:
     @classmethod
     def open(cls, model: str = DEFAULT_MODEL, store=None, *, chunk: int = DEFAULT_CHUNK, dtype=None,
              device: str = "cpu", threads: int | None = None, attn_implementation: str = "sdpa",
-             max_positions: int | None = None, pack_linears: bool = True) -> "Engine":
+             max_positions: int | None = None, pack_linears: bool = True, kv_dtype=None) -> "Engine":
         """Load `model` and open `store`. `pack_linears=False` keeps the linears plain on the CPU
-        (slower, no second copy of their weights in memory; another profile: linear.py)."""
+        (slower, no second copy of their weights in memory; another profile: linear.py).
+        `kv_dtype="bfloat16"` under a float32 model keeps K/V in bfloat16: half the bytes per block
+        to store, read and verify (another profile: cache.py)."""
         from .stores import open_store
 
         # A folder (local store), a redis:// URL (shared store), None (KVMEMORY_STORE or the default).
         store = open_store(store)
         loaded = load_model(model, dtype=dtype, device=device, attn_implementation=attn_implementation,
                             pack_linears=pack_linears)
-        return cls(loaded, store, chunk=chunk, threads=threads, max_positions=max_positions)
+        return cls(loaded, store, chunk=chunk, threads=threads, max_positions=max_positions, kv_dtype=kv_dtype)
 
     # ------------------------------------------------------------------ tokens
     def encode(self, text: str) -> list[int]:

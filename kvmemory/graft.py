@@ -332,9 +332,8 @@ def _allocate(runner, m0: BlockMeta, end: int, capacity: int = 0, room=None) -> 
     attention layers get room for `capacity` positions (the whole forward, cache.py), sliding-window
     layers exactly what they keep. With a `cache.Room`, its kept buffers are used when large enough."""
     dtype = DTYPES[m0.dtype]
-    model_dtype = next(runner.model.parameters()).dtype
-    if dtype != model_dtype:
-        raise UnsupportedArchitecture(f"blocks hold {m0.dtype} K/V but the model computes in {model_dtype}")
+    if dtype != runner.kv_dtype:
+        raise UnsupportedArchitecture(f"blocks hold {m0.dtype} K/V but the runner's cache keeps {runner.kv_dtype}")
     windows = runner.sliding_windows
     if len(m0.k_shapes) != len(windows):
         raise UnsupportedArchitecture(f"blocks hold {len(m0.k_shapes)} layers, the model has {len(windows)}")

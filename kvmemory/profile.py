@@ -159,7 +159,8 @@ def _sdpa_backend(device: torch.device) -> str:
     return "cpu-default"
 
 
-def build_profile(model: torch.nn.Module, tokenizer, chunk: int, *, model_sha256: str | None = None) -> ExecutionProfile:
+def build_profile(model: torch.nn.Module, tokenizer, chunk: int, *, model_sha256: str | None = None,
+                  kv_dtype: torch.dtype | None = None) -> ExecutionProfile:
     """Fingerprint a loaded model under the current torch settings (call `apply_determinism` first)."""
     import transformers
 
@@ -183,7 +184,7 @@ def build_profile(model: torch.nn.Module, tokenizer, chunk: int, *, model_sha256
         tokenizer_sha256=tokenizer_sha256(tokenizer),
         model_class=type(model).__name__,
         dtype=dtype,
-        kv_dtype=dtype,  # the dynamic cache keeps K/V in the activation dtype
+        kv_dtype=str(kv_dtype).removeprefix("torch.") if kv_dtype is not None else dtype,  # the runner's cache
         attn_implementation=str(getattr(cfg, "_attn_implementation", None)),
         sdpa_backend=_sdpa_backend(device),
         device_type=device.type,

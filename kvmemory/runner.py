@@ -151,16 +151,45 @@ def check_architecture(model: torch.nn.Module, chunk: int) -> None:
             )
 
 
+KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# Attention implementations that read a cache narrower than the queries (attention.py widens it).
+_WIDENING_ATTENTION = ("kvmemory_sdpa", "kvmemory_fewq")
+
+
+def check_kv_dtype(model: torch.nn.Module, kv_dtype: torch.dtype | str | None) -> torch.dtype:
+    """The dtype the cache keeps K/V in: the model's by default; bfloat16 under a float32 model on
+    kvmemory's CPU attention (which widens it). Anything else is refused with the reason."""
+    model_dtype = next(model.parameters()).dtype
+    if kv_dtype is None:
+        return model_dtype
+    if isinstance(kv_dtype, str):
+        if kv_dtype not in KV_DTYPES:
+            raise InvalidInput(f"kv_dtype must be one of {sorted(KV_DTYPES)}, got {kv_dtype!r}")
+        kv_dtype = KV_DTYPES[kv_dtype]
+    if kv_dtype == model_dtype:
+        return kv_dtype
+    attn = getattr(model.config, "_attn_implementation", None)
+    if not (model_dtype == torch.float32 and kv_dtype == torch.bfloat16):
+        raise InvalidInput(f"a {kv_dtype} KV cache under a {model_dtype} model is not supported "
+                           "(bfloat16 K/V under a float32 model is)")
+    if attn not in _WIDENING_ATTENTION:
+        raise InvalidInput(f"a bfloat16 KV cache under a float32 model needs attention {' or '.join(_WIDENING_ATTENTION)} "
+                           f"(the CPU default), not {attn!r}")
+    return kv_dtype
+
+
 class CanonicalRunner:
     """Chunk-grid prefill and token-by-token decode over a frozen model."""
 
-    def __init__(self, model: torch.nn.Module, chunk: int = DEFAULT_CHUNK, max_positions: int | None = None):
+    def __init__(self, model: torch.nn.Module, chunk: int = DEFAULT_CHUNK, max_positions: int | None = None,
+                 kv_dtype: torch.dtype | str | None = None):
         if chunk < 1:
             raise InvalidInput(f"the chunk grid must be a positive number of tokens, got {chunk}")
         check_architecture(model, chunk)
         self.model = model
         self.chunk = chunk
         self.device = next(model.parameters()).device
+        self.kv_dtype = check_kv_dtype(model, kv_dtype)
         self._cache_kwarg = _cache_kwarg(model)
         cfg = model.config.get_text_config(decoder=True)
         self.vocab_size = int(cfg.vocab_size)
@@ -171,10 +200,13 @@ class CanonicalRunner:
         self.sliding_windows = [None if isinstance(l, ReservedLayer) else l.sliding_window
                                 for l in self.new_cache().layers]
         self.full_attention_only = all(w is None for w in self.sliding_windows)
+        if self.kv_dtype != next(model.parameters()).dtype and not self.full_attention_only:
+            raise UnsupportedArchitecture("a KV dtype other than the model's needs full-attention layers only "
+                                          "(sliding-window layers keep transformers' own cache)")
 
     def new_cache(self, capacity: int = 0):
         """An empty cache whose full-attention layers reserve `capacity` positions (cache.py)."""
-        return new_cache(self.model, capacity)
+        return new_cache(self.model, capacity, self.kv_dtype)
 
     def check_ids(self, token_ids: Sequence[int], extra: int = 0) -> None:
         n = len(token_ids)

@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import tiny_engine, tiny_model
+from tiny_models import IdTokenizer, tiny_engine, tiny_model
 from transformers import DynamicCache
 
 from kvmemory import cpu_attention
 from kvmemory.attention import FEWQ, NAME, for_device
 from kvmemory.cache import ReservedLayer, new_cache
+from kvmemory.engine import Engine
+from kvmemory.errors import InvalidInput, UnsupportedArchitecture
+from kvmemory.models import LoadedModel
+from kvmemory.store import LocalStore
 
 
 def _ids(n: int, seed: int = 1) -> list[int]:
@@ -83,3 +87,54 @@ def test_cpu_loads_grouped_sdpa(store_dir):
     assert eng.profile.attn_implementation == cpu_default
     m = tiny_model("llama", attn="sdpa")
     assert m.config._attn_implementation == "sdpa"
+
+
+def test_reserved_layer_keeps_a_narrower_kv_dtype():
+    """K/V written into a bfloat16 cache are rounded once, the way `Tensor.to` rounds them."""
+    layer = ReservedLayer(capacity=8, kv_dtype=torch.bfloat16)
+    k = torch.randn(1, 2, 3, 4, generator=torch.Generator().manual_seed(0))
+    keys, values = layer.update(k, k * 3)
+    assert keys.dtype == torch.bfloat16 and torch.equal(keys, k.bfloat16()) and torch.equal(values, (k * 3).bfloat16())
+    buf = layer.k_buf
+    keys, _ = layer.update(k * 2, k)
+    assert layer.k_buf is buf and torch.equal(keys, torch.cat([k, k * 2], -2).bfloat16())
+
+
+@pytest.mark.parametrize("attn", [FEWQ, NAME])
+def test_bfloat16_kv_under_a_float32_model_is_exact(attn, store_dir):
+    """kv_dtype=bfloat16: blocks hold bfloat16 K/V (half the bytes), the profile says so, and a graft
+    gives the recompute's logits bit for bit, under the kernel and under SDPA alike."""
+    if attn == FEWQ and cpu_attention.load() is None:
+        pytest.skip(f"the few-query kernel does not run here: {cpu_attention.why_unavailable()}")
+    model = tiny_model("llama", torch.float32, attn=for_device(attn, "cpu"))
+    eng = Engine(LoadedModel(model, IdTokenizer(), "tiny-llama", "tiny-llama"), LocalStore(store_dir / "bf16"),
+                 chunk=16, kv_dtype="bfloat16")
+    full = tiny_engine("llama", store_dir / "f32")
+    assert (eng.profile.dtype, eng.profile.kv_dtype) == ("float32", "bfloat16")
+    assert eng.profile.attn_implementation == attn and eng.profile_id != full.profile_id
+    ids = _ids(120, seed=3)
+    reports = []
+    for e in (eng, full):
+        e.store_prefix(ids[:96])
+        got, rep = e.forward(ids, max_new_tokens=4, stop_token_ids=(), keep_logits=True)
+        ref = e.recompute(ids, max_new_tokens=4, stop_token_ids=())
+        assert rep.tokens_grafted == 96 and got.prefill_logits.dtype == torch.float32
+        assert torch.equal(got.prefill_logits, ref.prefill_logits[96:])
+        assert torch.equal(got.decode_logits, ref.decode_logits)
+        reports.append((rep, got, ref))
+    (rep16, got16, ref16), (rep32, got32, _) = reports
+    assert rep16.bytes_read * 2 == rep32.bytes_read  # half the bytes read and verified
+    assert eng.room._whole.dtype == torch.bfloat16 and full.room._whole.dtype == torch.float32  # the grafted caches
+    assert not torch.equal(got16.prefill_logits, got32.prefill_logits)  # another profile, other bits
+
+
+def test_kv_dtype_is_checked(store_dir):
+    with pytest.raises(InvalidInput, match="kv_dtype must be one of"):
+        tiny_engine("llama", store_dir, kv_dtype="int8")
+    with pytest.raises(InvalidInput, match="not supported"):
+        tiny_engine("llama", store_dir, dtype=torch.bfloat16, kv_dtype="float32")
+    with pytest.raises(InvalidInput, match="needs attention"):
+        Engine(LoadedModel(tiny_model("llama", attn="eager"), IdTokenizer(), "t", "t"), LocalStore(store_dir),
+               chunk=16, kv_dtype="bfloat16")
+    with pytest.raises(UnsupportedArchitecture, match="full-attention layers only"):
+        tiny_engine("gemma3", store_dir, kv_dtype="bfloat16")

@@ -173,3 +173,17 @@ def test_the_other_build_compiles(isa, tmp_path):
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-4000:]
     assert (tmp_path / "fewq.o").stat().st_size > 0
+
+
+@needs_kernel
+@pytest.mark.parametrize("new,cached", [(16, 600), (1, 1500), (5, 40)])
+def test_float32_queries_over_a_bfloat16_cache(new, cached):
+    """A bfloat16 KV cache under a float32 model: the kernel widens the rows itself, which is exact,
+    so it gives the same bytes as over the same K/V widened to float32 beforehand."""
+    q, k, v, m = _inputs(9, 3, new, cached, 64, torch.float32, seed=new)
+    k16, v16 = k.bfloat16(), v.bfloat16()
+    got = cpu_attention.attend(q, k16, v16, m, 0.125, False)
+    assert got is not None and got.dtype == torch.float32
+    assert torch.equal(got, cpu_attention.attend(q, k16.float(), v16.float(), m, 0.125, False))
+    # bfloat16 queries over a float32 cache are not a profile: refused
+    assert cpu_attention.attend(q.bfloat16(), k, v, m, 0.125, False) is None

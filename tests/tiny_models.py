@@ -86,7 +86,7 @@ def tiny_model(arch: str, dtype: torch.dtype = torch.float32, seed: int = 0, att
     return model
 
 
-def tiny_engine(arch: str, store_path, dtype=torch.float32, chunk: int = 16, seed: int = 0) -> Engine:
+def tiny_engine(arch: str, store_path, dtype=torch.float32, chunk: int = 16, seed: int = 0, kv_dtype=None) -> Engine:
     model = tiny_model(arch, dtype, seed)
     return Engine(LoadedModel(model, IdTokenizer(), f"tiny-{arch}", f"tiny-{arch}"), LocalStore(store_path),
-                  chunk=chunk)
+                  chunk=chunk, kv_dtype=kv_dtype)

@@ -22,7 +22,8 @@
 // Layouts (elements; the last dimension contiguous):
 //   q    [1, H_q, T, D]     D a multiple of 16 up to 128; any strides for heads and rows (transformers
 //                           passes a transposed view); H_q / H_kv * T <= 64 rows per K/V head
-//   k, v [1, H_kv, S, D]    views of the reserved cache buffers: any head / row strides
+//   k, v [1, H_kv, S, D]    views of the reserved cache buffers: any head / row strides; q's dtype,
+//                           or bfloat16 under float32 queries (a bfloat16 KV cache: rows widened exactly)
 //   mask [1, 1, T, S] bool or none: row t must be a prefix of trues (keys [0, n_t) visible);
 //        anything else is refused (an undefined tensor is returned and the caller uses SDPA)
 //   out  [1, T, H_q, D]     contiguous: what transformers' attention functions return
@@ -370,20 +371,22 @@ void run_unit(const Shape& s, const float* Qt, const scalar_t* kh, int64_t k_ss,
     }
 }
 
-template <typename scalar_t>
+// q_t: the query's and the output's type; kv_t: the cache's (float32 queries may read a bfloat16 cache).
+template <typename q_t, typename kv_t>
 void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::vector<int32_t>& nvis,
          float scale, at::Tensor& out) {
     Shape s;
     s.Hq = q.size(1); s.T = q.size(2); s.D = q.size(3);
     s.Hkv = k.size(1); s.S = k.size(2);
     s.G = s.Hq / s.Hkv; s.R = s.G * s.T; s.Rpad = (s.R + kLanes - 1) / kLanes * kLanes;
-    s.bf16_dot = std::is_same<scalar_t, at::BFloat16>::value && kHasBf16Dot && k.stride(2) % 2 == 0 &&
+    s.bf16_dot = std::is_same<q_t, at::BFloat16>::value && std::is_same<kv_t, at::BFloat16>::value && kHasBf16Dot &&
+                 k.stride(2) % 2 == 0 &&
                  k.stride(1) % 2 == 0;
     const int64_t nsplit = (s.S + kUnitKeys - 1) / kUnitKeys;
     s.units = s.Hkv * nsplit;
-    const scalar_t* qp = q.data_ptr<scalar_t>();
-    const scalar_t* kp = k.data_ptr<scalar_t>();
-    const scalar_t* vp = v.data_ptr<scalar_t>();
+    const q_t* qp = q.data_ptr<q_t>();
+    const kv_t* kp = k.data_ptr<kv_t>();
+    const kv_t* vp = v.data_ptr<kv_t>();
     const int64_t q_sh = q.stride(1), q_st = q.stride(2), k_sh = k.stride(1), k_ss = k.stride(2);
     const int64_t v_sh = v.stride(1), v_ss = v.stride(2);
     // Per K/V head: Qt[d][r] (r = g * T + t, query head h * G + g), and each row's visible count.
@@ -393,7 +396,7 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const st
     for (int64_t h = 0; h < s.Hkv; ++h)
         for (int64_t g = 0; g < s.G; ++g)
             for (int64_t t = 0; t < s.T; ++t) {
-                const scalar_t* src = qp + (h * s.G + g) * q_sh + t * q_st;
+                const q_t* src = qp + (h * s.G + g) * q_sh + t * q_st;
                 float* dst = Qt.data() + h * s.D * s.Rpad + g * s.T + t;
                 if (s.bf16_dot) {
                     // QP[d / 2][r] = (q[d], q[d + 1]) as one 32-bit pair, in the head's Qt room
@@ -410,12 +413,12 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const st
     at::parallel_for(0, s.units, 1, [&](int64_t begin, int64_t end) {
         for (int64_t u = begin; u < end; ++u) {
             const int64_t h = u / nsplit, j0 = (u % nsplit) * kUnitKeys;
-            run_unit<scalar_t>(s, Qt.data() + h * s.D * s.Rpad, kp + h * k_sh, k_ss, vp + h * v_sh, v_ss,
+            run_unit<kv_t>(s, Qt.data() + h * s.D * s.Rpad, kp + h * k_sh, k_ss, vp + h * v_sh, v_ss,
                                nvis_row.data(), j0, std::min(kUnitKeys, s.S - j0), scale, parts.data() + u * ldp);
         }
     });
     // Merge the units of each K/V head in unit order.
-    scalar_t* op = out.data_ptr<scalar_t>();
+    q_t* op = out.data_ptr<q_t>();
     at::parallel_for(0, s.Hkv * s.R, 16, [&](int64_t begin, int64_t end) {
         std::vector<float> acc(s.D);
         for (int64_t hr = begin; hr < end; ++hr) {
@@ -431,9 +434,9 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const st
                 l += w * p[s.D + 1];
                 for (int64_t d = 0; d < s.D; ++d) acc[d] += w * p[d];
             }
-            scalar_t* dst = op + (t * s.Hq + h * s.G + g) * s.D;
+            q_t* dst = op + (t * s.Hq + h * s.G + g) * s.D;
             const float inv = 1.f / l;
-            for (int64_t d = 0; d < s.D; ++d) dst[d] = static_cast<scalar_t>(acc[d] * inv);
+            for (int64_t d = 0; d < s.D; ++d) dst[d] = static_cast<q_t>(acc[d] * inv);
         }
     });
 }
@@ -458,8 +461,10 @@ std::vector<int32_t> visible_counts(const at::Tensor& mask, int64_t T, int64_t S
 // Returns [1, T, H_q, D], or an undefined tensor when this call is not one the kernel takes.
 at::Tensor few_query_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                const c10::optional<at::Tensor>& mask, double scale, bool causal) {
-    const bool ok_dtype = q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16;
-    if (!ok_dtype || k.scalar_type() != q.scalar_type() || v.scalar_type() != q.scalar_type() || q.dim() != 4 ||
+    // q and the cache alike (float32 or bfloat16), or float32 queries over a bfloat16 cache
+    const auto qt = q.scalar_type(), kt = k.scalar_type();
+    const bool ok_dtype = (qt == at::kFloat || qt == at::kBFloat16) && (kt == qt || kt == at::kBFloat16);
+    if (!ok_dtype || v.scalar_type() != kt || q.dim() != 4 ||
         k.dim() != 4 || v.dim() != 4 || q.size(0) != 1 || k.size(0) != 1 || v.size(0) != 1 || !q.device().is_cpu())
         return {};
     const int64_t Hq = q.size(1), T = q.size(2), D = q.size(3), Hkv = k.size(1), S = k.size(2);
@@ -480,8 +485,10 @@ at::Tensor few_query_attention(const at::Tensor& q, const at::Tensor& k, const a
         for (int64_t t = 0; t < T; ++t) nvis[t] = static_cast<int32_t>(causal ? S - T + t + 1 : S);
     }
     auto out = at::empty({1, T, Hq, D}, q.options());
-    if (q.scalar_type() == at::kFloat) run<float>(q, k, v, nvis, static_cast<float>(scale), out);
-    else run<at::BFloat16>(q, k, v, nvis, static_cast<float>(scale), out);
+    const float sc = static_cast<float>(scale);
+    if (qt == at::kBFloat16) run<at::BFloat16, at::BFloat16>(q, k, v, nvis, sc, out);
+    else if (kt == at::kBFloat16) run<float, at::BFloat16>(q, k, v, nvis, sc, out);
+    else run<float, float>(q, k, v, nvis, sc, out);
     return out;
 }
 
