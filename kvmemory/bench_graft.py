@@ -156,7 +156,7 @@ class _LlamaCpp:
 
 
 def run_graft_bench(lengths=DEFAULT_LENGTHS, *, new_tokens: int = 16, repeats: int = 3, model: str | None = None,
-                    dtype: str | None = None, kv_dtype: str | None = None, llamacpp: bool = True,
+                    dtype: str | None = None, kv_dtype: str = "auto", llamacpp: bool = True,
                     progress: bool = True, seed: int = 0) -> dict:
     from transformers import AutoModelForCausalLM
 

@@ -36,6 +36,7 @@ def _memory(args):
     kw = {"chunk": args.chunk} if args.chunk else {}
     if args.threads:
         kw["threads"] = args.threads
+    kw["kv_dtype"] = args.kv_dtype
     return KVMemory(model=args.model, store=store, namespace=args.namespace, **kw)
 
 
@@ -278,6 +279,10 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--model", default=DEFAULT_MODEL, help="HF model id or local folder (default: embedded SmolLM2)")
     common.add_argument("--chunk", type=int, default=None, help="chunk grid C (default 64)")
     common.add_argument("--threads", type=int, default=None, help="torch threads (part of the profile)")
+    common.add_argument("--kv-dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                        help="the dtype K/V are kept and stored in (part of the profile). auto (default): bfloat16 "
+                             "under a float32 model on the CPU (half the bytes per block to store, read and verify), "
+                             "else the model's dtype; float32 keeps a float32 model's K/V unrounded")
     common.add_argument("--namespace", default="default", help="namespace (agent / tenant)")
     common.add_argument("--signing-key", default=None, help="HMAC key for signed / shared stores "
                         "(default $KVMEMORY_SIGNING_KEY)")
@@ -331,9 +336,6 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--repeats", type=_count(), default=3)
     b.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                    help="graft: the dtype the model computes (and stores K/V) in; default: the model's (float32)")
-    b.add_argument("--kv-dtype", choices=["float32", "bfloat16"], default=None,
-                   help="graft: the dtype K/V are kept and stored in (bfloat16 under a float32 model halves the "
-                        "bytes per block); default: the dtype the model computes in")
     b.add_argument("--plot", help="graft, capacity: write a PNG plot here")
     b.add_argument("--blocks", type=_count(), default=64, help="store: blocks per measurement")
     b.add_argument("--target-tokens", type=_count(), default=3_000_000, help="capacity: tokens to fill the store with")

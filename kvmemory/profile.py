@@ -142,9 +142,12 @@ class ExecutionProfile:
         d = self.diff(other)
         if d:
             detail = "; ".join(f"{k}: stored {v[1]!r} vs current {v[0]!r}" for k, v in sorted(d.items()))
+            hint = ""
+            if "kv_dtype" in d:  # the one field a user picks when opening (Engine.open / --kv-dtype)
+                hint = f" (or open with kv_dtype={d['kv_dtype'][1]!r}, --kv-dtype {d['kv_dtype'][1]} on the command line)"
             raise ProfileMismatch(
                 f"{what} were made under another execution profile ({detail}). They cannot be grafted "
-                "exactly here: recompute (or re-remember) under the current profile.",
+                f"exactly here: recompute (or re-remember) under the current profile{hint}.",
                 fields=d,
             )
 

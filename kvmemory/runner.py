@@ -178,6 +178,19 @@ def check_kv_dtype(model: torch.nn.Module, kv_dtype: torch.dtype | str | None) -
     return kv_dtype
 
 
+def default_kv_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The KV dtype a model loaded by name runs with (`Engine.open`'s "auto"): bfloat16 under a float32
+    model on the CPU with kvmemory's attention and full-attention layers only (half the bytes per
+    block to store, read and verify, and half the cache for attention to stream, as llama.cpp's F16
+    cache; cache.py), else the dtype the model computes in."""
+    model_dtype = next(model.parameters()).dtype
+    full = all(isinstance(l, ReservedLayer) for l in new_cache(model).layers)
+    if (model_dtype == torch.float32 and next(model.parameters()).device.type == "cpu" and full
+            and getattr(model.config, "_attn_implementation", None) in _WIDENING_ATTENTION):
+        return torch.bfloat16
+    return model_dtype
+
+
 class CanonicalRunner:
     """Chunk-grid prefill and token-by-token decode over a frozen model."""
 

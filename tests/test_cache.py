@@ -138,3 +138,24 @@ def test_kv_dtype_is_checked(store_dir):
                chunk=16, kv_dtype="bfloat16")
     with pytest.raises(UnsupportedArchitecture, match="full-attention layers only"):
         tiny_engine("gemma3", store_dir, kv_dtype="bfloat16")
+
+
+def test_models_opened_by_name_keep_bfloat16_kv_by_default(tmp_path):
+    """Engine.open's "auto": the embedded float32 model keeps bfloat16 K/V on the CPU; the graft is
+    bit-identical to the recompute under it; float32 K/V is one argument away, and a store made
+    under one is refused under the other with the field and the way back named."""
+    from kvmemory.errors import ProfileMismatch
+    from kvmemory.models import DEFAULT_MODEL
+
+    eng = Engine.open(DEFAULT_MODEL, tmp_path / "s")
+    assert (eng.profile.dtype, eng.profile.kv_dtype) == ("float32", "bfloat16")
+    ids = torch.randint(100, 40000, (150,), generator=torch.Generator().manual_seed(7)).tolist()
+    eng.store_prefix(ids[:128])
+    got, rep = eng.forward(ids, max_new_tokens=2, stop_token_ids=(), keep_logits=True)
+    ref = eng.recompute(ids, max_new_tokens=2, stop_token_ids=())
+    assert rep.tokens_grafted == 128 and rep.bytes_read == 128 * 30 * 2 * 3 * 64 * 2  # bfloat16 bytes
+    assert torch.equal(got.prefill_logits, ref.prefill_logits[128:]) and torch.equal(got.decode_logits, ref.decode_logits)
+    f32 = Engine(eng.loaded, eng.store, kv_dtype="float32")
+    assert f32.profile.kv_dtype == "float32" and f32.profile_id != eng.profile_id
+    with pytest.raises(ProfileMismatch, match=r"kv_dtype: stored 'bfloat16' vs current 'float32'.*--kv-dtype bfloat16"):
+        f32.require_profile(eng.profile_id, "these blocks")
