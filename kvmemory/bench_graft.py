@@ -330,7 +330,8 @@ def plot(r: dict, path: str) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("stored prefix length L (tokens), + 16 new tokens")
     ax.set_ylabel("time to first token (s)")
-    ax.set_title(f"Time to first token, {r['model']}\n{r['machine']['cpu']}, {r['machine']['torch_threads']} threads",
+    ax.set_title(f"Time to first token, {r['model']}\n{r['dtype']} compute, {r.get('kv_dtype', r['dtype'])} K/V; "
+                 f"{r['machine']['cpu']}, {r['machine']['torch_threads']} threads",
                  fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
