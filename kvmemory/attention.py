@@ -47,9 +47,15 @@ def _causal_keys(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor
     return key, value, causal
 
 
+def _widened(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K/V in the queries' dtype: a bfloat16 cache under float32 queries is widened, exactly (cache.py)."""
+    if key.dtype == query.dtype:
+        return key, value
+    return key.to(query.dtype), value.to(query.dtype)
+
+
 def _grouped_sdpa(query, key, value, attention_mask, dropout, scaling, causal) -> torch.Tensor:
-    if key.dtype != query.dtype:  # a bfloat16 cache under float32 queries: widened exactly (cache.py)
-        key, value = key.to(query.dtype), value.to(query.dtype)
+    key, value = _widened(query, key, value)
     out = torch.nn.functional.scaled_dot_product_attention(
         query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, is_causal=causal,
         enable_gqa=query.shape[1] != key.shape[1])
@@ -64,8 +70,7 @@ def grouped_sdpa_forward(module: torch.nn.Module, query: torch.Tensor, key: torc
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     if any(kwargs.get(k) for k in _DELEGATE):
-        if key.dtype != query.dtype:
-            key, value = key.to(query.dtype), value.to(query.dtype)
+        key, value = _widened(query, key, value)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
     key, value, causal = _causal_keys(module, query, key, value, attention_mask, is_causal)

@@ -135,7 +135,6 @@ def _main() -> None:
             S = cached + new
             q = torch.randn(1, new, 9, 64).to(dtype).transpose(1, 2)
             k, v = torch.randn(1, 3, S, 64).to(kv_dtype), torch.randn(1, 3, S, 64).to(kv_dtype)
-            # SDPA takes one dtype: over a bfloat16 cache it runs on K/V widened per call (as attention.py does)
             mask = torch.ones(new, S, dtype=torch.bool).tril(S - new)[None, None]
 
             def timed(fn, n=20):
@@ -145,6 +144,7 @@ def _main() -> None:
                     fn()
                 return (time.perf_counter() - t) / n
 
+            # SDPA takes one dtype: over a bfloat16 cache it runs on K/V widened per call (as attention.py does)
             sdpa = timed(lambda: F.scaled_dot_product_attention(q, k.to(dtype), v.to(dtype), attn_mask=mask,
                                                                 enable_gqa=True))
             kern = timed(lambda: attend(q, k, v, mask, 0.125, False))

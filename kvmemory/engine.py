@@ -26,7 +26,7 @@ from .cache import Room
 from .graft import GraftReport, LoadedChain, build_cache, check_chain, load_chain, plan_chain
 from .models import DEFAULT_MODEL, LoadedModel, load_model
 from .profile import ExecutionProfile, apply_determinism, build_profile
-from .runner import DEFAULT_CHUNK, GREEDY, CanonicalRunner, ForwardResult, Sampling, default_kv_dtype
+from .runner import DEFAULT_CHUNK, GREEDY, CanonicalRunner, ForwardResult, Sampling
 from .store import BlockRow, LocalStore
 from .verify import Comparison, compare_runs, make_attestation
 
@@ -93,7 +93,7 @@ class Engine:
         """Load `model` and open `store`. `pack_linears=False` keeps the linears plain on the CPU
         (slower, no second copy of their weights in memory; another profile: linear.py).
         `kv_dtype`: the dtype the cache keeps K/V in. "auto": bfloat16 under a float32 model on the
-        CPU where kvmemory's attention runs and every layer attends fully (runner.default_kv_dtype:
+        CPU where kvmemory's attention runs and every layer attends fully (runner.resolve_kv_dtype:
         half the bytes per block to store, read and verify), else the model's; "float32" /
         "bfloat16" ask for one (each is its own profile: cache.py)."""
         from .stores import open_store
@@ -102,8 +102,6 @@ class Engine:
         store = open_store(store)
         loaded = load_model(model, dtype=dtype, device=device, attn_implementation=attn_implementation,
                             pack_linears=pack_linears)
-        if kv_dtype == "auto":
-            kv_dtype = default_kv_dtype(loaded.model)
         return cls(loaded, store, chunk=chunk, threads=threads, max_positions=max_positions, kv_dtype=kv_dtype)
 
     # ------------------------------------------------------------------ tokens

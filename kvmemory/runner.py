@@ -151,44 +151,42 @@ def check_architecture(model: torch.nn.Module, chunk: int) -> None:
             )
 
 
-KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # Attention implementations that read a cache narrower than the queries (attention.py widens it).
 _WIDENING_ATTENTION = ("kvmemory_sdpa", "kvmemory_fewq")
 
 
-def check_kv_dtype(model: torch.nn.Module, kv_dtype: torch.dtype | str | None) -> torch.dtype:
-    """The dtype the cache keeps K/V in: the model's by default; bfloat16 under a float32 model on
-    kvmemory's CPU attention (which widens it). Anything else is refused with the reason."""
+def resolve_kv_dtype(model: torch.nn.Module, kv_dtype: torch.dtype | str | None, full_attention_only: bool) -> torch.dtype:
+    """The dtype the cache keeps K/V in. None: the model's. "auto" (what `Engine.open` asks for): bfloat16
+    under a float32 model on the CPU with kvmemory's attention and full-attention layers only (half the
+    bytes per block to store, read and verify, and half the cache for attention to stream, as
+    llama.cpp's F16 cache; cache.py), else the model's. A named dtype other than the model's is taken
+    only where "auto" would choose it; anything else is refused with the reason."""
     model_dtype = next(model.parameters()).dtype
+    attn = getattr(model.config, "_attn_implementation", None)
+    if kv_dtype == "auto":
+        narrow = (model_dtype == torch.float32 and next(model.parameters()).device.type == "cpu"
+                  and full_attention_only and attn in _WIDENING_ATTENTION)
+        return torch.bfloat16 if narrow else model_dtype
     if kv_dtype is None:
         return model_dtype
     if isinstance(kv_dtype, str):
-        if kv_dtype not in KV_DTYPES:
-            raise InvalidInput(f"kv_dtype must be one of {sorted(KV_DTYPES)}, got {kv_dtype!r}")
-        kv_dtype = KV_DTYPES[kv_dtype]
+        from .blocks import DTYPES
+
+        if DTYPES.get(kv_dtype) is None:
+            raise InvalidInput(f"kv_dtype must be 'auto' or a dtype name such as 'bfloat16', got {kv_dtype!r}")
+        kv_dtype = DTYPES[kv_dtype]
     if kv_dtype == model_dtype:
         return kv_dtype
-    attn = getattr(model.config, "_attn_implementation", None)
     if not (model_dtype == torch.float32 and kv_dtype == torch.bfloat16):
         raise InvalidInput(f"a {kv_dtype} KV cache under a {model_dtype} model is not supported "
                            "(bfloat16 K/V under a float32 model is)")
     if attn not in _WIDENING_ATTENTION:
         raise InvalidInput(f"a bfloat16 KV cache under a float32 model needs attention {' or '.join(_WIDENING_ATTENTION)} "
                            f"(the CPU default), not {attn!r}")
+    if not full_attention_only:
+        raise UnsupportedArchitecture("a KV dtype other than the model's needs full-attention layers only "
+                                      "(sliding-window layers keep transformers' own cache)")
     return kv_dtype
-
-
-def default_kv_dtype(model: torch.nn.Module) -> torch.dtype:
-    """The KV dtype a model loaded by name runs with (`Engine.open`'s "auto"): bfloat16 under a float32
-    model on the CPU with kvmemory's attention and full-attention layers only (half the bytes per
-    block to store, read and verify, and half the cache for attention to stream, as llama.cpp's F16
-    cache; cache.py), else the dtype the model computes in."""
-    model_dtype = next(model.parameters()).dtype
-    full = all(isinstance(l, ReservedLayer) for l in new_cache(model).layers)
-    if (model_dtype == torch.float32 and next(model.parameters()).device.type == "cpu" and full
-            and getattr(model.config, "_attn_implementation", None) in _WIDENING_ATTENTION):
-        return torch.bfloat16
-    return model_dtype
 
 
 class CanonicalRunner:
@@ -196,13 +194,13 @@ class CanonicalRunner:
 
     def __init__(self, model: torch.nn.Module, chunk: int = DEFAULT_CHUNK, max_positions: int | None = None,
                  kv_dtype: torch.dtype | str | None = None):
+        """`kv_dtype`: see `resolve_kv_dtype` (None: the model's dtype)."""
         if chunk < 1:
             raise InvalidInput(f"the chunk grid must be a positive number of tokens, got {chunk}")
         check_architecture(model, chunk)
         self.model = model
         self.chunk = chunk
         self.device = next(model.parameters()).device
-        self.kv_dtype = check_kv_dtype(model, kv_dtype)
         self._cache_kwarg = _cache_kwarg(model)
         cfg = model.config.get_text_config(decoder=True)
         self.vocab_size = int(cfg.vocab_size)
@@ -211,11 +209,9 @@ class CanonicalRunner:
         # (known once: a graft shapes its buffers by them, graft.py). With no windows at all, a graft
         # can hold every layer in one tensor.
         self.sliding_windows = [None if isinstance(l, ReservedLayer) else l.sliding_window
-                                for l in self.new_cache().layers]
+                                for l in new_cache(model).layers]
         self.full_attention_only = all(w is None for w in self.sliding_windows)
-        if self.kv_dtype != next(model.parameters()).dtype and not self.full_attention_only:
-            raise UnsupportedArchitecture("a KV dtype other than the model's needs full-attention layers only "
-                                          "(sliding-window layers keep transformers' own cache)")
+        self.kv_dtype = resolve_kv_dtype(model, kv_dtype, self.full_attention_only)  # runner.new_cache keeps K/V in it
 
     def new_cache(self, capacity: int = 0):
         """An empty cache whose full-attention layers reserve `capacity` positions (cache.py)."""
