@@ -156,7 +156,7 @@ class _LlamaCpp:
 
 
 def run_graft_bench(lengths=DEFAULT_LENGTHS, *, new_tokens: int = 16, repeats: int = 3, model: str | None = None,
-                    dtype: str | None = None, kv_dtype: str = "auto", llamacpp: bool = True,
+                    dtype: str | None = None, kv_dtype: str = "auto", linears: str = "auto", llamacpp: bool = True,
                     progress: bool = True, seed: int = 0) -> dict:
     from transformers import AutoModelForCausalLM
 
@@ -178,7 +178,7 @@ def run_graft_bench(lengths=DEFAULT_LENGTHS, *, new_tokens: int = 16, repeats: i
     tmp = tempfile.TemporaryDirectory(prefix="kvmemory-bench-graft-")
     try:
         eng = Engine.open(model or DEFAULT_MODEL, f"{tmp.name}/store", chunk=C, dtype=dtype, kv_dtype=kv_dtype,
-                          max_positions=lengths[-1] + new_tokens + 64)
+                          linears=linears, max_positions=lengths[-1] + new_tokens + 64)
         # The single-pass baseline: the same weights as transformers loads them (its sdpa, plain linears).
         plain = AutoModelForCausalLM.from_pretrained(resolve_model_path(model or DEFAULT_MODEL), dtype=dtype).eval()
         vocab = eng.runner.vocab_size
@@ -330,8 +330,8 @@ def plot(r: dict, path: str) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("stored prefix length L (tokens), + 16 new tokens")
     ax.set_ylabel("time to first token (s)")
-    ax.set_title(f"Time to first token, {r['model']}\n{r['dtype']} compute, {r.get('kv_dtype', r['dtype'])} K/V; "
-                 f"{r['machine']['cpu']}, {r['machine']['torch_threads']} threads",
+    ax.set_title(f"Time to first token, {r['model']}\n{r['dtype']} compute, {r.get('kv_dtype', r['dtype'])} K/V, linears "
+                 f"{r.get('linear_impl', '?')}; {r['machine']['cpu']}, {r['machine']['torch_threads']} threads",
                  fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)

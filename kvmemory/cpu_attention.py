@@ -10,13 +10,11 @@ AVX512-BF16 where the CPU has it), decoding one token 1.3x (float32) and 10-13x 
 (Zen 3), 1.3x at 2k and 1.6-1.7x at 8k and 16k in float32 (~100 GFLOP/s on 2 cores, ~60 % of the FMA
 peak), 1.4x in bfloat16, decoding 1.2x and 8x.
 
-It is C++ against torch's headers, compiled on first use with torch's own extension builder (g++,
-ninja) into the user cache directory (~30-50 s, once per source/torch version/ISA;
-`scripts/setup.sh` does it ahead of time). One source, two builds: AVX-512, and AVX2 + FMA for CPUs
-without AVX-512 (`isa()`, torch's own reading of the CPU, picks one). Chosen once per process:
-`load()` returns the module, or None with `why_unavailable()` saying why (neither ISA, no compiler
-...), and the attention name in the execution profile records which attention ran (attention.py);
-the profile's `cpu_isa` keeps the two builds' bits apart.
+It is built and loaded by cpu_extensions.py (once per source, torch version and ISA: AVX-512, or
+AVX2 + FMA for CPUs without it). Chosen once per process: `load()` returns the module, or None with
+`why_unavailable()` saying why (neither ISA, no compiler ...), and the attention name in the execution
+profile records which attention ran (attention.py); the profile's `cpu_isa` keeps the two builds' bits
+apart.
 
 Numerics: float32 accumulation for both dtypes, one rounding to the output dtype; it is not
 bit-equal to SDPA (different order of sums) and is not claimed to be: it is its own profile.
@@ -27,80 +25,36 @@ one thread, so neither the thread count nor scheduling changes a bit.
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
-import os
-import shutil
 import sys
 from pathlib import Path
 
 import torch
 
+from . import cpu_extensions
+from .cpu_extensions import BUILDS, isa
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "few_query_attention.cpp"
 MAX_ROWS = 64  # query heads per K/V head x new tokens the kernel takes (its kMaxRowBlocks x 16)
-# One source, one build per vector ISA torch reports for this CPU (the profile records that ISA).
-BUILDS = {
-    "AVX512": ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-fopenmp"],
-    "AVX2": ["-O3", "-mavx2", "-mfma", "-DKVM_AVX2", "-fopenmp"],
-}
+_PREFIX = "kvmemory_fewq"
 
 _why: str | None = None
 
 
-def isa() -> str:
-    """The vector ISA torch's kernels use on this CPU ("AVX512", "AVX2", "DEFAULT" ...)."""
-    return torch.backends.cpu.get_cpu_capability()
-
-
-@functools.cache
-def _build_name() -> str:
-    flags = " ".join(BUILDS.get(isa(), []))
-    digest = hashlib.sha256(SOURCE.read_bytes() + flags.encode() + torch.__version__.encode())
-    return f"kvmemory_fewq_{isa().lower()}_{digest.hexdigest()[:12]}"
-
-
 def build_dir() -> Path:
-    from .paths import cache_dir
-
-    return cache_dir() / "ext" / _build_name()
+    return cpu_extensions.build_dir(_PREFIX, SOURCE)
 
 
 @functools.cache
 def load():
     """The compiled kernel module, or None where it cannot run here (see `why_unavailable`)."""
     global _why
-    if isa() not in BUILDS:
-        _why = f"the CPU runs neither AVX-512 nor AVX2 (torch reports {isa()})"
-        return None
-    try:
-        from torch.utils import cpp_extension
-
-        _ninja_on_path()
-        out = build_dir()
-        out.mkdir(parents=True, exist_ok=True)
-        fresh = not any(out.glob("*.so"))
-        if fresh:
-            print(f"kvmemory: building the few-query CPU attention kernel into {out} (once, ~30 s)", file=sys.stderr)
-        module = cpp_extension.load(_build_name(), [str(SOURCE)], extra_cflags=BUILDS[isa()], extra_ldflags=["-fopenmp"],
-                                    build_directory=str(out), verbose=False)
-    except Exception as exc:  # no compiler, no ninja, a broken toolchain: SDPA runs instead, and the profile says so
-        _why = f"building {SOURCE.name} failed: {type(exc).__name__}: {str(exc).strip().splitlines()[-1:]}"
+    module, _why = cpu_extensions.load(_PREFIX, SOURCE, "few-query CPU attention kernel")
+    if module is None and isa() in BUILDS:
         log.warning("kvmemory: few-query attention kernel unavailable (%s); attention runs on SDPA", _why)
-        return None
     return module
-
-
-def _ninja_on_path() -> None:
-    """torch's builder runs `ninja` from PATH; the `ninja` wheel (a dependency) puts it next to this
-    Python, which is not on PATH when the venv is not activated (`.venv/bin/python -m pytest`)."""
-    if shutil.which("ninja") is None:
-        try:
-            import ninja
-        except ImportError:
-            return  # the build then fails and says so
-        os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
 
 
 def why_unavailable() -> str | None:

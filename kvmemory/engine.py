@@ -89,9 +89,11 @@ class Engine:
     @classmethod
     def open(cls, model: str = DEFAULT_MODEL, store=None, *, chunk: int = DEFAULT_CHUNK, dtype=None,
              device: str = "cpu", threads: int | None = None, attn_implementation: str = "sdpa",
-             max_positions: int | None = None, pack_linears: bool = True, kv_dtype: str = "auto") -> "Engine":
-        """Load `model` and open `store`. `pack_linears=False` keeps the linears plain on the CPU
-        (slower, no second copy of their weights in memory; another profile: linear.py).
+             max_positions: int | None = None, linears: str = "auto", kv_dtype: str = "auto") -> "Engine":
+        """Load `model` and open `store`. `linears`: what computes the linear layers on the CPU
+        (models.LINEARS; each is its own profile): "auto" = from the embedded model's GGUF blocks
+        where the kernel runs (gguf_linear.py), else oneDNN-packed (linear.py); "plain" keeps
+        torch's (slower, no second copy of the weights in memory).
         `kv_dtype`: the dtype the cache keeps K/V in. "auto": bfloat16 under a float32 model on the
         CPU where kvmemory's attention runs and every layer attends fully (runner.resolve_kv_dtype:
         half the bytes per block to store, read and verify), else the model's; "float32" /
@@ -101,7 +103,7 @@ class Engine:
         # A folder (local store), a redis:// URL (shared store), None (KVMEMORY_STORE or the default).
         store = open_store(store)
         loaded = load_model(model, dtype=dtype, device=device, attn_implementation=attn_implementation,
-                            pack_linears=pack_linears)
+                            linears=linears)
         return cls(loaded, store, chunk=chunk, threads=threads, max_positions=max_positions, kv_dtype=kv_dtype)
 
     # ------------------------------------------------------------------ tokens

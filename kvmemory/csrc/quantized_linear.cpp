@@ -1,0 +1,253 @@
+// Linear layers computed straight from a GGUF file's quantized blocks (Q4_1, Q8_0), float32 math.
+//
+// A graft's step is 16 new tokens (1 while decoding): every linear weight is read once per step for
+// few rows, so the step streams the weights. Read as float32 they are 540 MB for SmolLM2-135M; read
+// as the GGUF's own blocks (what llama.cpp computes from) they are ~100 MB. Here each panel of 16
+// output rows is expanded to float32 in an L2-resident scratch, then multiplied by every input row.
+//
+// Exact weights: a weight is expanded exactly as gguf-py expands it for transformers (the float32
+// weights the model holds): Q4_1 `float32(d) * q` then `+ float32(m)`, two roundings (the build has
+// -ffp-contract=off, so no FMA fuses them); Q8_0 `float32(d) * q` (exact). `dequantize` returns
+// them, and the loader checks they equal the model's weights byte for byte before using a layer.
+//
+// Fixed order of sums: output (m, n) is `fma(x[m][k], w[n][k], acc)` for k = 0, 1, ..., K-1 from
+// acc = 0, one SIMD lane per n. The order depends on nothing else: not on the number of rows, the
+// row's place among them, the thread count, nor the vector width. So the AVX-512 and AVX2 builds give
+// the same bits, and a row gives the same bits computed alone or among thousands (batch-invariant).
+//
+// Layouts (N output features, K input features; N % 16 == 0, K % 32 == 0; 16 = one panel):
+//   x     [M, K] float32, contiguous                 y [M, N] float32, contiguous (returned)
+//   Q4_1  q [N/16, K/2, 16] uint8: byte (p, t, j) = q(16p+j, 2t) | q(16p+j, 2t+1) << 4
+//         d, m [N/16, K/32, 16] float32: block scale and minimum of row 16p+j, k-block b
+//   Q8_0  q [N/16, K, 16] int8: q(16p+j, k);  d [N/16, K/32, 16] float32;  m: an empty tensor
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <array>
+#include <cstring>
+#include <utility>
+
+namespace {
+
+constexpr int kPanel = 16;    // output features per panel
+constexpr int kBlock = 32;    // weights per GGUF block (Q4_1, Q8_0)
+constexpr int64_t kTilesPerItem = 16;  // row tiles per work item of a long prefill: their rows stay in L2
+
+enum Kind { kQ4_1 = 0, kQ8_0 = 1 };
+
+#ifdef KVM_AVX2
+// ---- AVX2 + FMA: 8 lanes, 16 registers; a panel is two vectors ----
+using vec = __m256;
+constexpr int kLanes = 8;
+constexpr int kMaxRows = 6;   // a tile: 6 rows x 2 vectors (one panel) = 12 accumulators + 2 weights + 1 broadcast
+inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, vec x) { _mm256_storeu_ps(p, x); }
+inline vec vset1(float x) { return _mm256_set1_ps(x); }
+inline vec vzero() { return _mm256_setzero_ps(); }
+inline vec vfmadd(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
+inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
+// 8 quantized values (bytes at p) widened to float: unsigned nibble pairs, or signed bytes
+inline __m256i u8x8(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+inline __m256i i8x8(const int8_t* p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+inline vec low_nibbles(__m256i b) { return _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(0x0F))); }
+inline vec high_nibbles(__m256i b) { return _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4)); }
+inline vec to_float(__m256i b) { return _mm256_cvtepi32_ps(b); }
+#else
+// ---- AVX-512: 16 lanes, 32 registers; a panel is one vector ----
+using vec = __m512;
+constexpr int kLanes = 16;
+constexpr int kMaxRows = 12;  // a tile: 12 rows x 2 vectors (two panels) = 24 accumulators + 2 weights + 1 broadcast
+inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, vec x) { _mm512_storeu_ps(p, x); }
+inline vec vset1(float x) { return _mm512_set1_ps(x); }
+inline vec vzero() { return _mm512_setzero_ps(); }
+inline vec vfmadd(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
+inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
+inline __m512i u8x16(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline __m512i i8x16(const int8_t* p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline vec low_nibbles(__m512i b) { return _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(0x0F))); }
+inline vec high_nibbles(__m512i b) { return _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)); }
+inline vec to_float(__m512i b) { return _mm512_cvtepi32_ps(b); }
+#endif
+
+constexpr int kVecs = kPanel / kLanes;  // vectors per panel row
+constexpr int kTileVecs = 2;              // vectors of output features per tile ...
+constexpr int kTilePanels = kTileVecs * kLanes / kPanel;  // ... which is this many panels (AVX-512: 2, AVX2: 1)
+
+// Expand one panel (16 output features x K) into w[K][16] float32.
+void expand_panel(int kind, const uint8_t* q, const float* d, const float* m, int64_t K, float* w) {
+    for (int64_t b = 0; b < K / kBlock; ++b) {
+        for (int v = 0; v < kVecs; ++v) {
+            const vec dv = vload(d + b * kPanel + v * kLanes);
+            if (kind == kQ4_1) {
+                const vec mv = vload(m + b * kPanel + v * kLanes);
+                for (int t = 0; t < kBlock / 2; ++t) {
+                    const int64_t k = b * kBlock + 2 * t;
+#ifdef KVM_AVX2
+                    const auto bytes = u8x8(q + (k / 2) * kPanel + v * kLanes);
+#else
+                    const auto bytes = u8x16(q + (k / 2) * kPanel);
+#endif
+                    vstore(w + k * kPanel + v * kLanes, vadd(vmul(low_nibbles(bytes), dv), mv));
+                    vstore(w + (k + 1) * kPanel + v * kLanes, vadd(vmul(high_nibbles(bytes), dv), mv));
+                }
+            } else {
+                const int8_t* qs = reinterpret_cast<const int8_t*>(q);
+                for (int t = 0; t < kBlock; ++t) {
+                    const int64_t k = b * kBlock + t;
+#ifdef KVM_AVX2
+                    const auto vals = i8x8(qs + k * kPanel + v * kLanes);
+#else
+                    const auto vals = i8x16(qs + k * kPanel);
+#endif
+                    vstore(w + k * kPanel + v * kLanes, vmul(to_float(vals), dv));
+                }
+            }
+        }
+    }
+}
+
+// R input rows x the panels of one tile: y[r][0 .. kTileVecs * kLanes) = x[r] . w, sequential k,
+// one FMA per k and lane. xt holds the R rows transposed ([K][R]) so the broadcasts stream; w holds
+// the tile's panels expanded ([kTilePanels][K][16]).
+template <int R>
+void tile(const float* xt, int64_t K, const float* w, float* y, int64_t N) {
+    const float* wp[kTileVecs];
+#pragma GCC unroll 4
+    for (int v = 0; v < kTileVecs; ++v) wp[v] = w + (v * kLanes / kPanel) * K * kPanel + (v * kLanes) % kPanel;
+    // Every loop over r and v is unrolled, so the accumulators live in registers.
+    vec acc[R][kTileVecs];
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+        for (int v = 0; v < kTileVecs; ++v) acc[r][v] = vzero();
+    for (int64_t k = 0; k < K; ++k) {
+        vec wv[kTileVecs];
+#pragma GCC unroll 4
+        for (int v = 0; v < kTileVecs; ++v) wv[v] = vload(wp[v] + k * kPanel);
+#pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) {
+            const vec xb = vset1(xt[k * R + r]);
+#pragma GCC unroll 4
+            for (int v = 0; v < kTileVecs; ++v) acc[r][v] = vfmadd(xb, wv[v], acc[r][v]);
+        }
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+        for (int v = 0; v < kTileVecs; ++v) vstore(y + r * N + v * kLanes, acc[r][v]);
+}
+
+using TileFn = void (*)(const float*, int64_t, const float*, float*, int64_t);
+
+template <std::size_t... I>
+constexpr std::array<TileFn, sizeof...(I)> make_tiles(std::index_sequence<I...>) {
+    return {&tile<static_cast<int>(I) + 1>...};
+}
+constexpr auto kTiles = make_tiles(std::make_index_sequence<kMaxRows>{});  // kTiles[r - 1] = tile<r>
+
+void check(const torch::Tensor& q, const torch::Tensor& d, const torch::Tensor& m, int64_t kind) {
+    TORCH_CHECK(kind == kQ4_1 || kind == kQ8_0, "kind must be 0 (Q4_1) or 1 (Q8_0)");
+    TORCH_CHECK(q.dim() == 3 && q.size(2) == kPanel && q.is_contiguous(), "q must be [N/16, K/2 or K, 16] contiguous");
+    TORCH_CHECK(q.scalar_type() == (kind == kQ4_1 ? torch::kUInt8 : torch::kInt8), "q has the wrong dtype for its kind");
+    const int64_t K = kind == kQ4_1 ? q.size(1) * 2 : q.size(1);
+    TORCH_CHECK(K % kBlock == 0, "K must be a multiple of 32");
+    TORCH_CHECK(d.scalar_type() == torch::kFloat32 && d.is_contiguous() && d.dim() == 3 && d.size(0) == q.size(0) &&
+                d.size(1) == K / kBlock && d.size(2) == kPanel, "d must be [N/16, K/32, 16] float32 contiguous");
+    if (kind == kQ4_1)
+        TORCH_CHECK(m.sizes() == d.sizes() && m.scalar_type() == torch::kFloat32 && m.is_contiguous(),
+                    "m must be shaped and typed as d");
+}
+
+int64_t in_features(const torch::Tensor& q, int64_t kind) { return kind == kQ4_1 ? q.size(1) * 2 : q.size(1); }
+
+// The float32 weight [N, K] the blocks hold, expanded by the same code as `linear` uses.
+torch::Tensor dequantize(torch::Tensor q, torch::Tensor d, torch::Tensor m, int64_t kind) {
+    check(q, d, m, kind);
+    const int64_t P = q.size(0), K = in_features(q, kind);
+    auto out = torch::empty({P * kPanel, K}, torch::kFloat32);
+    const auto* qp = q.data_ptr();
+    const float* dp = d.data_ptr<float>();
+    const float* mp = kind == kQ4_1 ? m.data_ptr<float>() : nullptr;
+    float* op = out.data_ptr<float>();
+    const int64_t q_panel = q.size(1) * kPanel, s_panel = (K / kBlock) * kPanel;
+    at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+        std::vector<float> w(K * kPanel);
+        for (int64_t p = p0; p < p1; ++p) {
+            expand_panel(kind, static_cast<const uint8_t*>(qp) + p * q_panel, dp + p * s_panel,
+                         mp ? mp + p * s_panel : nullptr, K, w.data());
+            for (int64_t j = 0; j < kPanel; ++j)
+                for (int64_t k = 0; k < K; ++k) op[(p * kPanel + j) * K + k] = w[k * kPanel + j];
+        }
+    });
+    return out;
+}
+
+torch::Tensor linear(torch::Tensor x, torch::Tensor q, torch::Tensor d, torch::Tensor m, int64_t kind) {
+    check(q, d, m, kind);
+    const int64_t P = q.size(0), N = P * kPanel, K = in_features(q, kind);
+    TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.size(1) == K && x.is_contiguous(),
+                "x must be [M, K] float32 contiguous");
+    const int64_t M = x.size(0);
+    auto y = torch::empty({M, N}, torch::kFloat32);
+    if (M == 0) return y;
+    const auto* qp = static_cast<const uint8_t*>(q.data_ptr());
+    const float* dp = d.data_ptr<float>();
+    const float* mp = kind == kQ4_1 ? m.data_ptr<float>() : nullptr;
+    const float* xp = x.data_ptr<float>();
+    float* yp = y.data_ptr<float>();
+    const int64_t q_panel = q.size(1) * kPanel, s_panel = (K / kBlock) * kPanel;
+    // Rows in tiles of at most kMaxRows, as even as possible (16 rows: 8 + 8 on AVX-512), each tile
+    // transposed once so that its broadcasts stream. Tiling moves no bit: each output's sum is fixed.
+    const int64_t n_tiles = (M + kMaxRows - 1) / kMaxRows;
+    std::vector<int64_t> start(n_tiles + 1);
+    for (int64_t t = 0; t <= n_tiles; ++t) start[t] = t * M / n_tiles;
+    std::vector<float> xt(M * K);
+    at::parallel_for(0, n_tiles, 1, [&](int64_t t0, int64_t t1) {
+        for (int64_t t = t0; t < t1; ++t) {
+            const int64_t r0 = start[t], R = start[t + 1] - r0;
+            for (int64_t r = 0; r < R; ++r)
+                for (int64_t k = 0; k < K; ++k) xt[r0 * K + k * R + r] = xp[(r0 + r) * K + k];
+        }
+    });
+    // Work items: (group of tiles, group of panels). A group's panels are expanded once per tile
+    // group, whose rows stay in L2 while the panels stream by. Which thread computes an item
+    // changes no bit.
+    const int64_t groups = (P + kTilePanels - 1) / kTilePanels;
+    const int64_t tile_groups = (n_tiles + kTilesPerItem - 1) / kTilesPerItem;
+    at::parallel_for(0, tile_groups * groups, 1, [&](int64_t i0, int64_t i1) {
+        std::vector<float> w(kTilePanels * K * kPanel, 0.0f);
+        for (int64_t i = i0; i < i1; ++i) {
+            const int64_t tg = i / groups, g = i % groups, p0 = g * kTilePanels;
+            const int64_t panels = std::min<int64_t>(kTilePanels, P - p0);
+            for (int64_t j = 0; j < panels; ++j)
+                expand_panel(kind, qp + (p0 + j) * q_panel, dp + (p0 + j) * s_panel,
+                             mp ? mp + (p0 + j) * s_panel : nullptr, K, w.data() + j * K * kPanel);
+            for (int64_t t = tg * kTilesPerItem; t < std::min(n_tiles, (tg + 1) * kTilesPerItem); ++t) {
+                const int64_t r0 = start[t], R = start[t + 1] - r0;
+                if (panels == kTilePanels) {
+                    kTiles[R - 1](xt.data() + r0 * K, K, w.data(), yp + r0 * N + p0 * kPanel, N);
+                } else {  // an odd last panel (AVX-512): computed into scratch, its own columns kept
+                    float part[kMaxRows * kTileVecs * kLanes];
+                    kTiles[R - 1](xt.data() + r0 * K, K, w.data(), part, kTileVecs * kLanes);
+                    for (int64_t r = 0; r < R; ++r)
+                        std::memcpy(yp + (r0 + r) * N + p0 * kPanel, part + r * kTileVecs * kLanes,
+                                    sizeof(float) * kPanel);
+                }
+            }
+        }
+    });
+    return y;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+    m.def("linear", &linear, "y = x @ W.T with W held as GGUF blocks (panel layout)");
+    m.def("dequantize", &dequantize, "The float32 weight [N, K] held by GGUF blocks (panel layout)");
+}

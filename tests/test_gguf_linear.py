@@ -1,0 +1,170 @@
+"""Linears computed from GGUF blocks (kvmemory/gguf_linear.py, csrc/quantized_linear.cpp).
+
+What is claimed exact is asserted with `torch.equal`: the weights the kernel expands are gguf-py's
+(transformers') float32 weights; a row's output is the same bytes whatever rows come with it, whatever
+the thread count, in the AVX-512 and the AVX2 build alike; the embedded model's grafted logits equal
+its recompute's. The products' order is not sgemm's, so against `x @ W.T` it is only close.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvmemory import cpu_extensions, gguf_linear, linear
+from kvmemory.errors import InvalidInput, KVMemoryError
+
+RUNS_HERE = cpu_extensions.isa() in cpu_extensions.BUILDS
+needs_kernel = pytest.mark.skipif(not RUNS_HERE, reason="the GGUF-block kernel runs on AVX-512 and AVX2 CPUs only")
+
+
+def _blocks(kind: str, n: int, k: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Random weights quantized by gguf-py: (raw blocks [n, bytes], gguf-py's float32 expansion [n, k])."""
+    from gguf import GGMLQuantizationType, quants
+
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
+    qtype = GGMLQuantizationType[kind]
+    raw = quants.quantize(w, qtype)
+    return raw, quants.dequantize(raw, qtype).reshape(n, k)
+
+
+def _layer(kind: str, n: int, k: int, seed: int = 0) -> gguf_linear.GGUFLinear:
+    raw, ref = _blocks(kind, n, k, seed)
+    plain = torch.nn.Linear(k, n, bias=False)
+    plain.weight.data = torch.from_numpy(ref.copy())
+    return gguf_linear.GGUFLinear(plain, kind, *gguf_linear.panels(kind, raw, n, k))
+
+
+@needs_kernel
+def test_kernel_builds():
+    assert gguf_linear.load() is not None, gguf_linear.why_unavailable()
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+def test_expanded_weights_are_gguf_pys_float32_weights(kind):
+    layer = _layer(kind, 48, 96)
+    assert torch.equal(layer.dequantized(), layer.weight.detach())
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind,n,k", [("Q4_1", 48, 96), ("Q8_0", 64, 64), ("Q4_1", 32, 1536)])
+def test_a_row_has_the_same_bytes_among_any_rows(kind, n, k):
+    """48 outputs = 3 panels: on AVX-512 a tile pairs two panels, so the odd one takes its own path."""
+    layer = _layer(kind, n, k, seed=n)
+    x = torch.randn(300, k, generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        full = layer(x)
+        for m in (1, 2, 7, 13, 16, 25, 64):
+            assert torch.equal(layer(x[:m]), full[:m]), m
+        assert torch.equal(layer(x[150:151]), full[150:151])
+        assert torch.equal(layer(x.view(3, 100, k)), full.view(3, 100, n))  # any leading shape
+        assert torch.equal(layer(x.t().contiguous().t()), full)  # a non-contiguous input
+    # the same linear map as the expanded weight, summed in another order
+    assert torch.allclose(full, x @ layer.weight.detach().T, atol=1e-4, rtol=1e-4)
+
+
+@needs_kernel
+def test_same_bytes_whatever_the_thread_count():
+    layer = _layer("Q4_1", 96, 576, seed=3)
+    x = torch.randn(64, 576, generator=torch.Generator().manual_seed(2))
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            with torch.inference_mode():
+                outs.append(layer(x))
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(o, outs[0]) for o in outs)
+
+
+@needs_kernel
+@pytest.mark.skipif(cpu_extensions.isa() != "AVX512", reason="runs both builds: needs a CPU with AVX-512")
+def test_the_avx2_build_gives_the_avx512_builds_bytes():
+    """The sum's order is fixed (k ascending, one FMA per lane), not the vector width: both builds
+    give the same bits, so a store is not tied to one of the two kinds of CPU by its linears."""
+    other, why = cpu_extensions.load("kvmemory_qlinear", gguf_linear.SOURCE, "GGUF-block linear kernel (AVX2)",
+                                     gguf_linear.EXTRA_FLAGS, isa_name="AVX2")
+    assert other is not None, why
+    for kind in ("Q4_1", "Q8_0"):
+        layer = _layer(kind, 48, 192, seed=5)
+        x = torch.randn(40, 192, generator=torch.Generator().manual_seed(4))
+        with torch.inference_mode():
+            mine = layer(x)
+        assert torch.equal(other.linear(x, layer.q, layer.d, layer.m, layer.kind), mine)
+        assert torch.equal(other.dequantize(layer.q, layer.d, layer.m, layer.kind), layer.dequantized())
+
+
+@pytest.mark.parametrize("isa", [b for b in sorted(cpu_extensions.BUILDS) if b != cpu_extensions.isa()])
+def test_the_other_build_compiles(isa, tmp_path):
+    ok, err = cpu_extensions.compile_object(gguf_linear.SOURCE, isa, tmp_path / "qlinear.o", gguf_linear.EXTRA_FLAGS)
+    assert ok, err
+
+
+def test_q_and_k_rows_are_unpermuted_as_transformers_does():
+    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+
+    rows = np.arange(192 * 3).reshape(192, 3)
+    ref = LlamaTensorProcessor.__new__(LlamaTensorProcessor)._reverse_permute_weights(rows, 9, 3)
+    assert np.array_equal(gguf_linear._unpermute_rows(rows, 3), ref)
+
+
+def test_panels_refuse_what_the_kernel_cannot_compute():
+    raw, _ = _blocks("Q4_1", 16, 64)
+    with pytest.raises(KVMemoryError, match="panels"):
+        gguf_linear.panels("Q4_1", raw[:8], 8, 64)
+    with pytest.raises(KVMemoryError, match="Q4_K"):
+        gguf_linear.panels("Q4_K", raw, 16, 64)
+
+
+@needs_kernel
+def test_the_embedded_model_computes_from_its_blocks_and_grafts_exactly(tmp_path):
+    from kvmemory.engine import Engine
+    from kvmemory.models import DEFAULT_MODEL
+
+    eng = Engine.open(DEFAULT_MODEL, tmp_path / "s")
+    assert eng.profile.linear_impl == gguf_linear.NAME == linear.implementation(eng.model)
+    layers = [m for m in eng.model.modules() if isinstance(m, gguf_linear.GGUFLinear)]
+    assert len(layers) == 30 * 7 + 1
+    assert eng.model.lm_head.weight is eng.model.get_input_embeddings().weight  # still tied
+    ids = torch.randint(0, 49152, (128 + 9,), generator=torch.Generator().manual_seed(7)).tolist()
+    eng.store_prefix(ids[:128])
+    res, rep = eng.forward(ids, max_new_tokens=3, stop_token_ids=(), keep_logits=True)
+    ref = eng.recompute(ids, max_new_tokens=3)
+    assert rep.tokens_grafted == 128
+    assert res.generated == ref.generated
+    assert torch.equal(res.decode_logits, ref.decode_logits)
+    assert torch.equal(res.prefill_logits, ref.prefill_logits[128:])
+
+
+@needs_kernel
+def test_a_damaged_panel_cache_is_made_again(tmp_path, caplog):
+    """The panels are cached next to the converted model; bytes that do not expand to the model's
+    weights are never used: the file is read from the GGUF again and rewritten."""
+    from safetensors.torch import load_file, save_file
+
+    from kvmemory.models import embedded_gguf_path, load_model
+
+    loaded = load_model(linears="plain")
+    cache = tmp_path / "panels.safetensors"
+    assert gguf_linear.gguf_linears(loaded.model, embedded_gguf_path(), cache) == 211
+    stored = load_file(str(cache))
+    stored["model.layers.3.mlp.up_proj.d"][0, 0, 0] *= 2
+    save_file(stored, str(cache))
+    fresh = load_model(linears="plain")
+    assert gguf_linear.gguf_linears(fresh.model, embedded_gguf_path(), cache) == 211
+    assert "do not expand to its weights" in caplog.text
+    assert not torch.equal(load_file(str(cache))["model.layers.3.mlp.up_proj.d"], stored["model.layers.3.mlp.up_proj.d"])
+
+
+def test_linears_choice_is_checked(tmp_path):
+    from kvmemory.models import load_model
+
+    with pytest.raises(InvalidInput, match="linears must be one of"):
+        load_model(linears="fast")
+    with pytest.raises(InvalidInput, match="not read from one"):
+        load_model("/nonexistent-model-folder", linears="gguf")
