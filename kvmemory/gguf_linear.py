@@ -212,3 +212,47 @@ def gguf_linears(model: torch.nn.Module, gguf_path: str | Path, cache: str | Pat
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, new)
     return len(replacements)
+
+
+def _main() -> None:
+    """Build the kernel, then time the embedded model's 211 linears for 1, 16 and 64 rows (a decode
+    step, a graft's tail, a grid chunk) against oneDNN-packed float32 weights and torch's own GEMM."""
+    import time
+
+    from . import linear
+    from .models import embedded_gguf_path, load_model
+
+    if load() is None:
+        raise SystemExit(f"unavailable: {why_unavailable()}")
+    loaded = load_model(linears="plain")
+    plain = {n: m for n, m in loaded.model.named_modules() if type(m) is torch.nn.Linear}
+    packed = {n: linear.PackedLinear.from_linear(m) for n, m in plain.items()} if linear.AVAILABLE else {}
+    gguf_linears(loaded.model, embedded_gguf_path())
+    blocks = {n: m for n, m in loaded.model.named_modules() if isinstance(m, GGUFLinear)}
+    print(f"{len(blocks)} linears, {sum(t.numel() * t.element_size() for m in blocks.values() for t in (m.q, m.d, m.m)) / 1e6:.0f} MB "
+          f"of blocks vs {sum(m.weight.numel() * 4 for m in blocks.values()) / 1e6:.0f} MB float32; "
+          f"{torch.get_num_threads()} threads, {cpu_extensions.isa()}")
+
+    def timed(layers: dict, rows: int, repeats: int = 7) -> float:
+        xs = {n: torch.randn(rows, m.in_features) for n, m in layers.items()}
+        best = float("inf")
+        with torch.inference_mode():
+            for _ in range(repeats):
+                t = time.perf_counter()
+                for n, m in layers.items():
+                    m(xs[n])
+                best = min(best, time.perf_counter() - t)
+        return best
+
+    for rows in (1, 16, 64):
+        ours = timed(blocks, rows)
+        line = f"{rows:>3} rows: GGUF blocks {ours * 1e3:7.1f} ms"
+        for name, layers in (("oneDNN packed", packed), ("torch", plain)):
+            if layers:
+                t = timed(layers, rows)
+                line += f", {name} {t * 1e3:7.1f} ms ({t / ours:.2f}x)"
+        print(line)
+
+
+if __name__ == "__main__":
+    _main()

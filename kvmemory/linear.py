@@ -18,7 +18,9 @@ Cost: each packed weight is a second copy next to the original (`weight` stays, 
 tied embeddings and the weights fingerprint are untouched): +540 MB for the float32 default model.
 
 Chosen once, at load (`models.load_model`), on the CPU for float32 and bfloat16, when this torch
-has the ops; otherwise the model keeps its plain linears and the profile says `aten`.
+has the ops, for every model but the embedded one where its GGUF blocks compute instead
+(gguf_linear.py: a fifth of the bytes per step); otherwise the model keeps its plain linears and
+the profile says `aten`.
 """
 
 from __future__ import annotations
