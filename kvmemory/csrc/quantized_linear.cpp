@@ -35,6 +35,7 @@ namespace {
 constexpr int kPanel = 16;    // output features per panel
 constexpr int kBlock = 32;    // weights per GGUF block (Q4_1, Q8_0)
 constexpr int64_t kTilesPerItem = 16;  // row tiles per work item of a long prefill: their rows stay in L2
+constexpr int64_t kSliceBlocks = 8;    // k per slice / 32: a slice of a tile's panels (<= 32 KB) stays in L1
 
 enum Kind { kQ4_1 = 0, kQ8_0 = 1 };
 
@@ -79,9 +80,10 @@ constexpr int kVecs = kPanel / kLanes;  // vectors per panel row
 constexpr int kTileVecs = 2;              // vectors of output features per tile ...
 constexpr int kTilePanels = kTileVecs * kLanes / kPanel;  // ... which is this many panels (AVX-512: 2, AVX2: 1)
 
-// Expand one panel (16 output features x K) into w[K][16] float32.
-void expand_panel(int kind, const uint8_t* q, const float* d, const float* m, int64_t K, float* w) {
-    for (int64_t b = 0; b < K / kBlock; ++b) {
+// Expand blocks [b0, b1) of one panel (16 output features) into w[(b1 - b0) * 32][16] float32.
+void expand_panel(int kind, const uint8_t* q, const float* d, const float* m, int64_t b0, int64_t b1, float* w) {
+    w -= b0 * kBlock * kPanel;  // w[k] for k in the blocks' own range
+    for (int64_t b = b0; b < b1; ++b) {
         for (int v = 0; v < kVecs; ++v) {
             const vec dv = vload(d + b * kPanel + v * kLanes);
             if (kind == kQ4_1) {
@@ -112,21 +114,22 @@ void expand_panel(int kind, const uint8_t* q, const float* d, const float* m, in
     }
 }
 
-// R input rows x the panels of one tile: y[r][0 .. kTileVecs * kLanes) = x[r] . w, sequential k,
-// one FMA per k and lane. xt holds the R rows transposed ([K][R]) so the broadcasts stream; w holds
-// the tile's panels expanded ([kTilePanels][K][16]).
+// R input rows x the panels of one tile, over kc consecutive k: y[r][0 .. kTileVecs * kLanes) =
+// (accumulate ? y[r] : 0) + x[r] . w, one FMA per k and lane in k order (a float32 sum parked in y
+// between k-slices and picked up again is the same sum). xt holds the R rows transposed ([kc][R])
+// so the broadcasts stream; w holds the tile's panels expanded ([kTilePanels][kc][16]).
 template <int R>
-void tile(const float* xt, int64_t K, const float* w, float* y, int64_t N) {
+void tile(const float* xt, int64_t kc, const float* w, float* y, int64_t N, bool accumulate) {
     const float* wp[kTileVecs];
 #pragma GCC unroll 4
-    for (int v = 0; v < kTileVecs; ++v) wp[v] = w + (v * kLanes / kPanel) * K * kPanel + (v * kLanes) % kPanel;
+    for (int v = 0; v < kTileVecs; ++v) wp[v] = w + (v * kLanes / kPanel) * kc * kPanel + (v * kLanes) % kPanel;
     // Every loop over r and v is unrolled, so the accumulators live in registers.
     vec acc[R][kTileVecs];
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
-        for (int v = 0; v < kTileVecs; ++v) acc[r][v] = vzero();
-    for (int64_t k = 0; k < K; ++k) {
+        for (int v = 0; v < kTileVecs; ++v) acc[r][v] = accumulate ? vload(y + r * N + v * kLanes) : vzero();
+    for (int64_t k = 0; k < kc; ++k) {
         vec wv[kTileVecs];
 #pragma GCC unroll 4
         for (int v = 0; v < kTileVecs; ++v) wv[v] = vload(wp[v] + k * kPanel);
@@ -143,7 +146,7 @@ void tile(const float* xt, int64_t K, const float* w, float* y, int64_t N) {
         for (int v = 0; v < kTileVecs; ++v) vstore(y + r * N + v * kLanes, acc[r][v]);
 }
 
-using TileFn = void (*)(const float*, int64_t, const float*, float*, int64_t);
+using TileFn = void (*)(const float*, int64_t, const float*, float*, int64_t, bool);
 
 template <std::size_t... I>
 constexpr std::array<TileFn, sizeof...(I)> make_tiles(std::index_sequence<I...>) {
@@ -180,7 +183,7 @@ torch::Tensor dequantize(torch::Tensor q, torch::Tensor d, torch::Tensor m, int6
         std::vector<float> w(K * kPanel);
         for (int64_t p = p0; p < p1; ++p) {
             expand_panel(kind, static_cast<const uint8_t*>(qp) + p * q_panel, dp + p * s_panel,
-                         mp ? mp + p * s_panel : nullptr, K, w.data());
+                         mp ? mp + p * s_panel : nullptr, 0, K / kBlock, w.data());
             for (int64_t j = 0; j < kPanel; ++j)
                 for (int64_t k = 0; k < K; ++k) op[(p * kPanel + j) * K + k] = w[k * kPanel + j];
         }
@@ -221,25 +224,33 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor q, torch::Tensor d, torch::T
     const int64_t groups = (P + kTilePanels - 1) / kTilePanels;
     const int64_t tile_groups = (n_tiles + kTilesPerItem - 1) / kTilesPerItem;
     at::parallel_for(0, tile_groups * groups, 1, [&](int64_t i0, int64_t i1) {
-        std::vector<float> w(kTilePanels * K * kPanel, 0.0f);
+        std::vector<float> w(kTilePanels * kSliceBlocks * kBlock * kPanel, 0.0f);
+        std::vector<float> part(kTilesPerItem * kMaxRows * kTileVecs * kLanes);  // an odd last panel's tiles
         for (int64_t i = i0; i < i1; ++i) {
             const int64_t tg = i / groups, g = i % groups, p0 = g * kTilePanels;
             const int64_t panels = std::min<int64_t>(kTilePanels, P - p0);
-            for (int64_t j = 0; j < panels; ++j)
-                expand_panel(kind, qp + (p0 + j) * q_panel, dp + (p0 + j) * s_panel,
-                             mp ? mp + (p0 + j) * s_panel : nullptr, K, w.data() + j * K * kPanel);
-            for (int64_t t = tg * kTilesPerItem; t < std::min(n_tiles, (tg + 1) * kTilesPerItem); ++t) {
-                const int64_t r0 = start[t], R = start[t + 1] - r0;
-                if (panels == kTilePanels) {
-                    kTiles[R - 1](xt.data() + r0 * K, K, w.data(), yp + r0 * N + p0 * kPanel, N);
-                } else {  // an odd last panel (AVX-512): computed into scratch, its own columns kept
-                    float part[kMaxRows * kTileVecs * kLanes];
-                    kTiles[R - 1](xt.data() + r0 * K, K, w.data(), part, kTileVecs * kLanes);
-                    for (int64_t r = 0; r < R; ++r)
-                        std::memcpy(yp + (r0 + r) * N + p0 * kPanel, part + r * kTileVecs * kLanes,
-                                    sizeof(float) * kPanel);
+            const int64_t t0 = tg * kTilesPerItem, t1 = std::min(n_tiles, (tg + 1) * kTilesPerItem);
+            // k in slices: a slice of the panels is expanded into L1 and used by every tile of the group
+            for (int64_t b0 = 0; b0 < K / kBlock; b0 += kSliceBlocks) {
+                const int64_t b1 = std::min(K / kBlock, b0 + kSliceBlocks), k0 = b0 * kBlock, kc = (b1 - b0) * kBlock;
+                for (int64_t j = 0; j < panels; ++j)
+                    expand_panel(kind, qp + (p0 + j) * q_panel, dp + (p0 + j) * s_panel,
+                                 mp ? mp + (p0 + j) * s_panel : nullptr, b0, b1, w.data() + j * kc * kPanel);
+                for (int64_t t = t0; t < t1; ++t) {
+                    const int64_t r0 = start[t], R = start[t + 1] - r0;
+                    const float* xs = xt.data() + r0 * K + k0 * R;
+                    if (panels == kTilePanels)
+                        kTiles[R - 1](xs, kc, w.data(), yp + r0 * N + p0 * kPanel, N, k0 > 0);
+                    else  // an odd last panel (AVX-512): its tiles run into scratch, their own columns kept below
+                        kTiles[R - 1](xs, kc, w.data(), part.data() + (t - t0) * kMaxRows * kTileVecs * kLanes,
+                                      kTileVecs * kLanes, k0 > 0);
                 }
             }
+            if (panels < kTilePanels)
+                for (int64_t t = t0; t < t1; ++t)
+                    for (int64_t r = 0; r < start[t + 1] - start[t]; ++r)
+                        std::memcpy(yp + (start[t] + r) * N + p0 * kPanel,
+                                    part.data() + ((t - t0) * kMaxRows + r) * kTileVecs * kLanes, sizeof(float) * kPanel);
         }
     });
     return y;
