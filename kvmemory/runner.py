@@ -15,8 +15,9 @@ chunks costs about the same per token as longer chunks (measured on SmolLM2: `kv
 Kernels: on the CPU the model runs `kvmemory_sdpa` (attention.py), SDPA reading grouped K/V heads in
 place instead of expanding them per chunk, or on AVX-512 and AVX2 CPUs `kvmemory_fewq`, which also gives the
 steps with few query rows (a graft's tail, decoding) kvmemory's own attention kernel
-(cpu_attention.py), and linears with oneDNN-packed weights (linear.py); all are chosen at load and
-recorded in the profile.
+(cpu_attention.py); its linears compute from the GGUF's own blocks for the embedded model
+(gguf_linear.py) or with oneDNN-packed weights (linear.py); all are chosen at load and recorded in
+the profile.
 
 Logits are computed for every position of every prefill chunk: the lm_head GEMM shape then depends
 only on the chunk, which keeps prefill logits comparable between a grafted run and a full one.

@@ -2,8 +2,9 @@
 //
 // A graft's step is 16 new tokens (1 while decoding): every linear weight is read once per step for
 // few rows, so the step streams the weights. Read as float32 they are 540 MB for SmolLM2-135M; read
-// as the GGUF's own blocks (what llama.cpp computes from) they are ~100 MB. Here each panel of 16
-// output rows is expanded to float32 in an L2-resident scratch, then multiplied by every input row.
+// as the GGUF's own blocks (what llama.cpp computes from) they are ~110 MB in this layout. Here the
+// panels of a tile (32 output features on AVX-512, 16 on AVX2) are expanded to float32 a slice of
+// 256 k at a time into an L1-resident scratch, which every row tile then multiplies.
 //
 // Exact weights: a weight is expanded exactly as gguf-py expands it for transformers (the float32
 // weights the model holds): Q4_1 `float32(d) * q` then `+ float32(m)`, two roundings (the build has
