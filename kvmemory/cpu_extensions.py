@@ -10,15 +10,12 @@ caller chooses its fallback once and the execution profile records which code ra
 from __future__ import annotations
 
 import hashlib
-import logging
 import os
 import shutil
 import sys
 from pathlib import Path
 
 import torch
-
-log = logging.getLogger(__name__)
 
 # One source, one build per vector ISA torch reports for this CPU (the profile records that ISA).
 BUILDS = {
@@ -35,7 +32,9 @@ def isa() -> str:
 def build_name(prefix: str, source: Path, extra_flags: list[str] = (), isa_name: str | None = None) -> str:
     isa_name = isa_name or isa()
     flags = " ".join(BUILDS.get(isa_name, []) + list(extra_flags))
-    digest = hashlib.sha256(source.read_bytes() + flags.encode() + torch.__version__.encode())
+    # The source and the headers it may include (csrc/*.h): a change to either is a new build.
+    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
+    digest = hashlib.sha256(source.read_bytes() + headers + flags.encode() + torch.__version__.encode())
     return f"{prefix}_{isa_name.lower()}_{digest.hexdigest()[:12]}"
 
 

@@ -44,7 +44,8 @@ EXTRA_FLAGS = ["-ffp-contract=off"]
 _PREFIX = "kvmemory_qlinear"
 PANEL = 16  # output rows per panel (the kernel's kPanel)
 BLOCK = 32  # weights per Q4_1 / Q8_0 block
-KINDS = {"Q4_1": 0, "Q8_0": 1}
+KINDS = {"Q4_1": 0, "Q8_0": 1}  # GGUF block type -> the kernel's `kind`
+_KIND_NAMES = {v: k for k, v in KINDS.items()}
 
 _why: str | None = None
 
@@ -153,7 +154,7 @@ def _panels_from_gguf(model: torch.nn.Module, gguf_path: Path) -> dict[str, torc
             raw = _unpermute_rows(raw, heads)
         kind = tensor.tensor_type.name
         q, d, m = panels(kind, raw, module.out_features, module.in_features)
-        out.update({f"{name}.q": q, f"{name}.d": d, f"{name}.m": m, f"{name}.kind": torch.tensor([KINDS.get(kind, -1)])})
+        out.update({f"{name}.q": q, f"{name}.d": d, f"{name}.m": m, f"{name}.kind": torch.tensor([KINDS[kind]])})
     return out
 
 
@@ -163,7 +164,7 @@ def _checked(model: torch.nn.Module, stored: dict[str, torch.Tensor], origin: Pa
     for name in _llama_sources(model):
         module = model.get_submodule(name)
         try:
-            kind = {v: k for k, v in KINDS.items()}[int(stored[f"{name}.kind"])]
+            kind = _KIND_NAMES[int(stored[f"{name}.kind"])]
             new = GGUFLinear(module, kind, stored[f"{name}.q"], stored[f"{name}.d"], stored[f"{name}.m"])
             same = torch.equal(new.dequantized(), module.weight.detach())
         except (KeyError, RuntimeError) as exc:  # missing or misshapen: the kernel's checks say how

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import torch
 
+from . import gguf_linear
+
 NAME = "onednn-packed"
 PLAIN = "aten"
 
@@ -80,9 +82,7 @@ def pack_linears(model: torch.nn.Module) -> int:
 def implementation(model: torch.nn.Module) -> str:
     """What computes the model's linear layers: `gguf-blocks`, `onednn-packed`, `aten`, or `mixed`
     (recorded in the execution profile)."""
-    from .gguf_linear import NAME as GGUF, GGUFLinear
-
-    names = {NAME: PackedLinear, GGUF: GGUFLinear}
+    names = {NAME: PackedLinear, gguf_linear.NAME: gguf_linear.GGUFLinear}
     kinds = {next((n for n, cls in names.items() if type(m) is cls), PLAIN)
              for m in model.modules() if isinstance(m, torch.nn.Linear)}
     return kinds.pop() if len(kinds) == 1 else ("mixed" if kinds else PLAIN)

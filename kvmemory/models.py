@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from . import attention, gguf_linear, linear
-from .errors import KVMemoryError
+from .errors import InvalidInput, KVMemoryError
 from .paths import cache_dir
 
 DEFAULT_MODEL = "embedded:smollm2-135m-instruct"
@@ -121,8 +121,6 @@ def load_model(
     blocks where the kernel runs (else packs), any other model with packed linears; "gguf" insists
     (InvalidInput where it cannot), "plain" keeps torch's (packed ones hold a second copy of the
     weights in memory)."""
-    from .errors import InvalidInput
-
     if linears not in LINEARS:
         raise InvalidInput(f"linears must be one of {', '.join(LINEARS)}, not {linears!r}")
     if linears == "gguf" and name_or_path not in _EMBEDDED_NAMES:

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, fields
 
 import torch
 
-from . import linear
+from . import gguf_linear, linear
 from .errors import ProfileMismatch
 
 # Keys of a model config that do not change what the model computes.
@@ -145,7 +145,7 @@ class ExecutionProfile:
             hint = ""
             if "kv_dtype" in d:  # the fields a user picks when opening (Engine.open / --kv-dtype, --linears)
                 hint = f" (or open with kv_dtype={d['kv_dtype'][1]!r}, --kv-dtype {d['kv_dtype'][1]} on the command line)"
-            linears = {"gguf-blocks": "gguf", "onednn-packed": "packed", "aten": "plain"}
+            linears = {gguf_linear.NAME: "gguf", linear.NAME: "packed", linear.PLAIN: "plain"}  # models.LINEARS
             if "linear_impl" in d and d["linear_impl"][1] in linears:
                 choice = linears[d["linear_impl"][1]]
                 hint += f" (or open with linears={choice!r}, --linears {choice} on the command line)"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from tiny_models import assert_graft_equals_recompute
 
 from kvmemory import cpu_extensions, gguf_linear, linear
 from kvmemory.errors import InvalidInput, KVMemoryError
@@ -132,13 +133,7 @@ def test_the_embedded_model_computes_from_its_blocks_and_grafts_exactly(tmp_path
     assert len(layers) == 30 * 7 + 1
     assert eng.model.lm_head.weight is eng.model.get_input_embeddings().weight  # still tied
     ids = torch.randint(0, 49152, (128 + 9,), generator=torch.Generator().manual_seed(7)).tolist()
-    eng.store_prefix(ids[:128])
-    res, rep = eng.forward(ids, max_new_tokens=3, stop_token_ids=(), keep_logits=True)
-    ref = eng.recompute(ids, max_new_tokens=3)
-    assert rep.tokens_grafted == 128
-    assert res.generated == ref.generated
-    assert torch.equal(res.decode_logits, ref.decode_logits)
-    assert torch.equal(res.prefill_logits, ref.prefill_logits[128:])
+    assert_graft_equals_recompute(eng, ids, stored=128, new_tokens=3)
 
 
 @needs_kernel

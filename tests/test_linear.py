@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import tiny_engine, tiny_model
+from tiny_models import assert_graft_equals_recompute, tiny_engine, tiny_model
 
 from kvmemory import attention, linear
 from kvmemory.engine import Engine
@@ -71,13 +71,7 @@ def test_graft_is_exact_with_packed_linears(tmp_path):
     eng = tiny_engine("qwen3", tmp_path / "s")
     assert linear.implementation(eng.model) == linear.NAME
     ids = torch.randint(0, 512, (80,), generator=torch.Generator().manual_seed(3)).tolist()
-    eng.store_prefix(ids[:64])
-    res, rep = eng.forward(ids, max_new_tokens=4, stop_token_ids=(), keep_logits=True)
-    ref = eng.recompute(ids, max_new_tokens=4)
-    assert rep.tokens_grafted == 64
-    assert res.generated == ref.generated
-    assert torch.equal(res.decode_logits, ref.decode_logits)
-    assert torch.equal(res.prefill_logits, ref.prefill_logits[64:])
+    assert_graft_equals_recompute(eng, ids, stored=64, new_tokens=4)
 
 
 def test_engine_can_keep_plain_linears(tmp_path):

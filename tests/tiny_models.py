@@ -90,3 +90,15 @@ def tiny_engine(arch: str, store_path, dtype=torch.float32, chunk: int = 16, see
     model = tiny_model(arch, dtype, seed)
     return Engine(LoadedModel(model, IdTokenizer(), f"tiny-{arch}", f"tiny-{arch}"), LocalStore(store_path),
                   chunk=chunk, kv_dtype=kv_dtype)
+
+
+def assert_graft_equals_recompute(eng: Engine, ids: list[int], stored: int, new_tokens: int) -> None:
+    """Store `ids[:stored]`, answer `ids` with a graft, and require the recompute's exact bytes: the
+    same tokens, and every prefill and decode logit equal (torch.equal)."""
+    eng.store_prefix(ids[:stored])
+    res, rep = eng.forward(ids, max_new_tokens=new_tokens, stop_token_ids=(), keep_logits=True)
+    ref = eng.recompute(ids, max_new_tokens=new_tokens)
+    assert rep.tokens_grafted == stored
+    assert res.generated == ref.generated
+    assert torch.equal(res.decode_logits, ref.decode_logits)
+    assert torch.equal(res.prefill_logits, ref.prefill_logits[stored:])

@@ -10,7 +10,7 @@
 //
 // One source, two builds (cpu_attention.py picks the one the CPU runs): AVX-512 (16 lanes, 32
 // vector registers) by default, AVX2 + FMA (8 lanes, 16 registers) with -DKVM_AVX2. The few vector
-// operations the kernel needs are written once per build below (`vec` ...), the rest (exp, tiles,
+// operations the kernel needs are written once per build (simd.h, and below: `vec` ...), the rest (exp, tiles,
 // softmax) once on top of them; the tiles are sized to each build's register file. The two builds do not give the same bits (another exp, other tiles),
 // and need not: the CPU's ISA is part of the execution profile.
 //
@@ -32,6 +32,8 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "simd.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -41,24 +43,17 @@
 
 namespace {
 
+using namespace kvm;  // vec, kLanes, vload ... (simd.h)
+
 constexpr int64_t kUnitKeys = 512;  // keys per work item: scores + widened K/V stay in L2
 constexpr int kMaxRows = 64;        // rows per K/V head the kernel takes
 
 #ifdef KVM_AVX2
 // ---- AVX2 + FMA: 8 lanes, 16 registers ----
-using vec = __m256;
 using ivec = __m256i;
-constexpr int kLanes = 8;
 constexpr int kQkBlocks = 2;   // row blocks per score tile: 2 x 6 accumulators + 2 rows + 1 key
 constexpr int kPvCols = 2;     // column blocks per P @ V tile ...
 constexpr int kPvAcc = 12;     // ... and accumulators: 6 rows x 2 columns + 2 V + 1 weight
-inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
-inline void vstore(float* p, vec x) { _mm256_storeu_ps(p, x); }
-inline vec vset1(float x) { return _mm256_set1_ps(x); }
-inline vec vzero() { return _mm256_setzero_ps(); }
-inline vec vfmadd(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
-inline vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
-inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
 inline vec vsub(vec a, vec b) { return _mm256_sub_ps(a, b); }
 inline vec vmax(vec a, vec b) { return _mm256_max_ps(a, b); }
 inline ivec ivload(const int32_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
@@ -90,19 +85,10 @@ inline vec widen_bf16(const uint16_t* s) {
 constexpr int keys_per_tile(int NR) { return NR == 1 ? 12 : (NR == 2 ? 6 : 4); }
 #else
 // ---- AVX-512: 16 lanes, 32 registers ----
-using vec = __m512;
 using ivec = __m512i;
-constexpr int kLanes = 16;
 constexpr int kQkBlocks = 4;   // every row block in one score tile
 constexpr int kPvCols = 8;     // every column block in one P @ V tile ...
 constexpr int kPvAcc = 24;     // ... with 24 / (D / 16) rows
-inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
-inline void vstore(float* p, vec x) { _mm512_storeu_ps(p, x); }
-inline vec vset1(float x) { return _mm512_set1_ps(x); }
-inline vec vzero() { return _mm512_setzero_ps(); }
-inline vec vfmadd(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
-inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
-inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
 inline vec vsub(vec a, vec b) { return _mm512_sub_ps(a, b); }
 inline vec vmax(vec a, vec b) { return _mm512_max_ps(a, b); }
 inline ivec ivload(const int32_t* p) { return _mm512_loadu_si512(p); }

@@ -26,12 +26,16 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "simd.h"
+
 #include <algorithm>
 #include <array>
 #include <cstring>
 #include <utility>
 
 namespace {
+
+using namespace kvm;  // vec, kLanes, vload ... (simd.h)
 
 constexpr int kPanel = 16;    // output features per panel
 constexpr int kBlock = 32;    // weights per GGUF block (Q4_1, Q8_0)
@@ -42,16 +46,7 @@ enum Kind { kQ4_1 = 0, kQ8_0 = 1 };
 
 #ifdef KVM_AVX2
 // ---- AVX2 + FMA: 8 lanes, 16 registers; a panel is two vectors ----
-using vec = __m256;
-constexpr int kLanes = 8;
 constexpr int kMaxRows = 6;   // a tile: 6 rows x 2 vectors (one panel) = 12 accumulators + 2 weights + 1 broadcast
-inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
-inline void vstore(float* p, vec x) { _mm256_storeu_ps(p, x); }
-inline vec vset1(float x) { return _mm256_set1_ps(x); }
-inline vec vzero() { return _mm256_setzero_ps(); }
-inline vec vfmadd(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
-inline vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
-inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
 // 8 quantized values (bytes at p) widened to float: unsigned nibble pairs, or signed bytes
 inline __m256i u8x8(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
 inline __m256i i8x8(const int8_t* p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
@@ -60,16 +55,7 @@ inline vec high_nibbles(__m256i b) { return _mm256_cvtepi32_ps(_mm256_srli_epi32
 inline vec to_float(__m256i b) { return _mm256_cvtepi32_ps(b); }
 #else
 // ---- AVX-512: 16 lanes, 32 registers; a panel is one vector ----
-using vec = __m512;
-constexpr int kLanes = 16;
 constexpr int kMaxRows = 12;  // a tile: 12 rows x 2 vectors (two panels) = 24 accumulators + 2 weights + 1 broadcast
-inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
-inline void vstore(float* p, vec x) { _mm512_storeu_ps(p, x); }
-inline vec vset1(float x) { return _mm512_set1_ps(x); }
-inline vec vzero() { return _mm512_setzero_ps(); }
-inline vec vfmadd(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
-inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
-inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
 inline __m512i u8x16(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 inline __m512i i8x16(const int8_t* p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 inline vec low_nibbles(__m512i b) { return _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(0x0F))); }
