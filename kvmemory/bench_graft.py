@@ -45,14 +45,31 @@ DEFAULT_LENGTHS = (256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
 def machine_info() -> dict:
+    """What the figures were measured on. The VMs of one kind come with different CPUs, so the CPU's
+    family / model and the vector ISA kvmemory's kernels ran (`cpu_isa`: torch's, which
+    ATEN_CPU_CAPABILITY can lower below what the CPU has, `cpu_flags`) are part of every report."""
     import transformers
 
-    cpu = platform.processor()
+    from . import sha256_lanes
+    from .cpu_extensions import isa
+
+    fields: dict[str, str] = {}
     try:
-        cpu = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
-    except (OSError, StopIteration):
+        for line in open("/proc/cpuinfo"):
+            key, _, value = line.partition(":")
+            key = key.strip()
+            if key in ("model name", "vendor_id", "cpu family", "model", "flags") and key not in fields:
+                fields[key] = value.strip()
+            if line.strip() == "":
+                break  # the first processor is enough
+    except OSError:
         pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+    flags = set(fields.get("flags", "").split())
+    return {"cpu": fields.get("model name", platform.processor()),
+            "cpu_vendor_family_model": " ".join(fields.get(k, "?") for k in ("vendor_id", "cpu family", "model")),
+            "cpu_flags": sorted(flags & {"avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "sha_ni", "amx_tile"}),
+            "cpu_isa": isa(), "sha256_lanes": sha256_lanes.kind(),
+            "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
             "memory_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)}
 
@@ -331,7 +348,8 @@ def plot(r: dict, path: str) -> None:
     ax.set_xlabel("stored prefix length L (tokens), + 16 new tokens")
     ax.set_ylabel("time to first token (s)")
     ax.set_title(f"Time to first token, {r['model']}\n{r['dtype']} compute, {r.get('kv_dtype', r['dtype'])} K/V, linears "
-                 f"{r.get('linear_impl', '?')}; {r['machine']['cpu']}, {r['machine']['torch_threads']} threads",
+                 f"{r.get('linear_impl', '?')}; {r['machine']['cpu']} ({r['machine'].get('cpu_isa', '?')} kernels), "
+                 f"{r['machine']['torch_threads']} threads",
                  fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)

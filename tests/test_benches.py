@@ -8,6 +8,7 @@ import json
 import torch
 
 from kvmemory import sha256_lanes
+from kvmemory.cpu_extensions import isa
 
 
 def _positive(*xs):
@@ -36,6 +37,9 @@ def test_bench_graft_tiny(tmp_path):
         assert _positive(row["raw_read_hashlib_gb_s"]) and (lanes is None or _positive(lanes))
         assert row["raw_read_hash_gb_s"] == max(row["raw_read_hashlib_gb_s"], lanes or 0.0)
     assert _positive(r["throughput"]["graft_gb_s"], r["throughput"]["raw_read_hash_gb_s"])
+    # the CPU and the kernels' ISA are part of the report (the VMs of one kind differ in both)
+    assert r["machine"]["cpu_isa"] == isa() and r["machine"]["sha256_lanes"] == sha256_lanes.kind()
+    assert len(r["machine"]["cpu_vendor_family_model"].split()) == 3
     assert "| 128 |" in format_table(r)
     plot(r, str(tmp_path / "graft.png"))
     assert (tmp_path / "graft.png").read_bytes()[:4] == b"\x89PNG"
