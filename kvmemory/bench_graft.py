@@ -210,7 +210,11 @@ def run_graft_bench(lengths=DEFAULT_LENGTHS, *, new_tokens: int = 16, repeats: i
         if llamacpp and (model is None or model == DEFAULT_MODEL):
             try:
                 lcpp = _LlamaCpp(str(embedded_gguf_path()), lengths[-1] + new_tokens + 64, torch.get_num_threads())
-                lcpp_note = "llama-cpp-python on the same GGUF file"
+                import llama_cpp
+
+                # which build ran (its version and the SIMD it was compiled for: AVX2 / AVX512 ...)
+                lcpp_note = (f"llama-cpp-python {llama_cpp.__version__} on the same GGUF file; "
+                             f"{llama_cpp.llama_print_system_info().decode().strip()}")
             except ImportError:
                 lcpp_note = "llama-cpp-python not installed (pip install 'kvmemory[llamacpp]')"
         rows = []
