@@ -51,19 +51,9 @@ def machine_info() -> dict:
     import transformers
 
     from . import sha256_lanes
-    from .cpu_extensions import isa
+    from .cpu_extensions import cpu_info, isa
 
-    fields: dict[str, str] = {}
-    try:
-        for line in open("/proc/cpuinfo"):
-            key, _, value = line.partition(":")
-            key = key.strip()
-            if key in ("model name", "vendor_id", "cpu family", "model", "flags") and key not in fields:
-                fields[key] = value.strip()
-            if line.strip() == "":
-                break  # the first processor is enough
-    except OSError:
-        pass
+    fields = cpu_info()
     flags = set(fields.get("flags", "").split())
     return {"cpu": fields.get("model name", platform.processor()),
             "cpu_vendor_family_model": " ".join(fields.get(k, "?") for k in ("vendor_id", "cpu family", "model")),
@@ -137,8 +127,11 @@ class _LlamaCpp:
     through llama-cpp-python's C bindings) on the same GGUF file, then the same new tokens."""
 
     def __init__(self, gguf: str, n_ctx: int, threads: int):
+        import llama_cpp
         from llama_cpp import Llama
 
+        # which build runs: its version and the SIMD it was compiled for (AVX2, AVX512 ...)
+        self.build = f"llama-cpp-python {llama_cpp.__version__}; {llama_cpp.llama_print_system_info().decode().strip()}"
         self.llm = Llama(model_path=gguf, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, n_batch=512,
                          verbose=False, logits_all=False)
 
@@ -210,11 +203,7 @@ def run_graft_bench(lengths=DEFAULT_LENGTHS, *, new_tokens: int = 16, repeats: i
         if llamacpp and (model is None or model == DEFAULT_MODEL):
             try:
                 lcpp = _LlamaCpp(str(embedded_gguf_path()), lengths[-1] + new_tokens + 64, torch.get_num_threads())
-                import llama_cpp
-
-                # which build ran (its version and the SIMD it was compiled for: AVX2 / AVX512 ...)
-                lcpp_note = (f"llama-cpp-python {llama_cpp.__version__} on the same GGUF file; "
-                             f"{llama_cpp.llama_print_system_info().decode().strip()}")
+                lcpp_note = f"{lcpp.build}, on the same GGUF file"
             except ImportError:
                 lcpp_note = "llama-cpp-python not installed (pip install 'kvmemory[llamacpp]')"
         rows = []

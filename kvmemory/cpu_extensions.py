@@ -9,6 +9,7 @@ caller chooses its fallback once and the execution profile records which code ra
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import shutil
@@ -22,6 +23,24 @@ BUILDS = {
     "AVX512": ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-fopenmp"],
     "AVX2": ["-O3", "-mavx2", "-mfma", "-DKVM_AVX2", "-fopenmp"],
 }
+
+
+@functools.cache
+def cpu_info() -> dict[str, str]:
+    """The first processor's fields in /proc/cpuinfo ("model name", "cpu family", "flags" ...); empty
+    where there is none. The one reader of that file: the profile's device name, the SHA-256 lanes'
+    CPU check and the benches' machine report all come from here."""
+    fields: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if not line.strip():
+                    break  # the end of the first processor
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    return fields
 
 
 def isa() -> str:

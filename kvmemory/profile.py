@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, fields
 import torch
 
 from . import gguf_linear, linear
+from .cpu_extensions import cpu_info
 from .errors import ProfileMismatch
 
 # Keys of a model config that do not change what the model computes.
@@ -73,14 +74,7 @@ def tokenizer_sha256(tokenizer) -> str:
 def _device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return cpu_info().get("model name") or platform.processor() or platform.machine()
 
 
 def apply_determinism(device: torch.device, threads: int | None = None) -> int:

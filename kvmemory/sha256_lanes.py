@@ -37,6 +37,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .cpu_extensions import cpu_info
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "sha256_lanes.cpp"
@@ -50,18 +52,10 @@ _BUILDS = {"avx512": (["-mavx512f", "-mavx512bw"], 10),
 _why: str | None = None
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((set(l.split(":", 1)[1].split()) for l in f if l.startswith("flags")), set())
-    except OSError:
-        return set()
-
-
 def builds_here() -> dict[str, bool]:
     """Per build, whether this CPU runs it."""
     return {"avx512": torch.backends.cpu.get_cpu_capability() == "AVX512",
-            "sha-ni": {"sha_ni", "sse4_1", "ssse3"} <= _cpu_flags()}
+            "sha-ni": {"sha_ni", "sse4_1", "ssse3"} <= set(cpu_info().get("flags", "").split())}
 
 
 @functools.cache
