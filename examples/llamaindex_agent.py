@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=48)
     args = ap.parse_args(argv)
 
-    from kvmemory.memory import KVMemory
+    from kvmemory.memory.facade import KVMemory
     from llama_index.core import Settings
 
     tmp = None if args.store else tempfile.TemporaryDirectory(prefix="kvmemory-li-agent-")

@@ -38,8 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from kvmemory.errors import VerificationFailed
-    from kvmemory.memory import KVMemory
-    from kvmemory.problems import generate_problems
+    from kvmemory.memory.facade import KVMemory
+    from kvmemory.bench.problems import generate_problems
     from llama_index.core import Settings
     from llama_index.core.llms import ChatMessage
     from llama_index.core.memory import Memory

@@ -1,33 +1,132 @@
 """kvmemory: exact KV-cache grafting memory for agents on frozen Hugging Face models.
 
-Public surface: `KVMemory` (the facade), `Engine` (canonical logits, grafted or not), `LocalStore`,
-`Sampling`, and the typed errors in `kvmemory.errors`. Imports are lazy so `kvmemory --help` is quick.
+The public API, everything users and the framework integrations need:
+
+    from kvmemory import KVMemory
+    mem = KVMemory()                                   # embedded SmolLM2-135M-Instruct, default store
+    entry = mem.remember(problem, solution, answer="31")
+    ans = mem.answer("a reworded question ...", answer_prefix="The answer is", choices="numbers")
+    mem.verify()                                       # graft vs recompute: SHA-256, KL = 0, argmax 100 %
+
+- the facade: `KVMemory` and its results (`Answer`, `Recalled`, `VerifySummary`, `EntryRecord`);
+- the engine underneath: `Engine`, `GraftReport`, `VerifyReport`, `ForwardResult`, `Sampling`,
+  `ExecutionProfile`, `load_model`;
+- stores: `open_store` and the `Store` protocol (`LocalStore`, `SignedLocalStore`, `RedisStore`);
+- verifiers (`verifier_by_name`, `ArithmeticVerifier`, ...) and the typed errors (`KVMemoryError` ...);
+- for adapters: `shared_memory` / `memory_lock` (one memory per model and store in a process).
+
+Names are imported on first use, so `import kvmemory` (and `kvmemory --help`) stays quick; the
+layers underneath (kvmemory.engine, .store, ...) are internals and may change between versions.
 """
 
-__version__ = "0.1.0"
+from __future__ import annotations
 
-__all__ = ["KVMemory", "Engine", "LocalStore", "Sampling", "load_model", "__version__"]
+import importlib
+import importlib.metadata
+from typing import TYPE_CHECKING
+
+try:
+    __version__ = importlib.metadata.version("kvmemory")
+except importlib.metadata.PackageNotFoundError:  # a source tree that was never installed
+    __version__ = "0+unknown"
+
+# public name -> the module that defines it
+_EXPORTS = {
+    # the facade and its results
+    "KVMemory": "kvmemory.memory.facade",
+    "Answer": "kvmemory.memory.facade",
+    "Recalled": "kvmemory.memory.facade",
+    "VerifySummary": "kvmemory.memory.facade",
+    "TEXT_TEMPLATE": "kvmemory.memory.facade",
+    "DEFAULT_NAMESPACE": "kvmemory.memory.facade",
+    "render_ids": "kvmemory.memory.prompts",
+    "solution_text": "kvmemory.memory.prompts",
+    # verifiers
+    "Verifier": "kvmemory.memory.verifiers",
+    "VerifierResult": "kvmemory.memory.verifiers",
+    "ExactAnswerVerifier": "kvmemory.memory.verifiers",
+    "ArithmeticVerifier": "kvmemory.memory.verifiers",
+    "NoneVerifier": "kvmemory.memory.verifiers",
+    "VERIFIERS": "kvmemory.memory.verifiers",
+    "verifier_by_name": "kvmemory.memory.verifiers",
+    "extract_answer": "kvmemory.memory.verifiers",
+    "numbers_in": "kvmemory.memory.verifiers",
+    # the engine
+    "Engine": "kvmemory.engine.engine",
+    "VerifyReport": "kvmemory.engine.engine",
+    "GraftReport": "kvmemory.engine.graft",
+    "ForwardResult": "kvmemory.engine.runner",
+    "Sampling": "kvmemory.engine.runner",
+    "GREEDY": "kvmemory.engine.runner",
+    "DEFAULT_CHUNK": "kvmemory.engine.runner",
+    "ExecutionProfile": "kvmemory.engine.profile",
+    "load_model": "kvmemory.models.loading",
+    "LoadedModel": "kvmemory.models.loading",
+    "DEFAULT_MODEL": "kvmemory.models.loading",
+    # stores
+    "Store": "kvmemory.store.protocol",
+    "open_store": "kvmemory.store.open",
+    "LocalStore": "kvmemory.store.local",
+    "EntryRecord": "kvmemory.store.local",
+    "StoreStats": "kvmemory.store.local",
+    "SignedLocalStore": "kvmemory.store.signing",
+    "Signer": "kvmemory.store.signing",
+    "RedisStore": "kvmemory.store.redis_store",
+    # what the framework adapters share
+    "shared_memory": "kvmemory.adapters.shared",
+    "memory_lock": "kvmemory.adapters.shared",
+    # data for evaluations (seeded word problems with worked solutions, rewordings, unrelated questions)
+    "generate_problems": "kvmemory.bench.problems",
+    "unrelated_questions": "kvmemory.bench.problems",
+    # errors
+    "KVMemoryError": "kvmemory.errors",
+    "InvalidInput": "kvmemory.errors",
+    "ProfileMismatch": "kvmemory.errors",
+    "NotOnGrid": "kvmemory.errors",
+    "IntegrityError": "kvmemory.errors",
+    "UnsupportedArchitecture": "kvmemory.errors",
+    "StoreError": "kvmemory.errors",
+    "StoreFormatError": "kvmemory.errors",
+    "StoreReadOnly": "kvmemory.errors",
+    "StoreFull": "kvmemory.errors",
+    "UnknownEntry": "kvmemory.errors",
+    "VerificationFailed": "kvmemory.errors",
+    "RouterMismatch": "kvmemory.errors",
+}
+
+__all__ = sorted(_EXPORTS) + ["__version__"]
 
 
 def __getattr__(name: str):
-    if name == "KVMemory":
-        from .memory import KVMemory
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvmemory' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
 
-        return KVMemory
-    if name == "Engine":
-        from .engine import Engine
 
-        return Engine
-    if name == "LocalStore":
-        from .store import LocalStore
+def __dir__() -> list[str]:
+    return __all__
 
-        return LocalStore
-    if name == "Sampling":
-        from .runner import Sampling
 
-        return Sampling
-    if name == "load_model":
-        from .models import load_model
-
-        return load_model
-    raise AttributeError(name)
+if TYPE_CHECKING:  # what type checkers and IDEs see (py.typed): the same names, imported eagerly
+    from kvmemory.adapters.shared import memory_lock, shared_memory
+    from kvmemory.bench.problems import generate_problems, unrelated_questions
+    from kvmemory.engine.engine import Engine, VerifyReport
+    from kvmemory.engine.graft import GraftReport
+    from kvmemory.engine.profile import ExecutionProfile
+    from kvmemory.engine.runner import DEFAULT_CHUNK, GREEDY, ForwardResult, Sampling
+    from kvmemory.errors import (IntegrityError, InvalidInput, KVMemoryError, NotOnGrid, ProfileMismatch,
+                                 RouterMismatch, StoreError, StoreFormatError, StoreFull, StoreReadOnly,
+                                 UnknownEntry, UnsupportedArchitecture, VerificationFailed)
+    from kvmemory.memory.facade import DEFAULT_NAMESPACE, TEXT_TEMPLATE, Answer, KVMemory, Recalled, VerifySummary
+    from kvmemory.memory.prompts import render_ids, solution_text
+    from kvmemory.memory.verifiers import (VERIFIERS, ArithmeticVerifier, ExactAnswerVerifier, NoneVerifier,
+                                           Verifier, VerifierResult, extract_answer, numbers_in, verifier_by_name)
+    from kvmemory.models.loading import DEFAULT_MODEL, LoadedModel, load_model
+    from kvmemory.store.local import EntryRecord, LocalStore, StoreStats
+    from kvmemory.store.open import open_store
+    from kvmemory.store.protocol import Store
+    from kvmemory.store.redis_store import RedisStore
+    from kvmemory.store.signing import SignedLocalStore, Signer

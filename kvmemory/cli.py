@@ -12,7 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-from .errors import InvalidInput, KVMemoryError
+from kvmemory.errors import InvalidInput, KVMemoryError
 
 
 def _quiet_transformers() -> None:
@@ -29,8 +29,8 @@ def _quiet_transformers() -> None:
 
 def _memory(args):
     _quiet_transformers()
-    from .memory import KVMemory
-    from .stores import open_store
+    from kvmemory.memory.facade import KVMemory
+    from kvmemory.store.open import open_store
 
     store = open_store(args.store, signing_key=args.signing_key)
     kw = {"chunk": args.chunk} if args.chunk else {}
@@ -76,13 +76,13 @@ def cmd_remember(args) -> int:
     if args.jsonl:
         path = Path(args.jsonl)
         if not path.is_file():
-            from .errors import InvalidInput
+            from kvmemory.errors import InvalidInput
 
             raise InvalidInput(f"--jsonl needs a file of JSON lines: {path} is not a file")
         try:
             text = path.read_text()
         except (OSError, UnicodeDecodeError) as exc:
-            from .errors import InvalidInput
+            from kvmemory.errors import InvalidInput
 
             raise InvalidInput(f"cannot read {path}: {exc}") from exc
         for i, line in enumerate(text.splitlines(), 1):
@@ -97,7 +97,7 @@ def cmd_remember(args) -> int:
             items.append(d)
     else:
         if args.problem is None or args.solution is None:
-            from .errors import InvalidInput
+            from kvmemory.errors import InvalidInput
 
             raise InvalidInput("give --problem and --solution (or --jsonl FILE)")
         items.append({"problem": args.problem, "solution": args.solution, "answer": args.answer})
@@ -181,20 +181,20 @@ def cmd_reindex(args) -> int:
 def cmd_bench(args) -> int:
     _quiet_transformers()
     if args.which == "recurring":
-        from .bench_recurring import format_table, run_recurring_bench
+        from kvmemory.bench.recurring import format_table, run_recurring_bench
 
         mem = _memory(args) if args.store else None
         r = run_recurring_bench(mem, problems=args.problems, rewordings=args.rewordings, unrelated=args.unrelated,
                                 seed=args.seed, base_budget=args.base_budget, progress=not args.json)
         _emit(args, r, format_table(r))
     elif args.which == "router":
-        from .bench_router import run_router_bench
+        from kvmemory.bench.router import run_router_bench
 
         sizes = args.sizes or (10_000, 100_000, 1_000_000)
         r = run_router_bench(sizes=sizes, queries=args.queries, seed=args.seed, progress=not args.json)
         _emit(args, r, json.dumps(r, indent=2, default=str))
     elif args.which == "graft":
-        from .bench_graft import DEFAULT_LENGTHS, format_table, plot, run_graft_bench
+        from kvmemory.bench.graft import DEFAULT_LENGTHS, format_table, plot, run_graft_bench
 
         lengths = args.lengths or DEFAULT_LENGTHS
         r = run_graft_bench(lengths, repeats=args.repeats, model=None if args.model == "embedded:smollm2-135m-instruct"
@@ -205,12 +205,12 @@ def cmd_bench(args) -> int:
             r["plot"] = args.plot
         _emit(args, r, format_table(r))
     elif args.which == "store":
-        from .bench_store import format_table, run_store_bench
+        from kvmemory.bench.store import format_table, run_store_bench
 
         r = run_store_bench(blocks=args.blocks)
         _emit(args, r, format_table(r))
     elif args.which == "capacity":
-        from .bench_capacity import format_table, plot, run_capacity_bench
+        from kvmemory.bench.capacity import format_table, plot, run_capacity_bench
 
         r = run_capacity_bench(target_tokens=args.target_tokens, progress=not args.json)
         if args.plot:
@@ -242,7 +242,7 @@ def cmd_verify(args) -> int:
 
 
 def cmd_stats(args) -> int:
-    from .stores import open_store
+    from kvmemory.store.open import open_store
 
     store = open_store(args.store, signing_key=args.signing_key)
     s = store.stats().to_json()
@@ -252,8 +252,9 @@ def cmd_stats(args) -> int:
 
 
 def cmd_fsck(args) -> int:
-    from .fsck import router_rebuilder, run_fsck
-    from .stores import open_store
+    from kvmemory.routing.router import router_rebuilder
+    from kvmemory.store.fsck import run_fsck
+    from kvmemory.store.open import open_store
 
     store = open_store(args.store, signing_key=args.signing_key)
     report = run_fsck(store, repair=args.repair, router_rebuild=router_rebuilder(store) if args.repair else None)
@@ -263,7 +264,7 @@ def cmd_fsck(args) -> int:
 
 def cmd_demo(args) -> int:
     _quiet_transformers()
-    from .demo import run_demo
+    from kvmemory.bench.demo import run_demo
 
     result = run_demo(model=args.model, store=args.store, chunk=args.chunk, progress=not args.json)
     _emit(args, result, result.pop("table", "") if not args.json else "")
@@ -272,7 +273,7 @@ def cmd_demo(args) -> int:
 
 # ---------------------------------------------------------------------- parser
 def build_parser() -> argparse.ArgumentParser:
-    from .models import DEFAULT_MODEL
+    from kvmemory.models.loading import DEFAULT_MODEL
 
     p = argparse.ArgumentParser(prog="kvmemory", description="Exact KV-cache grafting memory for agents.")
     common = argparse.ArgumentParser(add_help=False)

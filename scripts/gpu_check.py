@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""One-shot GPU check of the kvgraft graft kernel (issue 6, item 4); writes its results as JSON.
+"""One-shot GPU check of the kvmemory_cuda_graft graft kernel (issue 6, item 4); writes its results as JSON.
 
 Sections (each runs under its own try/except, and the JSON is rewritten after every section, so one
 failure, or a kill, still leaves the results gathered so far):
@@ -56,26 +56,26 @@ import torch  # noqa: E402
 
 def import_kvgraft():
     try:
-        import kvgraft
+        import kvmemory_cuda_graft
     except ImportError:
-        sys.path.insert(0, str(ROOT / "kernels" / "kvgraft"))
-        import kvgraft
-    return kvgraft
+        sys.path.insert(0, str(ROOT / "kernels" / "cuda_graft"))
+        import kvmemory_cuda_graft
+    return kvmemory_cuda_graft
 
 
 def import_graft_op():
-    """kvmemory.graft_op, or the same file loaded by path if the kvmemory package cannot be
+    """kvmemory.kernels.graft_copy, or the same file loaded by path if the kvmemory package cannot be
     imported here (graft_op depends on torch only)."""
     try:
-        from kvmemory import graft_op
+        from kvmemory.kernels import graft_copy
         return graft_op
     except Exception:
         sys.path.insert(0, str(ROOT))
         try:
-            from kvmemory import graft_op
+            from kvmemory.kernels import graft_copy
             return graft_op
         except Exception:
-            spec = importlib.util.spec_from_file_location("kvmemory_graft_op", ROOT / "kvmemory" / "graft_op.py")
+            spec = importlib.util.spec_from_file_location("kvmemory_graft_op", ROOT / "kvmemory" / "graft_copy.py")
             mod = importlib.util.module_from_spec(spec)
             sys.modules["kvmemory_graft_op"] = mod
             spec.loader.exec_module(mod)
@@ -187,7 +187,7 @@ def timed(fn, device, reps: int) -> dict:
 # Sections
 
 
-def section_environment(rec, args, kvgraft):
+def section_environment(rec, args, kvmemory_cuda_graft):
     rec["python"] = sys.version.split()[0]
     rec["platform"] = platform.platform()
     rec["cpu_count"] = os.cpu_count()
@@ -199,9 +199,9 @@ def section_environment(rec, args, kvgraft):
         rec["transformers"] = transformers.__version__
     except Exception as exc:
         rec["transformers"] = f"unavailable: {exc}"
-    rec["nvcc"] = kvgraft.find_nvcc()
+    rec["nvcc"] = kvmemory_cuda_graft.find_nvcc()
     if rec["nvcc"]:
-        from kvgraft import _build
+        from kvmemory_cuda_graft import _build
         rec["nvcc_version"] = _build.nvcc_version(rec["nvcc"]).splitlines()[-1]
     if torch.cuda.is_available():
         idx = torch.cuda.current_device()
@@ -215,42 +215,42 @@ def section_environment(rec, args, kvgraft):
         raise RuntimeError("torch sees no CUDA device (use --dry-run on CPU machines)")
 
 
-def section_build(rec, args, kvgraft, graft_op, state):
+def section_build(rec, args, kvmemory_cuda_graft, graft_op, state):
     if args.dry_run:
-        state["kernel"] = graft_op.twin_graft_copy  # the twin stands in on CPU, built or not
-    arch = kvgraft.default_arch_list()
+        state["kernel"] = graft_copy.twin_graft_copy  # the twin stands in on CPU, built or not
+    arch = kvmemory_cuda_graft.default_arch_list()
     if torch.cuda.is_available():
         cap = torch.cuda.get_device_capability()
-        arch = kvgraft.merge_arch_lists(arch, f"{cap[0]}.{cap[1]}")
+        arch = kvmemory_cuda_graft.merge_arch_lists(arch, f"{cap[0]}.{cap[1]}")
     rec["arch_list"] = arch
-    if kvgraft.find_nvcc() is None and (os.environ.get("KVGRAFT_LIB") or kvgraft.cached_libraries()):
-        # No toolkit on this machine: use the library built elsewhere ($KVGRAFT_LIB or the cache).
+    if kvmemory_cuda_graft.find_nvcc() is None and (os.environ.get("KVMEMORY_CUDA_GRAFT_LIB") or kvmemory_cuda_graft.cached_libraries()):
+        # No toolkit on this machine: use the library built elsewhere ($KVMEMORY_CUDA_GRAFT_LIB or the cache).
         rec["compile_skipped"] = "nvcc not found; using a prebuilt library"
         print(f"  {rec['compile_skipped']}")
     else:
         with tempfile.TemporaryDirectory() as tmp:
             t0 = time.perf_counter()
-            path = kvgraft.build(arch, out_dir=tmp, verbose=True)  # a fresh compile, timed
+            path = kvmemory_cuda_graft.build(arch, out_dir=tmp, verbose=True)  # a fresh compile, timed
             rec["compile_seconds"] = round(time.perf_counter() - t0, 2)
             rec["library_bytes"] = path.stat().st_size
-    lib = kvgraft.load(arch)  # the cached build the op uses
+    lib = kvmemory_cuda_graft.load(arch)  # the cached build the op uses
     rec["library"] = str(lib.path)
     code, rt, drv = lib.cuda_versions()
     rec["cuda_runtime_linked"], rec["cuda_driver"] = rt, drv
-    st = kvgraft.status(arch)
+    st = kvmemory_cuda_graft.status(arch)
     rec["kvgraft_status"] = {"available": st.available, "reason": st.reason}
-    rec["graft_op_impl_at_import"] = graft_op.IMPL
-    rec["graft_op_impl_reason"] = graft_op.IMPL_REASON
+    rec["graft_op_impl_at_import"] = graft_copy.IMPL
+    rec["graft_op_impl_reason"] = graft_copy.IMPL_REASON
     print(f"  library {lib.path}, runtime {rt}, driver {drv}, status {st.reason}")
-    print(f"  graft_op.IMPL at import: {graft_op.IMPL} ({graft_op.IMPL_REASON})")
+    print(f"  graft_copy.IMPL at import: {graft_copy.IMPL} ({graft_copy.IMPL_REASON})")
     if args.dry_run:
         rec["note"] = "dry run: compiled, but the twin stands in for the kernel"
         return
     if not st.available:
-        raise RuntimeError(f"kvgraft cannot run here: {st.reason}")
-    if graft_op._kernel is None:  # e.g. KVMEMORY_GRAFT_OP=twin in the environment
-        graft_op._kernel, graft_op._kernel_arch = lib, st.arch_list
-    state["kernel"] = graft_op.cuda_graft_copy
+        raise RuntimeError(f"kvmemory_cuda_graft cannot run here: {st.reason}")
+    if graft_copy._kernel is None:  # e.g. KVMEMORY_GRAFT_OP=twin in the environment
+        graft_copy._kernel, graft_copy._kernel_arch = lib, st.arch_list
+    state["kernel"] = graft_copy.cuda_graft_copy
 
 
 def _grid_case(kernel, twin, dtype, head_dim, T, kind, stream, device, seed):
@@ -291,7 +291,7 @@ def _grid_case(kernel, twin, dtype, head_dim, T, kind, stream, device, seed):
 
 
 def section_equality(rec, args, graft_op, state, device):
-    kernel, twin = state["kernel"], graft_op.twin_graft_copy
+    kernel, twin = state["kernel"], graft_copy.twin_graft_copy
     dtypes = [torch.float32, torch.bfloat16, torch.float16]
     head_dims = [64, 128, 256] if args.quick or args.dry_run else [64, 80, 96, 128, 192, 256]
     tokens = [1, 7, 63] if args.dry_run else [1, 7, 16, 63, 64]
@@ -340,13 +340,13 @@ def section_equality(rec, args, graft_op, state, device):
     if device.type == "cuda":
         dtype, shapes, T = torch.bfloat16, [(8, 4096, 128)] * 4, 4096
         nbytes = T * sum(2 * h * d * 2 for h, _, d in shapes)
-        buf = graft_op.pinned_staging(nbytes, slot=7)
+        buf = graft_copy.pinned_staging(nbytes, slot=7)
         gen = torch.Generator().manual_seed(5)
         first = random_staging(nbytes, dtype, gen)
         buf.copy_(first)
         k1, v1 = sentinel_cache(shapes, dtype, device), sentinel_cache(shapes, dtype, device)
         kernel(buf, [0], [0], [T], k1, v1)
-        again = graft_op.pinned_staging(nbytes, slot=7)  # must block until the kernel is done
+        again = graft_copy.pinned_staging(nbytes, slot=7)  # must block until the kernel is done
         again.fill_(0)
         k2, v2 = sentinel_cache(shapes, dtype, device), sentinel_cache(shapes, dtype, device)
         twin(first, [0], [0], [T], k2, v2)
@@ -409,9 +409,9 @@ def _e2e_case(dtype, graft_op, kernel, device) -> tuple[dict, str]:
     # Serialise the first k chunks' KV in the payload layout into pinned staging, with digests.
     keys = [layer.keys for layer in ref_cache.layers]
     values = [layer.values for layer in ref_cache.layers]
-    payloads = [graft_op.pack_payload(keys, values, i * C, C) for i in range(k_chunks)]
+    payloads = [graft_copy.pack_payload(keys, values, i * C, C) for i in range(k_chunks)]
     nbytes = sum(p.numel() for p in payloads)
-    staging = (graft_op.pinned_staging(nbytes, slot=3) if device.type == "cuda"
+    staging = (graft_copy.pinned_staging(nbytes, slot=3) if device.type == "cuda"
                else torch.empty(nbytes, dtype=torch.uint8))
     offsets, o = [], 0
     for p in payloads:
@@ -467,7 +467,7 @@ def section_e2e(rec, args, graft_op, state, device):
 
 
 def section_bandwidth(rec, args, graft_op, state, device):
-    kernel, twin = state["kernel"], graft_op.twin_graft_copy
+    kernel, twin = state["kernel"], graft_copy.twin_graft_copy
     cuda = device.type == "cuda"
     if cuda:
         # A 7B-class layout (Llama-2-7B-like KV with GQA 8): 32 layers, 8 KV heads, D=128, bf16, C=64.
@@ -644,15 +644,15 @@ def main(argv: list[str] | None = None) -> int:
     report = Report(Path(args.out), args.dry_run)
     device = torch.device("cpu") if args.dry_run else torch.device("cuda", 0)
     state: dict = {}
-    kvgraft = import_kvgraft()
+    kvmemory_cuda_graft = import_kvgraft()
     graft_op = import_graft_op()
     report.data["graft_op_file"] = getattr(graft_op, "__file__", None)
 
     if "environment" in wanted:
         with report.section("environment") as rec:
-            section_environment(rec, args, kvgraft)
+            section_environment(rec, args, kvmemory_cuda_graft)
     with report.section("build") as rec:  # always: the other sections need the kernel
-        section_build(rec, args, kvgraft, graft_op, state)
+        section_build(rec, args, kvmemory_cuda_graft, graft_op, state)
     if "kernel" not in state:
         print("no kernel: skipping the sections that need it", flush=True)
     else:

@@ -11,9 +11,9 @@ os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 import pytest
 import torch
 
-from kvmemory.engine import Engine
-from kvmemory.models import LoadedModel
-from kvmemory.store import LocalStore
+from kvmemory.engine.engine import Engine
+from kvmemory.models.loading import LoadedModel
+from kvmemory.store.local import LocalStore
 
 from tiny_models import ARCHS, TINY_VOCAB, IdTokenizer, tiny_config, tiny_engine, tiny_model  # noqa: F401
 
@@ -26,13 +26,13 @@ def store_dir(tmp_path):
 @pytest.fixture(scope="session")
 def smollm():
     """The embedded SmolLM2 (converted once into the cache folder, then loaded from safetensors)."""
-    from kvmemory.models import load_model
+    from kvmemory.models.loading import load_model
 
     return load_model()
 
 
 @pytest.fixture
 def real_memory(smollm, tmp_path):
-    from kvmemory.memory import KVMemory
+    from kvmemory.memory.facade import KVMemory
 
     return KVMemory(Engine(smollm, LocalStore(tmp_path / "store")))

@@ -197,7 +197,7 @@ def synth_tokens(seed: int, n: int = SYNTH_C) -> tuple[int, ...]:
 def synth_block(parent: str | None, index: int, tokens):
     import torch
 
-    from kvmemory.blocks import BlockMeta, chain_hash
+    from kvmemory.store.blocks import BlockMeta, chain_hash
 
     h = chain_hash(SYNTH_PROFILE, parent, tokens)
     data = expected_payload(h)
@@ -211,7 +211,7 @@ def synth_block(parent: str | None, index: int, tokens):
 def synth_entry(seed: int, namespace: str = "default", n_blocks: int = 3, shared: int = 1):
     """An entry of `n_blocks` blocks whose first `shared` blocks are common to every synthetic entry
     (a shared system prompt), so dedup and reference counting are exercised. Returns (entry, blocks)."""
-    from kvmemory.store import EntryRecord
+    from kvmemory.store.local import EntryRecord
 
     blocks, ids, parent = [], [], None
     for i in range(n_blocks):

@@ -13,8 +13,8 @@ from tiny_models import ARCHS, tiny_engine, tiny_model
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from kvmemory.errors import NotOnGrid, ProfileMismatch, UnsupportedArchitecture
-from kvmemory.graft import GraftReport, load_chain, plan_chain
-from kvmemory.runner import CanonicalRunner
+from kvmemory.engine.graft import GraftReport, load_chain, plan_chain
+from kvmemory.engine.runner import CanonicalRunner
 
 DTYPES = [torch.float32, torch.bfloat16]
 SLIDING = {"mistral", "qwen2", "gemma2", "gemma3"}

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from kvmemory import router as R
-from kvmemory.bench_router import run_router_bench
+from kvmemory.routing import router as R
+from kvmemory.bench.router import run_router_bench
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,8 @@ import json
 
 import torch
 
-from kvmemory import sha256_lanes
-from kvmemory.cpu_extensions import isa
+from kvmemory.kernels import sha256_lanes
+from kvmemory.kernels.cpu import isa
 
 
 def _positive(*xs):
@@ -16,7 +16,7 @@ def _positive(*xs):
 
 
 def test_bench_graft_tiny(tmp_path):
-    from kvmemory.bench_graft import format_table, plot, run_graft_bench
+    from kvmemory.bench.graft import format_table, plot, run_graft_bench
 
     threads = torch.get_num_threads()
     r = run_graft_bench((64, 128), repeats=1, llamacpp=False, progress=False)
@@ -46,7 +46,7 @@ def test_bench_graft_tiny(tmp_path):
 
 
 def test_bench_store_tiny():
-    from kvmemory.bench_store import format_table, run_store_bench
+    from kvmemory.bench.store import format_table, run_store_bench
 
     r = run_store_bench(blocks=4, block_bytes=1 << 16, threads=(1, 2))
     assert [x["threads"] for x in r["results"]] == [1, 2]
@@ -59,7 +59,7 @@ def test_bench_store_tiny():
 
 
 def test_bench_capacity_tiny(tmp_path):
-    from kvmemory.bench_capacity import format_table, plot, run_capacity_bench
+    from kvmemory.bench.capacity import format_table, plot, run_capacity_bench
 
     threads = torch.get_num_threads()
     r = run_capacity_bench(target_tokens=20_000, seq_tokens=512, probe_tokens=128, queries=3, progress=False,
@@ -75,7 +75,7 @@ def test_bench_capacity_tiny(tmp_path):
 
 
 def test_bench_recurring_tiny(real_memory):
-    from kvmemory.bench_recurring import format_table, run_recurring_bench
+    from kvmemory.bench.recurring import format_table, run_recurring_bench
 
     r = run_recurring_bench(real_memory, problems=2, rewordings=1, unrelated=4, base_budget=24, progress=False)
     json.dumps(r)
@@ -88,7 +88,7 @@ def test_bench_recurring_tiny(real_memory):
 
 
 def test_study_choices_tiny():
-    from kvmemory.bench_recurring import study_choices
+    from kvmemory.bench.recurring import study_choices
 
     r = study_choices(seeds=(3,), problems=2, rewordings=1, contrasts=(0.0, 0.5), progress=False)
     s = r["seeds"][0]
@@ -99,7 +99,7 @@ def test_study_choices_tiny():
 def test_bench_graft_refuses_bad_lengths_before_loading():
     import pytest
 
-    from kvmemory.bench_graft import run_graft_bench
+    from kvmemory.bench.graft import run_graft_bench
     from kvmemory.errors import InvalidInput
 
     for bad in ((100,), (0,), ()):
@@ -125,7 +125,7 @@ def test_bench_cli_arguments_are_checked(capsys):
 def test_bench_capacity_refuses_a_target_not_above_the_small_store():
     import pytest
 
-    from kvmemory.bench_capacity import run_capacity_bench
+    from kvmemory.bench.capacity import run_capacity_bench
     from kvmemory.errors import InvalidInput
 
     with pytest.raises(InvalidInput, match="more than the 10,000 tokens"):

@@ -8,13 +8,13 @@ import torch
 from tiny_models import IdTokenizer, tiny_engine, tiny_model
 from transformers import DynamicCache
 
-from kvmemory import cpu_attention
-from kvmemory.attention import FEWQ, NAME, for_device
-from kvmemory.cache import ReservedLayer, new_cache
-from kvmemory.engine import Engine
+from kvmemory.kernels import few_query_attention
+from kvmemory.models.attention import FEWQ, NAME, for_device
+from kvmemory.engine.cache import ReservedLayer, new_cache
+from kvmemory.engine.engine import Engine
 from kvmemory.errors import InvalidInput, UnsupportedArchitecture
-from kvmemory.models import LoadedModel
-from kvmemory.store import LocalStore
+from kvmemory.models.loading import LoadedModel
+from kvmemory.store.local import LocalStore
 
 
 def _ids(n: int, seed: int = 1) -> list[int]:
@@ -79,7 +79,7 @@ def test_room_is_reused_and_stays_exact(store_dir):
 def test_cpu_loads_grouped_sdpa(store_dir):
     # On an AVX-512 or AVX2 CPU the few-query kernel must build and be chosen (CI proves it builds);
     # elsewhere the grouped SDPA alone.
-    cpu_default = FEWQ if cpu_attention.isa() in cpu_attention.BUILDS else NAME
+    cpu_default = FEWQ if few_query_attention.isa() in few_query_attention.BUILDS else NAME
     assert for_device("sdpa", "cpu") == cpu_default
     assert for_device(NAME, "cpu") == NAME  # asked for by name: kept
     assert for_device("sdpa", "cuda") == "sdpa" and for_device("eager", "cpu") == "eager"
@@ -104,8 +104,8 @@ def test_reserved_layer_keeps_a_narrower_kv_dtype():
 def test_bfloat16_kv_under_a_float32_model_is_exact(attn, store_dir):
     """kv_dtype=bfloat16: blocks hold bfloat16 K/V (half the bytes), the profile says so, and a graft
     gives the recompute's logits bit for bit, under the kernel and under SDPA alike."""
-    if attn == FEWQ and cpu_attention.load() is None:
-        pytest.skip(f"the few-query kernel does not run here: {cpu_attention.why_unavailable()}")
+    if attn == FEWQ and few_query_attention.load() is None:
+        pytest.skip(f"the few-query kernel does not run here: {few_query_attention.why_unavailable()}")
     model = tiny_model("llama", torch.float32, attn=for_device(attn, "cpu"))
     eng = Engine(LoadedModel(model, IdTokenizer(), "tiny-llama", "tiny-llama"), LocalStore(store_dir / "bf16"),
                  chunk=16, kv_dtype="bfloat16")
@@ -149,7 +149,7 @@ def test_models_opened_by_name_keep_bfloat16_kv_by_default(tmp_path):
     bit-identical to the recompute under it; float32 K/V is one argument away, and a store made
     under one is refused under the other with the field and the way back named."""
     from kvmemory.errors import ProfileMismatch
-    from kvmemory.models import DEFAULT_MODEL
+    from kvmemory.models.loading import DEFAULT_MODEL
 
     eng = Engine.open(DEFAULT_MODEL, tmp_path / "s")
     assert (eng.profile.dtype, eng.profile.kv_dtype) == ("float32", "bfloat16")

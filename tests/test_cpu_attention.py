@@ -1,8 +1,8 @@
-"""The few-query CPU attention kernel (kvmemory/cpu_attention.py, csrc/few_query_attention.cpp).
+"""The few-query CPU attention kernel (kvmemory/few_query_attention.py, csrc/few_query_attention.cpp).
 
 On an AVX-512 or AVX2 CPU it must build (a build failure here is a FAILURE: CI proves it builds);
 elsewhere these tests skip, and `attention.for_device` keeps SDPA. They run the build this CPU takes
-(cpu_attention.isa()); the other one is only compiled here (test_the_other_build_compiles). It is not claimed bit-equal to SDPA, so it
+(few_query_attention.isa()); the other one is only compiled here (test_the_other_build_compiles). It is not claimed bit-equal to SDPA, so it
 is compared with a float64 reference by tolerance, next to SDPA's own error; what is claimed exact
 (the same bytes whatever the thread count, run after run; grafted logits equal to the recompute's
 under the profile that uses it) is asserted with `torch.equal`.
@@ -18,10 +18,11 @@ import pytest
 import torch
 from tiny_models import tiny_engine
 
-from kvmemory import attention, cpu_attention
+from kvmemory.models import attention
+from kvmemory.kernels import few_query_attention
 from kvmemory.errors import UnsupportedArchitecture
 
-RUNS_HERE = cpu_attention.isa() in cpu_attention.BUILDS
+RUNS_HERE = few_query_attention.isa() in few_query_attention.BUILDS
 needs_kernel = pytest.mark.skipif(not RUNS_HERE, reason="the few-query kernel runs on AVX-512 and AVX2 CPUs only")
 F = torch.nn.functional
 
@@ -39,7 +40,7 @@ def _inputs(h_q, h_kv, new, cached, d, dtype, seed=0, mask=True):
 
 @needs_kernel
 def test_kernel_builds_and_is_the_cpu_default():
-    assert cpu_attention.load() is not None, cpu_attention.why_unavailable()
+    assert few_query_attention.load() is not None, few_query_attention.why_unavailable()
     assert attention.for_device("sdpa", "cpu") == attention.FEWQ
 
 
@@ -50,7 +51,7 @@ def test_kernel_compiles_from_scratch(tmp_path):
     env = dict(os.environ, KVMEMORY_CACHE=str(tmp_path))
     venv_bin = os.path.dirname(sys.executable)
     env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep) if p != venv_bin)
-    code = ("from kvmemory import cpu_attention as c; m = c.load(); "
+    code = ("from kvmemory.kernels import few_query_attention as c; m = c.load(); "
             "print('OK' if m is not None else 'FAILED: ' + str(c.why_unavailable()))")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert out.stdout.strip().endswith("OK"), out.stdout + out.stderr
@@ -71,7 +72,7 @@ def test_matches_float64_reference(h_q, h_kv, new, cached, d, dtype, tol):
     ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=m, enable_gqa=True)
     ref = ref.transpose(1, 2)
     sdpa = F.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=True).transpose(1, 2)
-    out = cpu_attention.attend(q, k, v, m, d ** -0.5, False)
+    out = few_query_attention.attend(q, k, v, m, d ** -0.5, False)
     assert out is not None and out.shape == (1, new, h_q, d) and out.dtype == dtype and out.is_contiguous()
     err = (out.double() - ref).abs().max().item()
     assert err <= tol, (err, (sdpa.double() - ref).abs().max().item())
@@ -81,11 +82,11 @@ def test_matches_float64_reference(h_q, h_kv, new, cached, d, dtype, tol):
 def test_no_mask_means_causal_or_all_keys():
     q, k, v, _ = _inputs(9, 3, 16, 0, 64, torch.float32)  # prefill on an empty cache: causal
     ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True, enable_gqa=True)
-    out = cpu_attention.attend(q, k, v, None, 0.125, True)
+    out = few_query_attention.attend(q, k, v, None, 0.125, True)
     assert (out.double() - ref.transpose(1, 2)).abs().max().item() < 2e-6
     q, k, v, _ = _inputs(9, 3, 1, 900, 64, torch.float32)  # one decode token sees every key
     ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), enable_gqa=True)
-    out = cpu_attention.attend(q, k, v, None, 0.125, False)
+    out = few_query_attention.attend(q, k, v, None, 0.125, False)
     assert (out.double() - ref.transpose(1, 2)).abs().max().item() < 2e-6
 
 
@@ -98,7 +99,7 @@ def test_same_bytes_whatever_the_thread_count(dtype):
         outs = []
         for threads in (1, 2, 3, 2):
             torch.set_num_threads(threads)
-            outs.append(cpu_attention.attend(q, k, v, m, 0.125, False))
+            outs.append(few_query_attention.attend(q, k, v, m, 0.125, False))
     finally:
         torch.set_num_threads(before)
     assert all(torch.equal(outs[0], o) for o in outs[1:])
@@ -109,18 +110,18 @@ def test_refuses_what_it_does_not_take():
     q, k, v, m = _inputs(9, 3, 16, 600, 64, torch.float32)
     holes = m.clone()
     holes[0, 0, 3, 10] = False  # not a prefix of trues (padding, sliding windows): SDPA's job
-    assert cpu_attention.attend(q, k, v, holes, 0.125, False) is None
-    assert cpu_attention.attend(q, k, v, torch.zeros_like(m, dtype=torch.float32), 0.125, False) is None
+    assert few_query_attention.attend(q, k, v, holes, 0.125, False) is None
+    assert few_query_attention.attend(q, k, v, torch.zeros_like(m, dtype=torch.float32), 0.125, False) is None
     blind = m.clone()
     blind[0, 0, 0] = False  # a row that sees no key
-    assert cpu_attention.attend(q, k, v, blind, 0.125, False) is None
-    assert cpu_attention.attend(q.expand(2, -1, -1, -1), k.expand(2, -1, -1, -1), v.expand(2, -1, -1, -1),
+    assert few_query_attention.attend(q, k, v, blind, 0.125, False) is None
+    assert few_query_attention.attend(q.expand(2, -1, -1, -1), k.expand(2, -1, -1, -1), v.expand(2, -1, -1, -1),
                                 None, 0.125, False) is None  # batches
     q72, k72, v72, m72 = _inputs(9, 3, 16, 600, 72, torch.float32)
-    assert cpu_attention.attend(q72, k72, v72, m72, 0.125, False) is None  # head size not a multiple of 16
+    assert few_query_attention.attend(q72, k72, v72, m72, 0.125, False) is None  # head size not a multiple of 16
     q64, k64, v64, m64 = _inputs(9, 3, 22, 600, 64, torch.float32)
-    assert cpu_attention.attend(q64, k64, v64, m64, 0.125, False) is None  # 66 rows per K/V head
-    assert cpu_attention.attend(q.half(), k.half(), v.half(), m, 0.125, False) is None
+    assert few_query_attention.attend(q64, k64, v64, m64, 0.125, False) is None  # 66 rows per K/V head
+    assert few_query_attention.attend(q.half(), k.half(), v.half(), m, 0.125, False) is None
 
 
 @needs_kernel
@@ -129,7 +130,7 @@ def test_engine_runs_the_kernel_and_stays_exact(dtype, store_dir, monkeypatch):
     """Under `kvmemory_fewq` the grafted run's logits equal the recompute's, and the kernel really ran
     (a refusal would silently give SDPA's numbers under the kernel's name)."""
     taken = []
-    attend = cpu_attention.attend
+    attend = few_query_attention.attend
 
     def counting(*args):
         out = attend(*args)
@@ -157,14 +158,14 @@ def test_asking_for_the_kernel_where_it_cannot_run_is_an_error(monkeypatch):
     assert attention.for_device("sdpa", "cpu") == attention.NAME  # the default falls back, by name
 
 
-@pytest.mark.parametrize("isa", [b for b in sorted(cpu_attention.BUILDS) if b != cpu_attention.isa()])
+@pytest.mark.parametrize("isa", [b for b in sorted(few_query_attention.BUILDS) if b != few_query_attention.isa()])
 def test_the_other_build_compiles(isa, tmp_path):
     """The build this CPU does not run still compiles, so a change made on an AVX2 machine cannot break
     the AVX-512 build unseen (and the reverse). Compiled to an object only: loading code the CPU does
     not run could fault. The build this CPU runs is built and run by the tests above."""
-    from kvmemory import cpu_extensions
+    from kvmemory.kernels import cpu
 
-    ok, err = cpu_extensions.compile_object(cpu_attention.SOURCE, isa, tmp_path / "fewq.o")
+    ok, err = cpu.compile_object(few_query_attention.SOURCE, isa, tmp_path / "fewq.o")
     assert ok, err
 
 
@@ -175,8 +176,8 @@ def test_float32_queries_over_a_bfloat16_cache(new, cached):
     so it gives the same bytes as over the same K/V widened to float32 beforehand."""
     q, k, v, m = _inputs(9, 3, new, cached, 64, torch.float32, seed=new)
     k16, v16 = k.bfloat16(), v.bfloat16()
-    got = cpu_attention.attend(q, k16, v16, m, 0.125, False)
+    got = few_query_attention.attend(q, k16, v16, m, 0.125, False)
     assert got is not None and got.dtype == torch.float32
-    assert torch.equal(got, cpu_attention.attend(q, k16.float(), v16.float(), m, 0.125, False))
+    assert torch.equal(got, few_query_attention.attend(q, k16.float(), v16.float(), m, 0.125, False))
     # bfloat16 queries over a float32 cache are not a profile: refused
-    assert cpu_attention.attend(q.bfloat16(), k, v, m, 0.125, False) is None
+    assert few_query_attention.attend(q.bfloat16(), k, v, m, 0.125, False) is None

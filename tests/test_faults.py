@@ -28,10 +28,10 @@ import pytest
 from redis_server import RedisServer, check_entry_readable, expected_payload, synth_entry
 
 from kvmemory.errors import IntegrityError, KVMemoryError, StoreFull, UnknownEntry
-from kvmemory.fsck import run_fsck
-from kvmemory.redis_store import RedisStore
-from kvmemory.signing import SignedLocalStore
-from kvmemory.store import LocalStore
+from kvmemory.store.fsck import run_fsck
+from kvmemory.store.redis_store import RedisStore
+from kvmemory.store.signing import SignedLocalStore
+from kvmemory.store.local import LocalStore
 
 KEY = "e5" * 32
 CTX = mp.get_context("fork")

@@ -11,10 +11,10 @@ import uuid
 import pytest
 from redis_server import RedisServer, check_entry_readable, synth_block, synth_entry, synth_tokens
 
-from kvmemory.fsck import run_fsck
-from kvmemory.redis_store import RedisStore
-from kvmemory.signing import SignedLocalStore
-from kvmemory.store import LocalStore
+from kvmemory.store.fsck import run_fsck
+from kvmemory.store.redis_store import RedisStore
+from kvmemory.store.signing import SignedLocalStore
+from kvmemory.store.local import LocalStore
 
 KEY = "d4" * 32
 
@@ -173,8 +173,8 @@ def test_fsck_refuses_repair_on_a_tenant_view_and_read_only(tmp_path):
 
 
 def test_router_rebuilder_routes_what_the_store_serves(tmp_path):
-    from kvmemory.fsck import router_rebuilder
-    from kvmemory.router import Router
+    from kvmemory.routing.router import router_rebuilder
+    from kvmemory.routing.router import Router
 
     st = LocalStore(tmp_path / "s")
     made = _filled(st, n=3)

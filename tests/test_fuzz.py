@@ -18,10 +18,10 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from redis_server import RedisServer, expected_payload, synth_entry
 
-from kvmemory.blocks import BlockMeta, encode_header, parse_header
+from kvmemory.store.blocks import BlockMeta, encode_header, parse_header
 from kvmemory.errors import IntegrityError, KVMemoryError
-from kvmemory.fsck import check_block_bytes, run_fsck
-from kvmemory.store import LocalStore
+from kvmemory.store.fsck import check_block_bytes, run_fsck
+from kvmemory.store.local import LocalStore
 
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 KEY = "f6" * 32
@@ -55,7 +55,7 @@ def test_mutated_headers_are_refused_or_identical(edits, cut):
     for pos, byte in edits:
         data[pos] = byte
     data = bytes(data[: len(data) - cut * 7])
-    from kvmemory.store import BlockRow
+    from kvmemory.store.local import BlockRow
 
     row = BlockRow(VALID_META.hash, VALID_META.parent, VALID_META.profile_id, VALID_META.index, VALID_META.n_tokens,
                    VALID_META.payload_sha256, VALID_META.payload_nbytes, len(VALID), False, False, False)
@@ -107,7 +107,7 @@ BLOCK_COLS = ["hash", "parent", "profile_id", "idx", "n_tokens", "payload_sha256
 def pristine_local():
     root = Path(tempfile.mkdtemp(prefix="kvm-fuzz-"))
     for signed in (False, True):
-        from kvmemory.signing import SignedLocalStore
+        from kvmemory.store.signing import SignedLocalStore
 
         s = SignedLocalStore(root / "signed", signer=KEY) if signed else LocalStore(root / "plain")
         for i in range(2):
@@ -161,7 +161,7 @@ def test_catalogue_rows_fuzz(pristine_local, kind, table, data):
             db.execute(f"UPDATE {table} SET {col}=? WHERE rowid=?", (value, rowid))
             db.commit()
         db.close()
-        from kvmemory.signing import SignedLocalStore
+        from kvmemory.store.signing import SignedLocalStore
 
         store = SignedLocalStore(work / "s", signer=KEY) if kind == "signed" else LocalStore(work / "s")
         _exercise(store)
@@ -174,7 +174,7 @@ def test_catalogue_rows_fuzz(pristine_local, kind, table, data):
 @pytest.fixture(scope="module")
 def redis_fuzz_store():
     with RedisServer() as srv:
-        from kvmemory.redis_store import RedisStore
+        from kvmemory.store.redis_store import RedisStore
 
         tier = Path(tempfile.mkdtemp(prefix="kvm-fuzz-t-"))
         s = RedisStore(srv.url, store=f"fz{uuid.uuid4().hex[:6]}", path=tier, signer=KEY)

@@ -1,4 +1,4 @@
-"""Linears computed from GGUF blocks (kvmemory/gguf_linear.py, csrc/quantized_linear.cpp).
+"""Linears computed from GGUF blocks (kvmemory/models/gguf_linear.py, kernels/csrc/quantized_linear.cpp).
 
 What is claimed exact is asserted with `torch.equal`: the weights the kernel expands are gguf-py's
 (transformers') float32 weights; a row's output is the same bytes whatever rows come with it, whatever
@@ -13,10 +13,13 @@ import pytest
 import torch
 from tiny_models import assert_graft_equals_recompute
 
-from kvmemory import cpu_extensions, gguf_linear, linear
+from kvmemory.kernels import cpu
+from kvmemory.models import gguf_linear
+from kvmemory.models import packed_linear
+from kvmemory.models.loading import linear_implementation
 from kvmemory.errors import InvalidInput, KVMemoryError
 
-RUNS_HERE = cpu_extensions.isa() in cpu_extensions.BUILDS
+RUNS_HERE = cpu.isa() in cpu.BUILDS
 needs_kernel = pytest.mark.skipif(not RUNS_HERE, reason="the GGUF-block kernel runs on AVX-512 and AVX2 CPUs only")
 
 
@@ -84,11 +87,11 @@ def test_same_bytes_whatever_the_thread_count():
 
 
 @needs_kernel
-@pytest.mark.skipif(cpu_extensions.isa() != "AVX512", reason="runs both builds: needs a CPU with AVX-512")
+@pytest.mark.skipif(cpu.isa() != "AVX512", reason="runs both builds: needs a CPU with AVX-512")
 def test_the_avx2_build_gives_the_avx512_builds_bytes():
     """The sum's order is fixed (k ascending, one FMA per lane), not the vector width: both builds
     give the same bits, so a store is not tied to one of the two kinds of CPU by its linears."""
-    other, why = cpu_extensions.load("kvmemory_qlinear", gguf_linear.SOURCE, "GGUF-block linear kernel (AVX2)",
+    other, why = cpu.load("kvmemory_qlinear", gguf_linear.SOURCE, "GGUF-block linear kernel (AVX2)",
                                      gguf_linear.EXTRA_FLAGS, isa_name="AVX2")
     assert other is not None, why
     for kind in ("Q4_1", "Q8_0"):
@@ -100,9 +103,9 @@ def test_the_avx2_build_gives_the_avx512_builds_bytes():
         assert torch.equal(other.dequantize(layer.q, layer.d, layer.m, layer.kind), layer.dequantized())
 
 
-@pytest.mark.parametrize("isa", [b for b in sorted(cpu_extensions.BUILDS) if b != cpu_extensions.isa()])
+@pytest.mark.parametrize("isa", [b for b in sorted(cpu.BUILDS) if b != cpu.isa()])
 def test_the_other_build_compiles(isa, tmp_path):
-    ok, err = cpu_extensions.compile_object(gguf_linear.SOURCE, isa, tmp_path / "qlinear.o", gguf_linear.EXTRA_FLAGS)
+    ok, err = cpu.compile_object(gguf_linear.SOURCE, isa, tmp_path / "qlinear.o", gguf_linear.EXTRA_FLAGS)
     assert ok, err
 
 
@@ -124,11 +127,11 @@ def test_panels_refuse_what_the_kernel_cannot_compute():
 
 @needs_kernel
 def test_the_embedded_model_computes_from_its_blocks_and_grafts_exactly(tmp_path):
-    from kvmemory.engine import Engine
-    from kvmemory.models import DEFAULT_MODEL
+    from kvmemory.engine.engine import Engine
+    from kvmemory.models.loading import DEFAULT_MODEL
 
     eng = Engine.open(DEFAULT_MODEL, tmp_path / "s")
-    assert eng.profile.linear_impl == gguf_linear.NAME == linear.implementation(eng.model)
+    assert eng.profile.linear_impl == gguf_linear.NAME == linear_implementation(eng.model)
     layers = [m for m in eng.model.modules() if isinstance(m, gguf_linear.GGUFLinear)]
     assert len(layers) == 30 * 7 + 1
     assert eng.model.lm_head.weight is eng.model.get_input_embeddings().weight  # still tied
@@ -142,7 +145,7 @@ def test_a_damaged_panel_cache_is_made_again(tmp_path, caplog):
     weights are never used: the file is read from the GGUF again and rewritten."""
     from safetensors.torch import load_file, save_file
 
-    from kvmemory.models import embedded_gguf_path, load_model
+    from kvmemory.models.loading import embedded_gguf_path, load_model
 
     loaded = load_model(linears="plain")
     cache = tmp_path / "panels.safetensors"
@@ -157,7 +160,7 @@ def test_a_damaged_panel_cache_is_made_again(tmp_path, caplog):
 
 
 def test_linears_choice_is_checked(tmp_path):
-    from kvmemory.models import load_model
+    from kvmemory.models.loading import load_model
 
     with pytest.raises(InvalidInput, match="linears must be one of"):
         load_model(linears="fast")

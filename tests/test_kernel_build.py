@@ -1,6 +1,6 @@
-"""The CUDA graft kernel compiles: nvcc builds kernels/kvgraft's .cu for sm_90 (+ compute_90 PTX) into
+"""The CUDA graft kernel compiles: nvcc builds kernels/cuda_graft's .cu for sm_90 (+ compute_90 PTX) into
 a shared library that exports the C entry points. Compile only, no GPU needed; a missing nvcc is a
-FAILURE here, not a skip, because CI must prove the kernel builds. The kvgraft package must also
+FAILURE here, not a skip, because CI must prove the kernel builds. The kvmemory_cuda_graft package must also
 import and report itself unavailable (never raise) where it cannot run. One GPU test (marked `gpu`,
 skipped without CUDA) runs the kernel against the twin.
 """
@@ -17,17 +17,17 @@ import pytest
 import torch
 
 try:
-    import kvgraft
+    import kvmemory_cuda_graft
 except ImportError:  # not pip-installed: use the checkout (the tests must still compile the kernel)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels" / "kvgraft"))
-    import kvgraft
-from kvgraft import _build
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels" / "kvmemory_cuda_graft"))
+    import kvmemory_cuda_graft
+from kvmemory_cuda_graft import _build
 
 EXPORTS = ["kvgraft_copy", "kvgraft_emulate", "kvgraft_error_string", "kvgraft_abi_version", "kvgraft_cuda_versions"]
 
 
 def _nvcc() -> str:
-    nvcc = kvgraft.find_nvcc()
+    nvcc = kvmemory_cuda_graft.find_nvcc()
     if nvcc is None:
         pytest.fail("nvcc not found (PATH, $CUDA_HOME/bin, /usr/local/cuda/bin): CI must compile the "
                     "graft kernel; install the CUDA toolkit")
@@ -37,7 +37,7 @@ def _nvcc() -> str:
 @pytest.fixture(scope="module")
 def built_lib(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("kvgraft-build")
-    return kvgraft.build("9.0+PTX", out_dir=out, nvcc=_nvcc())
+    return kvmemory_cuda_graft.build("9.0+PTX", out_dir=out, nvcc=_nvcc())
 
 
 def test_gencode_flags_for_sm90():
@@ -47,16 +47,16 @@ def test_gencode_flags_for_sm90():
     assert _build.gencode_flags("9.0a") == ["-gencode", "arch=compute_90a,code=sm_90a"]
     assert _build.merge_arch_lists("10.0 8.0", "9.0+PTX", "8.0+PTX") == "8.0+PTX;9.0+PTX;10.0"
     assert _build.merge_arch_lists("Hopper") == "9.0+PTX"
-    with pytest.raises(kvgraft.BuildError, match="cannot parse"):
+    with pytest.raises(kvmemory_cuda_graft.BuildError, match="cannot parse"):
         _build.parse_arch_list("9.x")
 
 
 def test_covers():
-    assert kvgraft.covers("9.0+PTX", (9, 0))
-    assert kvgraft.covers("9.0+PTX", (10, 0))       # PTX JIT forward
-    assert not kvgraft.covers("9.0+PTX", (8, 0))
-    assert kvgraft.covers("8.0;9.0+PTX", (8, 0))
-    assert not kvgraft.covers("9.0", (10, 0))
+    assert kvmemory_cuda_graft.covers("9.0+PTX", (9, 0))
+    assert kvmemory_cuda_graft.covers("9.0+PTX", (10, 0))       # PTX JIT forward
+    assert not kvmemory_cuda_graft.covers("9.0+PTX", (8, 0))
+    assert kvmemory_cuda_graft.covers("8.0;9.0+PTX", (8, 0))
+    assert not kvmemory_cuda_graft.covers("9.0", (10, 0))
 
 
 def test_nvcc_compiles_kernel_for_sm90(built_lib):
@@ -75,47 +75,47 @@ def test_nvcc_compiles_kernel_for_sm90(built_lib):
 
 
 def test_built_library_loads_without_gpu(built_lib):
-    lib = kvgraft.Library(built_lib)
+    lib = kvmemory_cuda_graft.Library(built_lib)
     assert lib.error_string(0) == "success"
     assert "pinned" in lib.error_string(100002)
     _code, runtime, _driver = lib.cuda_versions()
     assert runtime >= 12000  # the static runtime of the nvcc that built it
     if not torch.cuda.is_available():
         # A call with no blocks is a no-op that must succeed without touching CUDA.
-        layers = (kvgraft.Layer * 1)(kvgraft.Layer(0, 0, 1, 64, 1, 64, 1, 0, 0, 0))
-        lib.copy(0, 0, (kvgraft.Block * 0)(), layers, 2, 0)
-        # Bad arguments are refused with a kvgraft error code, not a crash.
-        with pytest.raises(kvgraft.KvgraftError, match="invalid arguments"):
-            lib.copy(0, 0, (kvgraft.Block * 0)(), (kvgraft.Layer * 0)(), 2, 0)
+        layers = (kvmemory_cuda_graft.Layer * 1)(kvmemory_cuda_graft.Layer(0, 0, 1, 64, 1, 64, 1, 0, 0, 0))
+        lib.copy(0, 0, (kvmemory_cuda_graft.Block * 0)(), layers, 2, 0)
+        # Bad arguments are refused with a kvmemory_cuda_graft error code, not a crash.
+        with pytest.raises(kvmemory_cuda_graft.CudaGraftError, match="invalid arguments"):
+            lib.copy(0, 0, (kvmemory_cuda_graft.Block * 0)(), (kvmemory_cuda_graft.Layer * 0)(), 2, 0)
 
 
 def test_ctypes_structs_match_c_layout():
-    assert ctypes.sizeof(kvgraft.Block) == 32
-    assert ctypes.sizeof(kvgraft.Layer) == 80
-    src = kvgraft.SOURCE.read_text()
-    for name, _ in kvgraft.Block._fields_ + kvgraft.Layer._fields_:
+    assert ctypes.sizeof(kvmemory_cuda_graft.Block) == 32
+    assert ctypes.sizeof(kvmemory_cuda_graft.Layer) == 80
+    src = kvmemory_cuda_graft.SOURCE.read_text()
+    for name, _ in kvmemory_cuda_graft.Block._fields_ + kvmemory_cuda_graft.Layer._fields_:
         assert f" {name};" in src, f"field {name} missing from the C struct"
 
 
 def test_import_without_nvcc_reports_unavailable(monkeypatch, tmp_path):
-    monkeypatch.setattr(kvgraft, "find_nvcc", lambda: None)
-    monkeypatch.setenv("KVGRAFT_CACHE", str(tmp_path))
-    monkeypatch.delenv("KVGRAFT_LIB", raising=False)
-    monkeypatch.setattr(kvgraft, "_loaded", {})
-    st = kvgraft.status()
+    monkeypatch.setattr(kvmemory_cuda_graft, "find_nvcc", lambda: None)
+    monkeypatch.setenv("KVMEMORY_CUDA_GRAFT_CACHE", str(tmp_path))
+    monkeypatch.delenv("KVMEMORY_CUDA_GRAFT_LIB", raising=False)
+    monkeypatch.setattr(kvmemory_cuda_graft, "_loaded", {})
+    st = kvmemory_cuda_graft.status()
     assert not st.available and "nvcc" in st.reason
-    assert kvgraft.available() is False
-    with pytest.raises(kvgraft.KvgraftUnavailable):
-        kvgraft.load()
+    assert kvmemory_cuda_graft.available() is False
+    with pytest.raises(kvmemory_cuda_graft.CudaGraftUnavailable):
+        kvmemory_cuda_graft.load()
 
 
 def test_cached_build_is_keyed_and_reused(monkeypatch, tmp_path):
-    monkeypatch.setenv("KVGRAFT_CACHE", str(tmp_path))
+    monkeypatch.setenv("KVMEMORY_CUDA_GRAFT_CACHE", str(tmp_path))
     nvcc = _nvcc()
-    first = kvgraft.build("9.0+PTX", nvcc=nvcc)
+    first = kvmemory_cuda_graft.build("9.0+PTX", nvcc=nvcc)
     assert first.parent.parent == tmp_path and first.is_file()
     mtime = first.stat().st_mtime_ns
-    assert kvgraft.build("9.0+PTX", nvcc=nvcc) == first and first.stat().st_mtime_ns == mtime
+    assert kvmemory_cuda_graft.build("9.0+PTX", nvcc=nvcc) == first and first.stat().st_mtime_ns == mtime
     assert _build.expected_path("9.0+PTX", nvcc) == first
 
 
@@ -134,11 +134,11 @@ def test_kernel_code_emulated_on_cpu_matches_twin(built_lib, seed):
     by the library's emulation hook, gives the twin's bytes exactly."""
     import random
 
-    from kvmemory import graft_op
+    from kvmemory.kernels import graft_copy
 
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
-    lib = kvgraft.Library(built_lib)
+    lib = kvmemory_cuda_graft.Library(built_lib)
     dtype = [torch.float32, torch.bfloat16, torch.float16][seed % 3]
     es = torch.empty((), dtype=dtype).element_size()
     T = rng.choice([1, 7, 16, 63])
@@ -156,10 +156,10 @@ def test_kernel_code_emulated_on_cpu_matches_twin(built_lib, seed):
     staging = torch.randint(0, 256, (offsets[-1] + T * per_tok + 5,), dtype=torch.uint8, generator=gen)
     k1, v1 = _sentinel(shapes, dtype), _sentinel(v_shapes, dtype)
     k2, v2 = _sentinel(shapes, dtype), _sentinel(v_shapes, dtype)
-    plan = graft_op._plan(staging, offsets, positions, [T] * 3, k1, v1, offs)
-    blocks, layers = graft_op._kernel_tables(plan, k1, v1)
+    plan = graft_copy._plan(staging, offsets, positions, [T] * 3, k1, v1, offs)
+    blocks, layers = graft_copy._kernel_tables(plan, k1, v1)
     lib.emulate(staging.data_ptr(), blocks, layers, es, threads=rng.choice([1, 7, 32, 256]))
-    graft_op.twin_graft_copy(staging, offsets, positions, [T] * 3, k2, v2, offs)
+    graft_copy.twin_graft_copy(staging, offsets, positions, [T] * 3, k2, v2, offs)
     for a, b in zip(k1 + v1, k2 + v2):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
@@ -191,11 +191,11 @@ def test_gpu_check_script_dry_run(tmp_path):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("kind", ["pinned", "device", "pageable"])
 def test_kernel_matches_twin_on_gpu(dtype, kind):
-    from kvmemory import graft_op
+    from kvmemory.kernels import graft_copy
 
-    if graft_op._kernel is None:
-        graft_op._kernel = kvgraft.load()
-        graft_op._kernel_arch = kvgraft.status().arch_list
+    if graft_copy._kernel is None:
+        graft_copy._kernel = kvmemory_cuda_graft.load()
+        graft_copy._kernel_arch = kvmemory_cuda_graft.status().arch_list
     gen = torch.Generator().manual_seed(5)
     es = torch.empty((), dtype=dtype).element_size()
     shapes = [(2, 40, 64), (4, 40, 128), (1, 12, 256)]
@@ -211,9 +211,9 @@ def test_kernel_matches_twin_on_gpu(dtype, kind):
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())  # sentinel fills and the staging upload come first
     with torch.cuda.stream(side):
-        graft_op.cuda_graft_copy(staging, offsets, positions, [T] * 3, k1, v1, offs)
+        graft_copy.cuda_graft_copy(staging, offsets, positions, [T] * 3, k1, v1, offs)
     side.synchronize()
-    graft_op.twin_graft_copy(staging, offsets, positions, [T] * 3, k2, v2, offs)
+    graft_copy.twin_graft_copy(staging, offsets, positions, [T] * 3, k2, v2, offs)
     torch.cuda.synchronize()
     for a, b in zip(k1 + v1, k2 + v2):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))

@@ -12,8 +12,8 @@ import uuid
 import pytest
 from redis_server import RedisServer
 
-from kvmemory.engine import Engine
-from kvmemory.store import LocalStore
+from kvmemory.engine.engine import Engine
+from kvmemory.store.local import LocalStore
 
 SECONDS = 8.0
 THREADS = 4
@@ -34,14 +34,14 @@ QUERIES = [
 def _store(kind, tmp_path, srv):
     if kind == "local":
         return LocalStore(tmp_path / "store")
-    from kvmemory.redis_store import RedisStore
+    from kvmemory.store.redis_store import RedisStore
 
     return RedisStore(srv.url, store=f"load{uuid.uuid4().hex[:6]}", path=tmp_path / "tier", signer="0a" * 32)
 
 
 @pytest.mark.parametrize("kind", ["local", "redis"])
 def test_concurrent_answer_and_recall(kind, smollm, tmp_path):
-    from kvmemory.memory import KVMemory
+    from kvmemory.memory.facade import KVMemory
 
     srv = RedisServer().start() if kind == "redis" else None
     try:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from kvmemory.errors import InvalidInput, RouterMismatch
-from kvmemory.problems import extract_answer, generate_problems, numbers_in
-from kvmemory.prompts import render_ids, solution_text
+from kvmemory.bench.problems import generate_problems
+from kvmemory.memory.verifiers import extract_answer, numbers_in
+from kvmemory.memory.prompts import render_ids, solution_text
 
 
 @pytest.fixture
@@ -156,7 +157,7 @@ def test_forget_removes_blocks_and_route(library):
 
 
 def test_router_refuses_another_embedder_until_reindex(library, tmp_path):
-    from kvmemory.router import Router
+    from kvmemory.routing.router import Router
 
     mem, probs, _ = library
     folder = mem.store.path / "router"
@@ -175,14 +176,14 @@ def test_router_refuses_another_embedder_until_reindex(library, tmp_path):
 
 def test_entries_remembered_elsewhere_are_routed(library, smollm):
     """Another process (or machine, on a shared store) remembers an entry: this one routes to it."""
-    from kvmemory.engine import Engine
-    from kvmemory.memory import KVMemory
-    from kvmemory.store import LocalStore
+    from kvmemory.engine.engine import Engine
+    from kvmemory.memory.facade import KVMemory
+    from kvmemory.store.local import LocalStore
 
     mem, _, _ = library
     p = generate_problems(1, seed=99)[0]
     other = KVMemory(Engine(smollm, LocalStore(mem.store.path)),
-                     router=__import__("kvmemory.router", fromlist=["Router"]).Router(mem.store.path / "router-other"))
+                     router=__import__("kvmemory.routing.router", fromlist=["Router"]).Router(mem.store.path / "router-other"))
     e = other.remember(p.text, p.solution, answer=str(p.answer), verifier="arithmetic")
     hits = mem.recall(p.rewordings[0], k=1)
     assert hits and hits[0].entry.id == e.id

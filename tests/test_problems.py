@@ -8,20 +8,9 @@ from collections import Counter
 import pytest
 
 from kvmemory.errors import InvalidInput
-from kvmemory.problems import (
-    ArithmeticVerifier,
-    ExactAnswerVerifier,
-    NoneVerifier,
-    Problem,
-    Verifier,
-    extract_answer,
-    find_equations,
-    generate_problems,
-    reword,
-    unrelated_questions,
-    verifier_by_name,
-)
-from kvmemory import problems as P
+from kvmemory.bench.problems import Problem, generate_problems, reword, unrelated_questions
+from kvmemory.memory.verifiers import ArithmeticVerifier, ExactAnswerVerifier, NoneVerifier, Verifier, extract_answer, find_equations, verifier_by_name
+from kvmemory.bench import problems as P
 
 
 @pytest.fixture(scope="module")

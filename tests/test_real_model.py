@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvmemory.engine import Engine
+from kvmemory.engine.engine import Engine
 from kvmemory.errors import InvalidInput, ProfileMismatch, UnknownEntry, VerificationFailed
-from kvmemory.memory import KVMemory
-from kvmemory.store import LocalStore
+from kvmemory.memory.facade import KVMemory
+from kvmemory.store.local import LocalStore
 
 PROBLEM = ("A library lends 37 books on Monday and 45 on Tuesday. On Wednesday it lends twice as many as on "
            "Monday. 19 books come back on Thursday. How many books are still out?")
@@ -19,7 +19,7 @@ SOLUTION = ("Monday and Tuesday: 37 + 45 = 82 books.\nWednesday: 2 * 37 = 74 boo
 def test_embedded_model_is_converted_once(smollm):
     from pathlib import Path
 
-    from kvmemory.models import resolve_model_path
+    from kvmemory.models.loading import resolve_model_path
 
     path = Path(resolve_model_path())
     assert path == Path(smollm.path)

@@ -13,12 +13,12 @@ from tiny_models import tiny_model, IdTokenizer
 from redis_server import (RedisCluster, RedisServer, check_entry_readable, synth_block,
                           synth_entry, synth_tokens)
 
-from kvmemory.engine import Engine
+from kvmemory.engine.engine import Engine
 from kvmemory.errors import IntegrityError, InvalidInput, StoreFull, StoreReadOnly, UnknownEntry
-from kvmemory.models import LoadedModel
-from kvmemory.redis_store import RedisStore, StoreUnavailable, parse_url
-from kvmemory.signing import SigningKeyError
-from kvmemory.store import LocalStore
+from kvmemory.models.loading import LoadedModel
+from kvmemory.store.redis_store import RedisStore, StoreUnavailable, parse_url
+from kvmemory.store.signing import SigningKeyError
+from kvmemory.store.local import LocalStore
 
 KEY = "5f" * 32
 
@@ -128,7 +128,7 @@ def test_damage_in_redis_is_quarantined_and_never_grafted(rstore, damage):
     eng = _engine(rstore)
     ids = _ids(70, seed=3)
     eng.store_prefix(ids)
-    from kvmemory.graft import plan_chain
+    from kvmemory.engine.graft import plan_chain
 
     rows = plan_chain(rstore, eng.profile_id, ids, 16)
     key = rstore.k_payload(rows[1].hash)
@@ -256,7 +256,7 @@ def test_real_three_node_cluster(tmp_path):
                                   if __import__("redis").Redis(port=n.port).dbsize() > 0)
         assert nodes_with_payloads == 3  # the payloads are sharded over every node
         assert s.delete_entries([made[0][0].id]) == 3
-        from kvmemory.fsck import run_fsck
+        from kvmemory.store.fsck import run_fsck
 
         rep = run_fsck(s, repair=False, grace_seconds=0)
         assert rep.exit_code == 0, rep.summary()
@@ -264,8 +264,8 @@ def test_real_three_node_cluster(tmp_path):
 
 
 def test_urls_factory_and_keys(srv, tmp_path, monkeypatch):
-    from kvmemory.signing import SignedLocalStore
-    from kvmemory.stores import open_store
+    from kvmemory.store.signing import SignedLocalStore
+    from kvmemory.store.open import open_store
 
     clean, ours = parse_url("redis://u:secret@127.0.0.1:1/0?store=x&cluster=1&socket_timeout=3")
     assert ours == {"store": "x", "cluster": "1"} and "socket_timeout=3" in clean

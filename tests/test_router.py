@@ -11,10 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvmemory import router as R
+from kvmemory.routing import router as R
 from kvmemory.errors import InvalidInput, RouterMismatch, StoreError
-from kvmemory.problems import generate_problems, unrelated_questions
-from kvmemory.router import DEFAULT_THRESHOLD, Embedder, RouteHit, Router, RouteRow
+from kvmemory.bench.problems import generate_problems, unrelated_questions
+from kvmemory.routing.router import DEFAULT_THRESHOLD, Embedder, RouteHit, Router, RouteRow
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -295,7 +295,7 @@ def test_bad_input_is_refused(emb, folder):
 
 
 def test_default_threshold_meets_targets(emb):
-    from kvmemory.bench_router import calibrate_threshold
+    from kvmemory.bench.router import calibrate_threshold
 
     cal = calibrate_threshold(n_problems=40, n_unrelated=90, seed=21, embedder=emb, rewordings=2)
     at = cal["at_threshold"]

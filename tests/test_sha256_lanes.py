@@ -1,4 +1,4 @@
-"""Multi-lane SHA-256 (kvmemory/sha256_lanes.py, csrc/sha256_lanes.cpp) and the graft reads that use it.
+"""Multi-lane SHA-256 (kvmemory/kernels/sha256_lanes.py, kernels/csrc/sha256_lanes.cpp) and the graft reads that use it.
 
 The digests must be SHA-256's, byte for byte (against hashlib), for every lane count and for
 messages cut into segments; the reader must report truncated and extended files; a store read of a
@@ -22,9 +22,10 @@ from redis_server import expected_payload, synth_entry
 from test_faults import _damage
 from tiny_models import tiny_engine
 
-from kvmemory import graft, sha256_lanes
+from kvmemory.engine import graft
+from kvmemory.kernels import sha256_lanes
 from kvmemory.errors import IntegrityError
-from kvmemory.store import LocalStore
+from kvmemory.store.local import LocalStore
 
 pytestmark = pytest.mark.skipif(sha256_lanes.kind() is None,
                                 reason="the lanes' SHA-256 runs on CPUs with AVX-512 or the SHA extensions only")
@@ -38,7 +39,7 @@ def test_compiles_from_scratch(tmp_path):
     """A fresh machine has no build in its cache: compile into an empty cache folder, in a new process,
     and hash with it there."""
     env = dict(os.environ, KVMEMORY_CACHE=str(tmp_path))
-    code = ("import hashlib; from kvmemory import sha256_lanes as s; b = [bytearray(b'x' * 640)] * 16; "
+    code = ("import hashlib; from kvmemory.kernels import sha256_lanes as s; b = [bytearray(b'x' * 640)] * 16; "
             "print('OK' if s.load() is not None and s.sha256_many(b) == [hashlib.sha256(b[0]).digest()] * 16 "
             "else 'FAILED: ' + str(s.why_unavailable()))")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)

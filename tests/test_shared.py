@@ -1,12 +1,12 @@
-"""kvmemory.shared: one KVMemory per (model, store) in a process, one lock per engine."""
+"""kvmemory.adapters.shared: one KVMemory per (model, store) in a process, one lock per engine."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvmemory import shared
-from kvmemory.memory import KVMemory
-from kvmemory.models import DEFAULT_MODEL
+from kvmemory.adapters import shared
+from kvmemory.memory.facade import KVMemory
+from kvmemory.models.loading import DEFAULT_MODEL
 
 
 @pytest.fixture(scope="module")

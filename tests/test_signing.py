@@ -12,14 +12,13 @@ import torch
 from tiny_models import IdTokenizer, tiny_model
 from redis_server import RedisServer, check_entry_readable, synth_entry
 
-from kvmemory.blocks import encode_header
-from kvmemory.engine import Engine
+from kvmemory.store.blocks import encode_header
+from kvmemory.engine.engine import Engine
 from kvmemory.errors import InvalidInput, UnknownEntry
-from kvmemory.models import LoadedModel
-from kvmemory.redis_store import RedisStore
-from kvmemory.signing import (SignatureError, SignedLocalStore, Signer, SigningKeyError, block_manifest,
-                              entry_manifest, parse_key)
-from kvmemory.store import LocalStore
+from kvmemory.models.loading import LoadedModel
+from kvmemory.store.redis_store import RedisStore
+from kvmemory.store.signing import (SignatureError, SignedLocalStore, Signer, SigningKeyError, block_manifest, entry_manifest, parse_key)
+from kvmemory.store.local import LocalStore
 
 KEY = "a1" * 32
 
@@ -117,7 +116,7 @@ def test_signed_local_store_refuses_forged_and_unsigned_entries(tmp_path):
 
 def _forge_block(store, row, redis: bool):
     """What an attacker without the key can do: new payload bytes, a matching header and row hash."""
-    from kvmemory.blocks import parse_header
+    from kvmemory.store.blocks import parse_header
 
     raw = store.client.get(store.k_payload(row.hash)) if redis else store.block_path(row.hash).read_bytes()
     meta, off = parse_header(raw)
@@ -146,7 +145,7 @@ def test_forged_blocks_are_never_grafted(kind, srv, tmp_path):
     eng.store_prefix(ids)
     _, report = eng.forward(ids)
     assert report.tokens_grafted == 64
-    from kvmemory.graft import plan_chain
+    from kvmemory.engine.graft import plan_chain
 
     rows = plan_chain(store, eng.profile_id, ids, 16)
     _forge_block(store, rows[2], redis=kind == "redis")

@@ -14,9 +14,9 @@ import pytest
 import torch
 from tiny_models import tiny_engine
 
-from kvmemory.blocks import BlockMeta, encode_header, parse_header
+from kvmemory.store.blocks import BlockMeta, encode_header, parse_header
 from kvmemory.errors import IntegrityError, StoreFormatError, StoreFull, StoreReadOnly
-from kvmemory.store import STORE_FORMAT, LocalStore
+from kvmemory.store.local import STORE_FORMAT, LocalStore
 
 
 def _ids(n, seed=1):
@@ -24,7 +24,7 @@ def _ids(n, seed=1):
 
 
 def _chain_rows(eng, ids):
-    from kvmemory.graft import plan_chain
+    from kvmemory.engine.graft import plan_chain
 
     return plan_chain(eng.store, eng.profile_id, ids, eng.chunk)
 

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import torch
 
-from kvmemory import attention, linear
-from kvmemory.engine import Engine
-from kvmemory.models import LoadedModel
-from kvmemory.store import LocalStore
+from kvmemory.models import attention
+from kvmemory.models import packed_linear
+from kvmemory.engine.engine import Engine
+from kvmemory.models.loading import LoadedModel
+from kvmemory.store.local import LocalStore
 
 TINY_VOCAB = 512
 
@@ -82,7 +83,7 @@ def tiny_model(arch: str, dtype: torch.dtype = torch.float32, seed: int = 0, att
     model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation=attn)
     model.eval().requires_grad_(False)
     if pack:
-        linear.pack_linears(model)  # as models.load_model does on the CPU
+        packed_linear.pack_linears(model)  # as models.load_model does on the CPU
     return model
 
 

@@ -27,9 +27,9 @@ from typing import Any
 
 import torch
 
-from kvmemory.memory import Answer, KVMemory
-from kvmemory.runner import Sampling
-from kvmemory.store import EntryRecord
+from kvmemory.memory.facade import Answer, KVMemory
+from kvmemory.engine.runner import Sampling
+from kvmemory.store.local import EntryRecord
 
 from .errors import GuidedDecodingError
 

@@ -1,6 +1,6 @@
 """The process-wide `KVMemory` the adapters borrow, with its lock, as one value.
 
-Which instance and which lock come from `kvmemory.shared` (one per (model, store) in a process,
+Which instance and which lock come from `kvmemory.adapters.shared` (one per (model, store) in a process,
 shared with the LlamaIndex adapters); this module pairs them for the adapters here, which hold the
 lock while they compute (LangChain's `batch` and async paths call in from thread pools).
 """
@@ -11,8 +11,8 @@ import os
 import threading
 from dataclasses import dataclass
 
-from kvmemory import shared
-from kvmemory.memory import KVMemory
+from kvmemory.adapters import shared
+from kvmemory.memory.facade import KVMemory
 
 
 @dataclass(slots=True, frozen=True)

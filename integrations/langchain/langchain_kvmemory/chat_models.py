@@ -36,12 +36,12 @@ from langchain_core.utils.function_calling import convert_to_json_schema, conver
 from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import ConfigDict, Field, model_validator
 
-from kvmemory.graft import plan_chain
-from kvmemory.memory import KVMemory
-from kvmemory.models import DEFAULT_MODEL
-from kvmemory.prompts import render_ids
-from kvmemory.runner import Sampling
-from kvmemory.store import EntryRecord
+from kvmemory.engine.graft import plan_chain
+from kvmemory.memory.facade import KVMemory
+from kvmemory.models.loading import DEFAULT_MODEL
+from kvmemory.memory.prompts import render_ids
+from kvmemory.engine.runner import Sampling
+from kvmemory.store.local import EntryRecord
 
 from ._guided import Decoder, JsonGuide
 from ._memory import SharedMemory, env_store, shared_memory, wrap_memory

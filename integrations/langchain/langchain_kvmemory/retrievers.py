@@ -15,8 +15,8 @@ from langchain_core.retrievers import BaseRetriever
 from langchain_core.runnables.config import run_in_executor
 from pydantic import ConfigDict, Field, model_validator
 
-from kvmemory.memory import KVMemory, Recalled
-from kvmemory.models import DEFAULT_MODEL
+from kvmemory.memory.facade import KVMemory, Recalled
+from kvmemory.models.loading import DEFAULT_MODEL
 
 from ._memory import SharedMemory, env_store, shared_memory, wrap_memory
 

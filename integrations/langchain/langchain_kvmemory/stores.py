@@ -43,8 +43,8 @@ from langgraph.store.base import (
 )
 
 from kvmemory.errors import UnknownEntry
-from kvmemory.memory import KVMemory
-from kvmemory.models import DEFAULT_MODEL
+from kvmemory.memory.facade import KVMemory
+from kvmemory.models.loading import DEFAULT_MODEL
 
 from ._memory import SharedMemory, env_store, shared_memory, wrap_memory
 from .errors import InvalidNamespace

@@ -15,8 +15,8 @@ from langchain_core.tools import BaseTool, StructuredTool, ToolException
 from pydantic import BaseModel, Field
 
 from kvmemory.errors import InvalidInput, VerificationFailed
-from kvmemory.memory import KVMemory
-from kvmemory.models import DEFAULT_MODEL
+from kvmemory.memory.facade import KVMemory
+from kvmemory.models.loading import DEFAULT_MODEL
 
 from ._memory import env_store, shared_memory, wrap_memory
 from .retrievers import KVMemoryRetriever

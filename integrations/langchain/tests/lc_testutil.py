@@ -14,7 +14,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-from kvmemory.problems import generate_problems
+from kvmemory.bench.problems import generate_problems
 
 PROBLEMS = generate_problems(4, seed=11)
 _lock = threading.Lock()
@@ -53,7 +53,7 @@ def tiny_model_path() -> str:
             import torch
             from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-            from kvmemory.models import resolve_model_path
+            from kvmemory.models.loading import resolve_model_path
 
             tok = AutoTokenizer.from_pretrained(resolve_model_path())
             cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,

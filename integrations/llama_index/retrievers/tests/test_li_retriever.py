@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from kvmemory.problems import unrelated_questions
+from kvmemory.bench.problems import unrelated_questions
 from llama_index.core.base.base_retriever import BaseRetriever
 from llama_index.core.schema import MetadataMode, NodeWithScore, QueryBundle, TextNode
 from llama_index.retrievers.kvmemory import METADATA_KEYS, KVMemoryRetriever

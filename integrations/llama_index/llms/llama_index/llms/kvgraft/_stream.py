@@ -15,7 +15,7 @@ import threading
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
-from kvmemory.memory import Answer
+from kvmemory.memory.facade import Answer
 
 
 class DecodeCancelled(Exception):

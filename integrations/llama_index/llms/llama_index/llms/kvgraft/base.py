@@ -20,11 +20,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvmemory.errors import InvalidInput
-from kvmemory.memory import Answer, KVMemory
-from kvmemory.models import DEFAULT_MODEL
-from kvmemory.runner import Sampling
-from kvmemory.shared import memory_lock, shared_memory
-from kvmemory.store import EntryRecord
+from kvmemory.memory.facade import Answer, KVMemory
+from kvmemory.models.loading import DEFAULT_MODEL
+from kvmemory.engine.runner import Sampling
+from kvmemory.adapters.shared import memory_lock, shared_memory
+from kvmemory.store.local import EntryRecord
 from llama_index.core.base.llms.types import (
     ChatMessage,
     ChatResponse,

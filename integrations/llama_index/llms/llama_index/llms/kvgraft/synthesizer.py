@@ -20,8 +20,8 @@ import copy
 from collections.abc import Generator, Sequence
 from typing import Any
 
-from kvmemory.memory import Answer
-from kvmemory.store import EntryRecord
+from kvmemory.memory.facade import Answer
+from kvmemory.store.local import EntryRecord
 from llama_index.core.base.response.schema import RESPONSE_TYPE, Response, StreamingResponse
 from llama_index.core.callbacks import CallbackManager
 from llama_index.core.callbacks.schema import CBEventType, EventPayload

@@ -20,11 +20,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvmemory.errors import InvalidInput, VerificationFailed
-from kvmemory.memory import TEXT_TEMPLATE, KVMemory, Recalled
-from kvmemory.models import DEFAULT_MODEL
-from kvmemory.problems import VERIFIERS
-from kvmemory.shared import shared_memory
-from kvmemory.store import EntryRecord
+from kvmemory.memory.facade import TEXT_TEMPLATE, KVMemory, Recalled
+from kvmemory.models.loading import DEFAULT_MODEL
+from kvmemory.memory.verifiers import VERIFIERS
+from kvmemory.adapters.shared import shared_memory
+from kvmemory.store.local import EntryRecord
 from llama_index.core.base.llms.types import ChatMessage, MessageRole, TextBlock
 from llama_index.core.bridge.pydantic import Field, PrivateAttr, field_validator, model_validator
 from llama_index.core.memory.memory import BaseMemoryBlock

@@ -1,0 +1,1 @@
+"""Benchmarks, their data generators, and the demo. Never imported by the layers below."""

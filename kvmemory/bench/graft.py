@@ -1,0 +1,351 @@
+"""`kvmemory bench graft`: time to first token with a graft from the store vs the alternatives.
+
+Workload: a prompt whose first L tokens are already stored (L on the grid) followed by 16 new tokens,
+on the embedded model. Measured side by side in one process (one run, one machine):
+
+- graft: `Engine.forward` — plan the chain, read + SHA-256-verify + copy the blocks into the cache
+  (verification on, always), compute the 16 new tokens on the grid, pick the first token;
+- canonical recompute: the reference runner from scratch over L + 16 tokens;
+- single pass: a plain transformers forward `model(ids, logits_to_keep=1)` on the same weights loaded
+  as transformers loads them (its own sdpa, plain linears: what a user without kvmemory would run;
+  not bit-comparable, shown for scale);
+- llama.cpp restore (optional extra `llama-cpp-python`, same GGUF file): read the saved state of the
+  first L tokens from a file, restore it, evaluate the same 16 tokens.
+
+Also reported: the graft throughput (bytes grafted / seconds reading, verifying and copying) against
+the machine's raw read-and-hash bandwidth over the same block files with the same threads, measured
+once after each timed graft (interleaved, so that drift in the machine's speed hits both alike): the
+better of reading each file and hashing it with hashlib, and reading the payloads and hashing them
+with the lanes' SHA-256 the graft itself uses (sha256_lanes.py: 16 at a time with AVX-512, each by the
+SHA instructions without), so the graft is held to the fastest hash on the machine, not to a slower one. The block files are hot in the page cache (just
+written), as they are for a store in regular use.
+
+And, per L, the ceiling of the graft on this machine with this runner: the graft's own 16-token step
+(the runner over the grafted cache, the step the recompute ends with too) plus the chain's bytes read
+and SHA-256-hashed at the raw bandwidth (the same files, the same threads, no kvmemory code).
+`ceiling_vs_recompute` is the ratio a graft costing only those two would reach; the graft's TTFT
+over that floor shows how much the rest (planning, header checks, copying) adds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import statistics
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+DEFAULT_LENGTHS = (256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+def machine_info() -> dict:
+    """What the figures were measured on. The VMs of one kind come with different CPUs, so the CPU's
+    family / model and the vector ISA kvmemory's kernels ran (`cpu_isa`: torch's, which
+    ATEN_CPU_CAPABILITY can lower below what the CPU has, `cpu_flags`) are part of every report."""
+    import transformers
+
+    from kvmemory.kernels import sha256_lanes
+    from kvmemory.kernels.cpu import cpu_info, isa
+
+    fields = cpu_info()
+    flags = set(fields.get("flags", "").split())
+    return {"cpu": fields.get("model name", platform.processor()),
+            "cpu_vendor_family_model": " ".join(fields.get(k, "?") for k in ("vendor_id", "cpu family", "model")),
+            "cpu_flags": sorted(flags & {"avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "sha_ni", "amx_tile"}),
+            "cpu_isa": isa(), "sha256_lanes": sha256_lanes.kind(),
+            "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
+            "memory_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)}
+
+
+def _median(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def raw_read_hash_bandwidth(files: list[Path], threads: int) -> float:
+    """GB/s for reading each file into a buffer and SHA-256-hashing it with hashlib (no kvmemory code)."""
+    def one(f: Path) -> int:
+        with open(f, "rb", buffering=0) as fh:
+            b = fh.read()
+        hashlib.sha256(b).digest()
+        return len(b)
+
+    t = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        n = sum(pool.map(one, files))
+    return n / (time.perf_counter() - t) / 1e9
+
+
+def raw_read_hash_lanes_bandwidth(files: list[Path], payload_nbytes: int, threads: int) -> float | None:
+    """GB/s for reading the files' payloads (their last `payload_nbytes` bytes) and hashing them with
+    the lanes' SHA-256 (16 at a time with AVX-512, else each with the SHA instructions), grouped as a
+    graft groups them, into scratch buffers (no header checks, nothing placed): the machine's
+    read-and-hash bandwidth with the fastest hash kvmemory has. None where the lanes do not apply
+    (neither AVX-512 nor SHA-NI, too few files per thread)."""
+    import math
+
+    import numpy as np
+
+    from kvmemory.kernels import sha256_lanes
+
+    seg = math.gcd(payload_nbytes, 1 << 14)  # 16 KB segments, as a graft's rows of 64 float32 positions
+    groups = sha256_lanes.groups(files, threads)
+    if sha256_lanes.load() is None or seg % 64 or groups is None:
+        return None
+    slab, nseg = 16, payload_nbytes // seg
+    # Per group, a scratch ring of `slab` segments per lane (each slab is hashed before the next is read
+    # into the same place) and its segment addresses, made before the clock starts.
+    scratch = [np.empty((len(g), slab, seg), dtype=np.uint8) for g in groups]
+    addrs = [(s.ctypes.data + (np.arange(len(g), dtype=np.uint64)[:, None] * np.uint64(slab * seg)
+                               + (np.arange(nseg, dtype=np.uint64) % np.uint64(slab))[None, :] * np.uint64(seg)))
+             for s, g in zip(scratch, groups)]
+
+    def one(i: int) -> int:
+        offsets = [os.stat(f).st_size - payload_nbytes for f in groups[i]]
+        got, _ = sha256_lanes.read_hash_lanes(groups[i], offsets, addrs[i], seg, slab=slab)
+        return sum(got)
+
+    t = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        n = sum(pool.map(one, range(len(groups))))
+    return n / (time.perf_counter() - t) / 1e9
+
+
+class _LlamaCpp:
+    """llama.cpp's own state file save / restore (`llama_state_save_file` / `llama_state_load_file`,
+    through llama-cpp-python's C bindings) on the same GGUF file, then the same new tokens."""
+
+    def __init__(self, gguf: str, n_ctx: int, threads: int):
+        import llama_cpp
+        from llama_cpp import Llama
+
+        # which build runs: its version and the SIMD it was compiled for (AVX2, AVX512 ...)
+        self.build = f"llama-cpp-python {llama_cpp.__version__}; {llama_cpp.llama_print_system_info().decode().strip()}"
+        self.llm = Llama(model_path=gguf, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, n_batch=512,
+                         verbose=False, logits_all=False)
+
+    def save(self, ids: list[int], path: Path) -> None:
+        import llama_cpp
+
+        self.llm.reset()
+        self.llm.eval(ids)
+        arr = (llama_cpp.llama_token * len(ids))(*ids)
+        if not llama_cpp.llama_state_save_file(self.llm._ctx.ctx, str(path).encode(), arr, len(ids)):
+            raise RuntimeError(f"llama.cpp could not save its state to {path}")
+
+    def restore_and_eval(self, path: Path, tail: list[int]) -> int:
+        import ctypes
+
+        import llama_cpp
+        import numpy as np
+
+        n_ctx = self.llm.n_ctx()
+        tokens = (llama_cpp.llama_token * n_ctx)()
+        count = ctypes.c_size_t(0)
+        self.llm.reset()
+        if not llama_cpp.llama_state_load_file(self.llm._ctx.ctx, str(path).encode(), tokens, n_ctx,
+                                               ctypes.byref(count)):
+            raise RuntimeError(f"llama.cpp could not load its state from {path}")
+        n = count.value
+        self.llm.input_ids[:n] = np.ctypeslib.as_array(tokens)[:n]
+        self.llm.n_tokens = n
+        self.llm.eval(tail)
+        logits = np.ctypeslib.as_array(self.llm._ctx.get_logits(), shape=(self.llm.n_vocab(),))
+        return int(logits.argmax())
+
+
+def run_graft_bench(lengths=DEFAULT_LENGTHS, *, new_tokens: int = 16, repeats: int = 3, model: str | None = None,
+                    dtype: str | None = None, kv_dtype: str = "auto", linears: str = "auto", llamacpp: bool = True,
+                    progress: bool = True, seed: int = 0) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from kvmemory.engine.engine import Engine
+    from kvmemory.errors import InvalidInput
+    from kvmemory.engine.graft import _READ_THREADS
+    from kvmemory.models.loading import DEFAULT_MODEL, embedded_gguf_path, resolve_model_path
+    from kvmemory.engine.runner import DEFAULT_CHUNK as C  # the grid the bench's fresh store is opened with
+
+    # Checked before anything is loaded: a typo should not cost a model load.
+    lengths = sorted(int(x) for x in lengths)
+    bad = [L for L in lengths if L <= 0 or L % C]
+    if not lengths or bad:
+        raise InvalidInput(f"lengths must be positive multiples of the grid C={C}, got {bad or 'none'}")
+    if not 0 < new_tokens < C:
+        raise InvalidInput(f"new_tokens must be between 1 and the grid C={C} - 1, got {new_tokens}")
+    if repeats < 1:
+        raise InvalidInput(f"repeats must be at least 1, got {repeats}")
+    tmp = tempfile.TemporaryDirectory(prefix="kvmemory-bench-graft-")
+    try:
+        eng = Engine.open(model or DEFAULT_MODEL, f"{tmp.name}/store", chunk=C, dtype=dtype, kv_dtype=kv_dtype,
+                          linears=linears, max_positions=lengths[-1] + new_tokens + 64)
+        # The single-pass baseline: the same weights as transformers loads them (its sdpa, plain linears).
+        plain = AutoModelForCausalLM.from_pretrained(resolve_model_path(model or DEFAULT_MODEL), dtype=dtype).eval()
+        vocab = eng.runner.vocab_size
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.randint(100, min(vocab, 40000), (lengths[-1] + new_tokens,), generator=g).tolist()
+        t0 = time.perf_counter()
+        eng.store_prefix(ids[: lengths[-1]])  # the blocks of every L (shorter L are prefixes of the chain)
+        store_seconds = time.perf_counter() - t0
+
+        lcpp = None
+        lcpp_note = "not requested"
+        if llamacpp and (model is None or model == DEFAULT_MODEL):
+            try:
+                lcpp = _LlamaCpp(str(embedded_gguf_path()), lengths[-1] + new_tokens + 64, torch.get_num_threads())
+                lcpp_note = f"{lcpp.build}, on the same GGUF file"
+            except ImportError:
+                lcpp_note = "llama-cpp-python not installed (pip install 'kvmemory[llamacpp]')"
+        rows = []
+        for L in tqdm(lengths, desc="lengths", disable=not progress):
+            prompt = ids[: L + new_tokens]
+            first = {}
+            reports = []  # the timed grafts' reports
+
+            def graft():
+                res, rep = eng.forward(prompt, max_new_tokens=1, keep_logits=False, stop_token_ids=())
+                first["graft"] = res.generated[0]
+                reports.append(rep)
+
+            def recompute():
+                res = eng.recompute(prompt, max_new_tokens=1, keep_logits=False)
+                first["recompute"] = res.generated[0]
+
+            def single_pass():
+                with torch.inference_mode():
+                    out = plain(input_ids=torch.tensor([prompt]), logits_to_keep=1)
+                first["single"] = int(out.logits[0, -1].argmax())
+
+            graft()  # warm (first call allocates)
+            files = [eng.store.block_path(h) for h in reports[-1].blocks_used]
+            reports.clear()
+            # Each timed graft is followed by one raw read + SHA-256 of the same files: this VM's speed
+            # drifts, and interleaving makes the drift hit the graft and its floor alike.
+            times, raws, lanes = [], [], []
+            for _ in range(repeats):
+                t = time.perf_counter()
+                graft()
+                times.append(time.perf_counter() - t)
+                raws.append(raw_read_hash_bandwidth(files, _READ_THREADS))
+                lanes.append(raw_read_hash_lanes_bandwidth(files, reports[-1].bytes_read // len(files), _READ_THREADS))
+            rep = reports[-1]
+            raw_hashlib = statistics.median(raws)
+            raw_lanes = statistics.median(lanes) if None not in lanes else None
+            # The machine's raw bandwidth is the better of the two hashes: the graft is held to the fastest.
+            t_graft, raw_bw = statistics.median(times), max(raw_hashlib, raw_lanes or 0.0)
+            parts = {k: statistics.median(getattr(r, k) for r in reports)
+                     for k in ("read_verify_seconds", "copy_seconds", "compute_seconds")}
+            t_floor = rep.bytes_read / raw_bw / 1e9
+            assert rep.tokens_grafted == L, (rep.tokens_grafted, L)
+            t_rec = _median(recompute, 1 if L >= 4096 else repeats)
+            t_single = _median(single_pass, 1 if L >= 4096 else repeats)
+            row = {
+                "L": L, "tokens_grafted": rep.tokens_grafted, "tokens_computed": rep.tokens_computed,
+                "bytes_grafted": rep.bytes_read,
+                "graft_ttft_s": t_graft, "recompute_ttft_s": t_rec, "single_pass_ttft_s": t_single,
+                # medians over the timed grafts, as the TTFT is
+                "graft_read_verify_s": parts["read_verify_seconds"], "graft_copy_s": parts["copy_seconds"],
+                "graft_compute_s": parts["compute_seconds"],
+                "speedup_vs_recompute": t_rec / t_graft, "speedup_vs_single_pass": t_single / t_graft,
+                "first_token_equal_recompute": first["graft"] == first["recompute"],
+                "raw_read_hash_gb_s": raw_bw, "raw_read_hashlib_gb_s": raw_hashlib,
+                "raw_read_hash_lanes_gb_s": raw_lanes, "read_hash_floor_s": t_floor,
+                "ceiling_vs_recompute": t_rec / (t_floor + parts["compute_seconds"]),
+                "graft_over_floor": t_graft / (t_floor + parts["compute_seconds"]),
+            }
+            if lcpp is not None:
+                state = Path(tmp.name) / f"llamacpp-{L}.state"
+                lcpp.save(ids[:L], state)
+                lcpp_first = lcpp.restore_and_eval(state, ids[L : L + new_tokens])  # warm
+                row["llamacpp_restore_ttft_s"] = _median(
+                    lambda: lcpp.restore_and_eval(state, ids[L : L + new_tokens]), repeats)
+                row["llamacpp_state_bytes"] = state.stat().st_size
+                row["speedup_vs_llamacpp"] = row["llamacpp_restore_ttft_s"] / t_graft
+                # Other kernels, other numerics: the same first token is likely, not owed.
+                row["llamacpp_first_token_equal_graft"] = lcpp_first == first["graft"]
+            rows.append(row)
+
+        # Throughput at the largest L against the raw read-and-hash bandwidth of the same files.
+        last = rows[-1]
+        raw = last["raw_read_hash_gb_s"]
+        graft_bw = last["bytes_grafted"] / (last["graft_read_verify_s"] + last["graft_copy_s"]) / 1e9
+        return {
+            "model": eng.loaded.source, "profile_id": eng.profile_id, "dtype": eng.profile.dtype,
+            "kv_dtype": eng.profile.kv_dtype, "attn_implementation": eng.profile.attn_implementation,
+            "linear_impl": eng.profile.linear_impl, "chunk": C, "new_tokens": new_tokens,
+            "repeats": repeats, "machine": machine_info(), "store_seconds_for_largest_L": store_seconds,
+            "llamacpp": lcpp_note, "rows": rows,
+            "throughput": {"graft_gb_s": graft_bw, "raw_read_hash_gb_s": raw, "ratio": graft_bw / raw,
+                           "raw_read_hashlib_gb_s": last["raw_read_hashlib_gb_s"],
+                           "raw_read_hash_lanes_gb_s": last["raw_read_hash_lanes_gb_s"],
+                           "threads": _READ_THREADS, "at_L": last["L"]},
+        }
+    finally:
+        tmp.cleanup()
+
+
+def format_table(r: dict) -> str:
+    has_l = any("llamacpp_restore_ttft_s" in row for row in r["rows"])
+    head = "| L | graft TTFT s | recompute s | single pass s |" + (" llama.cpp restore s |" if has_l else "") + \
+           " vs recompute | vs single pass |" + (" vs llama.cpp |" if has_l else "") + \
+           " floor s (read+hash, 16-token step) | ceiling vs recompute |"
+    out = [f"profile: {r['dtype']} compute, {r.get('kv_dtype', r['dtype'])} K/V, {r['attn_implementation']}, "
+           f"linears {r['linear_impl']}", "", head, "|" + "---|" * (head.count("|") - 1)]
+    for x in r["rows"]:
+        cells = [str(x["L"]), f"{x['graft_ttft_s']:.4f}", f"{x['recompute_ttft_s']:.3f}", f"{x['single_pass_ttft_s']:.3f}"]
+        if has_l:
+            cells.append(f"{x.get('llamacpp_restore_ttft_s', float('nan')):.4f}")
+        cells += [f"{x['speedup_vs_recompute']:.1f}x", f"{x['speedup_vs_single_pass']:.1f}x"]
+        if has_l:
+            cells.append(f"{x.get('speedup_vs_llamacpp', float('nan')):.2f}x")
+        cells += [f"{x['read_hash_floor_s']:.3f} + {x['graft_compute_s']:.3f}", f"{x['ceiling_vs_recompute']:.1f}x"]
+        out.append("| " + " | ".join(cells) + " |")
+    t = r["throughput"]
+    out.append("")
+    out.append(f"graft throughput at L={t['at_L']}: {t['graft_gb_s']:.2f} GB/s read + SHA-256 verified + copied, "
+               f"raw read-and-hash bandwidth {t['raw_read_hash_gb_s']:.2f} GB/s ({t['ratio']:.0%}; hashlib "
+               f"{t['raw_read_hashlib_gb_s']:.2f}, lanes "
+               f"{'n/a' if t['raw_read_hash_lanes_gb_s'] is None else format(t['raw_read_hash_lanes_gb_s'], '.2f')}), "
+               f"{t['threads']} threads")
+    out.append(f"llama.cpp: {r['llamacpp']}")
+    return "\n".join(out)
+
+
+def plot(r: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    Ls = [x["L"] for x in r["rows"]]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ax.plot(Ls, [x["recompute_ttft_s"] for x in r["rows"]], "o-", label="canonical recompute")
+    ax.plot(Ls, [x["single_pass_ttft_s"] for x in r["rows"]], "s-", label="single-pass transformers forward")
+    if any("llamacpp_restore_ttft_s" in x for x in r["rows"]):
+        ax.plot(Ls, [x.get("llamacpp_restore_ttft_s") for x in r["rows"]], "^-", label="llama.cpp state restore")
+    ax.plot(Ls, [x["graft_ttft_s"] for x in r["rows"]], "D-", label="kvmemory graft (SHA-256 verified)")
+    ax.plot(Ls, [x["read_hash_floor_s"] + x["graft_compute_s"] for x in r["rows"]], "k:",
+            label="floor: raw read + SHA-256 of the bytes, + the 16-token step")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("stored prefix length L (tokens), + 16 new tokens")
+    ax.set_ylabel("time to first token (s)")
+    ax.set_title(f"Time to first token, {r['model']}\n{r['dtype']} compute, {r.get('kv_dtype', r['dtype'])} K/V, linears "
+                 f"{r.get('linear_impl', '?')}; {r['machine']['cpu']} ({r['machine'].get('cpu_isa', '?')} kernels), "
+                 f"{r['machine']['torch_threads']} threads",
+                 fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,1 @@
+"""The exact graft engine: canonical runner (the reference), cache, graft, execution profile, verify."""

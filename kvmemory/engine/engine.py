@@ -1,0 +1,291 @@
+"""The exact graft engine: a frozen model, its execution profile, the canonical runner and a store.
+
+This is the layer the facade and the adapters stand on. Its public methods take token ids (or text)
+and return the logits of a canonical forward, grafted or not, with a `GraftReport`, so anyone can
+compare against a reference of their own:
+
+    engine = Engine.open()                                # embedded SmolLM2, default store
+    ids = engine.encode("some long shared context ...")
+    engine.store_prefix(ids)                              # compute once, keep its blocks
+    result, report = engine.forward(ids + more_ids, max_new_tokens=8)   # grafted
+    reference = engine.recompute(ids + more_ids, max_new_tokens=8)      # from scratch
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvmemory.store.blocks import BlockMeta, capture_payload, chain_hashes
+from kvmemory.errors import InvalidInput, ProfileMismatch
+from kvmemory.engine.cache import Room
+from kvmemory.engine.graft import GraftReport, LoadedChain, build_cache, check_chain, load_chain, plan_chain
+from kvmemory.models.loading import DEFAULT_MODEL, LoadedModel, load_model
+from kvmemory.engine.profile import ExecutionProfile, apply_determinism, build_profile
+from kvmemory.engine.runner import DEFAULT_CHUNK, GREEDY, CanonicalRunner, ForwardResult, Sampling
+from kvmemory.store.local import BlockRow, LocalStore
+from kvmemory.engine.verify import Comparison, compare_runs, make_attestation
+
+
+@dataclass(slots=True, frozen=True)
+class VerifyReport:
+    """A grafted run checked against a recompute from scratch (plus the single-pass diagnostic)."""
+
+    graft_point: int
+    tokens: int
+    comparison: Comparison
+    attestation: dict
+    single_pass_max_abs_diff: float | None
+    graft_report: GraftReport
+    recompute_seconds: float
+    graft_seconds: float
+
+    @property
+    def bit_identical(self) -> bool:
+        return self.comparison.bit_identical
+
+    def to_json(self) -> dict:
+        return {
+            "graft_point": self.graft_point,
+            "tokens": self.tokens,
+            **self.comparison.to_json(),
+            "attestation_id": self.attestation["attestation_id"],
+            "single_pass_max_abs_diff": self.single_pass_max_abs_diff,
+            "recompute_seconds": round(self.recompute_seconds, 4),
+            "graft_seconds": round(self.graft_seconds, 4),
+            "graft": self.graft_report.to_json(),
+        }
+
+
+def graft_point_for(n_tokens: int, chunk: int) -> int:
+    """Where a graft of an n-token prompt ends: the last grid boundary before its last token."""
+    return ((n_tokens - 1) // chunk) * chunk if n_tokens > 0 else 0
+
+
+class Engine:
+    """A frozen model + profile + canonical runner + store."""
+
+    def __init__(self, loaded: LoadedModel, store, *, chunk: int = DEFAULT_CHUNK, threads: int | None = None,
+                 max_positions: int | None = None, model_sha256: str | None = None, kv_dtype=None):
+        self.loaded = loaded
+        self.model = loaded.model
+        self.tokenizer = loaded.tokenizer
+        self.store = store
+        self.device = next(self.model.parameters()).device
+        apply_determinism(self.device, threads)
+        self.runner = CanonicalRunner(self.model, chunk, max_positions, kv_dtype)
+        self.room = Room()  # K/V buffers kept between grafted forwards (cache.Room; room.clear() frees them)
+        self.chunk = chunk
+        self.profile: ExecutionProfile = build_profile(self.model, self.tokenizer, chunk, model_sha256=model_sha256,
+                                                     kv_dtype=self.runner.kv_dtype)
+        self.profile_id = self.profile.profile_id
+        if not getattr(store, "readonly", False):
+            store.put_profile(self.profile_id, self.profile.to_dict())
+
+    @classmethod
+    def open(cls, model: str = DEFAULT_MODEL, store=None, *, chunk: int = DEFAULT_CHUNK, dtype=None,
+             device: str = "cpu", threads: int | None = None, attn_implementation: str = "sdpa",
+             max_positions: int | None = None, linears: str = "auto", kv_dtype: str = "auto") -> "Engine":
+        """Load `model` and open `store`. `linears`: what computes the linear layers on the CPU
+        (models.LINEARS; each is its own profile): "auto" = from the embedded model's GGUF blocks
+        where the kernel runs (gguf_linear.py), else oneDNN-packed (linear.py); "plain" keeps
+        torch's (slower, no second copy of the weights in memory).
+        `kv_dtype`: the dtype the cache keeps K/V in. "auto": bfloat16 under a float32 model on the
+        CPU where kvmemory's attention runs and every layer attends fully (runner.resolve_kv_dtype:
+        half the bytes per block to store, read and verify), else the model's; "float32" /
+        "bfloat16" ask for one (each is its own profile: cache.py)."""
+        from kvmemory.store.open import open_store
+
+        # A folder (local store), a redis:// URL (shared store), None (KVMEMORY_STORE or the default).
+        store = open_store(store)
+        loaded = load_model(model, dtype=dtype, device=device, attn_implementation=attn_implementation,
+                            linears=linears)
+        return cls(loaded, store, chunk=chunk, threads=threads, max_positions=max_positions, kv_dtype=kv_dtype)
+
+    # ------------------------------------------------------------------ tokens
+    def encode(self, text: str) -> list[int]:
+        if not isinstance(text, str) or not text.strip():
+            raise InvalidInput("empty text: give something for the model to read")
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        ids = set()
+        for src in (getattr(self.model, "generation_config", None), self.model.config, self.tokenizer):
+            e = getattr(src, "eos_token_id", None)
+            if isinstance(e, int):
+                ids.add(e)
+            elif isinstance(e, (list, tuple)):
+                ids.update(int(x) for x in e)
+        return sorted(ids)
+
+    # ------------------------------------------------------------------ profiles
+    def require_profile(self, profile_id: str, what: str) -> None:
+        """Raise ProfileMismatch naming every differing field when `profile_id` is not ours."""
+        if profile_id == self.profile_id:
+            return
+        stored = self.store.get_profile(profile_id)
+        if stored is None:
+            raise ProfileMismatch(f"{what} were made under an unknown execution profile {profile_id[:12]}; "
+                                  "recompute under the current profile")
+        self.profile.require_same(ExecutionProfile.from_dict(stored), what)
+
+    # ------------------------------------------------------------------ compute
+    def recompute(self, token_ids: Sequence[int], *, max_new_tokens: int = 0, sampling: Sampling = GREEDY,
+                  stop_token_ids: Sequence[int] = (), keep_logits: bool = True) -> ForwardResult:
+        """The reference: the canonical runner from scratch, no graft."""
+        return self.runner.forward(token_ids, max_new_tokens=max_new_tokens, sampling=sampling,
+                                   stop_token_ids=stop_token_ids, keep_logits=keep_logits)
+
+    def _capture(self, token_ids: Sequence[int], sink: list, upto: int | None = None) -> Callable:
+        """An on_chunk callback that turns each full prefill chunk into a block (meta, payload)."""
+        hashes = chain_hashes(self.profile_id, token_ids, self.chunk, limit=upto)
+        C = self.chunk
+
+        def on_chunk(s: int, e: int, cache) -> None:
+            i = s // C
+            if e - s != C or i >= len(hashes):
+                return
+            payload, dtype, ks, vs = capture_payload(cache, s, e)
+            meta = BlockMeta(
+                hash=hashes[i], parent=hashes[i - 1] if i else None, profile_id=self.profile_id, index=i,
+                position=s, token_ids=tuple(int(t) for t in token_ids[s:e]), dtype=dtype,
+                k_shapes=tuple(ks), v_shapes=tuple(vs), payload_nbytes=payload.numel(),
+                payload_sha256=hashlib.sha256(memoryview(payload.numpy())).hexdigest(),
+            )
+            sink.append((meta, payload))
+
+        return on_chunk
+
+    def compute_blocks(self, token_ids: Sequence[int], *, max_new_tokens: int = 0, keep_logits: bool = True,
+                       sampling: Sampling = GREEDY) -> tuple[ForwardResult, list[tuple[BlockMeta, torch.Tensor]]]:
+        """Recompute from scratch and capture every full block of the prompt."""
+        blocks: list = []
+        result = self.runner.forward(token_ids, max_new_tokens=max_new_tokens, keep_logits=keep_logits,
+                                     sampling=sampling, on_chunk=self._capture(token_ids, blocks))
+        return result, blocks
+
+    def store_prefix(self, token_ids: Sequence[int], *, pinned: bool = True) -> int:
+        """Compute a prefix once (from scratch) and keep its full blocks (pinned by default: a system
+        prompt or few-shot block the user wants kept). Returns how many blocks it holds."""
+        _, blocks = self.compute_blocks(token_ids, keep_logits=False)
+        self.store.put_blocks(blocks, pinned=pinned)
+        return len(blocks)
+
+    def graft_chain(self, token_ids: Sequence[int], chain: LoadedChain, report: GraftReport, start: int = 0,
+                    capacity: int = 0):
+        """Place a verified chain in a fresh cache (with room for `capacity` positions), refusing any
+        block off its own position or profile."""
+        for m in chain.metas:
+            self.require_profile(m.profile_id, "these blocks")
+        end = check_chain(chain.metas, token_ids, self.chunk, start)
+        return build_cache(self.runner, chain, report, capacity), end
+
+    def forward(self, token_ids: Sequence[int], *, graft: bool = True, max_new_tokens: int = 0,
+                sampling: Sampling = GREEDY, stop_token_ids: Sequence[int] | None = None,
+                keep_logits: bool = False, store_new_blocks: bool = False, entries_used: Sequence[str] = (),
+                on_token: Callable[[int], bool] | None = None,
+                rows: Sequence[BlockRow] | None = None) -> tuple[ForwardResult, GraftReport]:
+        """Canonical forward with the longest stored chain grafted; logits equal to `recompute`'s.
+        `rows` grafts these blocks (written, not yet catalogued) instead of the catalogue's chain."""
+        token_ids = [int(t) for t in token_ids]
+        self.runner.check_ids(token_ids, max_new_tokens)
+        n = len(token_ids)
+        cache, start, report = self._graft_longest(token_ids, graft, entries_used, rows, new_tokens=max_new_tokens)
+        new_blocks: list = []
+        result = self.runner.forward(
+            token_ids, start=start, cache=cache, max_new_tokens=max_new_tokens, sampling=sampling,
+            stop_token_ids=self.eos_token_ids if stop_token_ids is None else stop_token_ids,
+            keep_logits=keep_logits, on_token=on_token,
+            on_chunk=self._capture(token_ids, new_blocks) if store_new_blocks else None,
+        )
+        report.tokens_grafted = start
+        report.tokens_computed = n - start
+        report.tokens_decoded = len(result.generated)
+        report.compute_seconds = result.prefill_seconds
+        report.decode_seconds = result.decode_seconds
+        if new_blocks and not getattr(self.store, "readonly", False):
+            self.store.put_blocks(new_blocks)
+            report.blocks_stored = len(new_blocks)
+        self.room.give(result.extra.pop("cache", None))  # nobody else holds it: the next graft reads into it
+        return result, report
+
+    def _graft_longest(self, token_ids: list[int], graft: bool, entries_used: Sequence[str],
+                       rows: Sequence[BlockRow] | None = None, new_tokens: int = 0):
+        """A cache holding the longest verified stored chain of `token_ids` (with room for the prompt
+        and `new_tokens` more), its end, and the report."""
+        report = GraftReport(tokens_total=len(token_ids), entries_used=list(entries_used))
+        if not graft:
+            rows = []
+        elif rows is None:
+            rows = plan_chain(self.store, self.profile_id, token_ids, self.chunk)
+        else:  # the last prompt token is always computed: never graft past the graft point
+            rows = list(rows)[: graft_point_for(len(token_ids), self.chunk) // self.chunk]
+        capacity = len(token_ids) + new_tokens
+        chain = load_chain(self.store, rows, report, runner=self.runner, capacity=capacity, room=self.room)
+        cache, start = self.graft_chain(token_ids, chain, report, capacity=capacity)
+        return cache, start, report
+
+    def choose(self, token_ids: Sequence[int], choices: Sequence[Sequence[int]], *, graft: bool = True,
+               entries_used: Sequence[str] = ()) -> tuple[int, list[float], GraftReport]:
+        """Which choice (token ids) the model finds likeliest after `token_ids`: the prompt is grafted
+        and prefilled as in `forward`, then every choice is scored in one batched forward.
+        Returns the best index, every choice's log-likelihood and the report (`tokens_decoded` = the
+        chosen choice's tokens, `tokens_scored` = all the choices' tokens)."""
+        token_ids = [int(t) for t in token_ids]
+        if not choices:
+            raise InvalidInput("no choices to pick from")
+        self.runner.check_ids(token_ids, max(len(c) for c in choices))
+        cache, start, report = self._graft_longest(token_ids, graft, entries_used)
+        result = self.runner.forward(token_ids, start=start, cache=cache, keep_logits=False)
+        t0 = time.perf_counter()
+        scores = self.runner.score_choices(len(token_ids), cache, result.extra["next_logits"], choices)
+        best = max(range(len(choices)), key=lambda i: (scores[i], -i))  # ties: the first listed
+        report.tokens_grafted = start
+        report.tokens_computed = len(token_ids) - start
+        report.tokens_decoded = len(choices[best])
+        report.tokens_scored = sum(len(c) for c in choices)
+        report.compute_seconds = result.prefill_seconds
+        report.decode_seconds = time.perf_counter() - t0
+        return best, scores, report
+
+    # ------------------------------------------------------------------ proof
+    def verify_tokens(self, token_ids: Sequence[int], *, decode_tokens: int = 4, single_pass: bool = True,
+                      reference: ForwardResult | None = None, rows: Sequence[BlockRow] | None = None) -> VerifyReport:
+        """Graft what the store holds for `token_ids`, recompute from scratch, compare every logit after
+        the graft point (prefill and decode). `reference` may pass an already computed recompute;
+        `rows` grafts just-written blocks instead of the catalogue's chain (proof before commit)."""
+        t0 = time.perf_counter()
+        ref = reference or self.recompute(token_ids, max_new_tokens=decode_tokens, stop_token_ids=())
+        t1 = time.perf_counter()
+        got, report = self.forward(token_ids, max_new_tokens=decode_tokens, stop_token_ids=(), keep_logits=True,
+                                   rows=rows)
+        t2 = time.perf_counter()
+        comparison = compare_runs(ref, got)
+        diag = None
+        if single_pass:
+            with torch.inference_mode():
+                ids = torch.tensor([list(token_ids)], device=self.device)
+                sp = self.model(input_ids=ids).logits[0, got.start:].float().cpu()
+            diag = float((sp - ref.prefill_logits[got.start:].float()).abs().max()) if sp.numel() else 0.0
+        attestation = make_attestation(token_ids, self.profile_id, got.start, ref, comparison)
+        return VerifyReport(got.start, len(token_ids), comparison, attestation, diag, report,
+                            t1 - t0 if reference is None else ref.prefill_seconds + ref.decode_seconds, t2 - t1)
+
+    def rows_for(self, blocks: Sequence[tuple[BlockMeta, torch.Tensor]]) -> list[BlockRow]:
+        """Catalogue-like rows for blocks whose files are written but not yet catalogued."""
+        from kvmemory.store.blocks import encode_header
+
+        return [BlockRow(m.hash, m.parent, m.profile_id, m.index, m.n_tokens, m.payload_sha256,
+                         m.payload_nbytes, len(encode_header(m)) + m.payload_nbytes, False, False, False)
+                for m, _ in blocks]
+
+
+__all__ = ["Engine", "VerifyReport", "graft_point_for"]

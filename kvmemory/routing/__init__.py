@@ -1,0 +1,1 @@
+"""Routing questions to stored entries: a sentence embedder and FAISS indexes per namespace."""
