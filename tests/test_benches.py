@@ -4,6 +4,7 @@ the figures themselves are measured by `kvmemory bench ...` and recorded in BENC
 from __future__ import annotations
 
 import json
+import statistics
 
 import torch
 
@@ -19,7 +20,7 @@ def test_bench_graft_tiny(tmp_path):
     from kvmemory.bench.graft import format_table, plot, run_graft_bench
 
     threads = torch.get_num_threads()
-    r = run_graft_bench((64, 128), repeats=1, llamacpp=False, progress=False)
+    r = run_graft_bench((64, 128), repeats=2, llamacpp=False, progress=False)
     torch.set_num_threads(threads)
     json.dumps(r)
     assert [row["L"] for row in r["rows"]] == [64, 128]
@@ -27,6 +28,11 @@ def test_bench_graft_tiny(tmp_path):
         assert row["tokens_grafted"] == row["L"] and row["tokens_computed"] == 16
         assert _positive(row["graft_ttft_s"], row["recompute_ttft_s"], row["single_pass_ttft_s"])
         assert row["first_token_equal_recompute"] is True
+        # every timing is kept: the medians reported are the samples' medians (the tables print the spread)
+        samples = row["samples_s"]
+        assert [len(samples[k]) for k in ("graft", "recompute", "single_pass")] == [2, 2, 2]
+        assert row["graft_ttft_s"] == statistics.median(samples["graft"])
+        assert row["recompute_ttft_s"] == statistics.median(samples["recompute"])
         assert _positive(row["graft_compute_s"], row["read_hash_floor_s"], row["ceiling_vs_recompute"])
         # The ceiling is the recompute over the floor's two parts: the graft's own step and its bytes
         # read + hashed at the raw bandwidth.
@@ -40,7 +46,7 @@ def test_bench_graft_tiny(tmp_path):
     # the CPU and the kernels' ISA are part of the report (the VMs of one kind differ in both)
     assert r["machine"]["cpu_isa"] == isa() and r["machine"]["sha256_lanes"] == sha256_lanes.kind()
     assert len(r["machine"]["cpu_vendor_family_model"].split()) == 3
-    assert "| 128 |" in format_table(r)
+    assert "| 128 |" in format_table(r) and "median [min-max]" in format_table(r)
     plot(r, str(tmp_path / "graft.png"))
     assert (tmp_path / "graft.png").read_bytes()[:4] == b"\x89PNG"
 
@@ -56,6 +62,7 @@ def test_bench_store_tiny():
         if sha256_lanes.kind() is not None:  # the grouped read and the lanes' hash (AVX-512 or SHA-NI)
             assert _positive(x["read_verified_store_lanes_gb_s"], x["sha256_lanes_only_gb_s"])
     assert format_table(r).count("\n") == 3
+    assert all(len(v) == 5 for v in r["results"][0]["read_samples_s"].values())
 
 
 def test_bench_capacity_tiny(tmp_path):

@@ -64,13 +64,19 @@ def machine_info() -> dict:
             "memory_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)}
 
 
-def _median(fn, repeats: int) -> float:
+def _samples(fn, repeats: int) -> list[float]:
+    """Seconds of each of `repeats` calls (the report keeps them all: medians and spread come from them)."""
     times = []
     for _ in range(repeats):
         t = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    return times
+
+
+def spread(samples: list[float]) -> dict:
+    """Median, min and max of a list of timings (what the tables print as `median [min-max]`)."""
+    return {"median": statistics.median(samples), "min": min(samples), "max": max(samples), "n": len(samples)}
 
 
 def raw_read_hash_bandwidth(files: list[Path], threads: int) -> float:
@@ -247,8 +253,11 @@ def run_graft_bench(lengths=DEFAULT_LENGTHS, *, new_tokens: int = 16, repeats: i
                      for k in ("read_verify_seconds", "copy_seconds", "compute_seconds")}
             t_floor = rep.bytes_read / raw_bw / 1e9
             assert rep.tokens_grafted == L, (rep.tokens_grafted, L)
-            t_rec = _median(recompute, 1 if L >= 4096 else repeats)
-            t_single = _median(single_pass, 1 if L >= 4096 else repeats)
+            # The baselines take seconds each at long L: at most 3 timings there (all of them kept).
+            base_repeats = min(repeats, 3) if L >= 4096 else repeats
+            rec_samples = _samples(recompute, base_repeats)
+            single_samples = _samples(single_pass, base_repeats)
+            t_rec, t_single = statistics.median(rec_samples), statistics.median(single_samples)
             row = {
                 "L": L, "tokens_grafted": rep.tokens_grafted, "tokens_computed": rep.tokens_computed,
                 "bytes_grafted": rep.bytes_read,
@@ -262,13 +271,15 @@ def run_graft_bench(lengths=DEFAULT_LENGTHS, *, new_tokens: int = 16, repeats: i
                 "raw_read_hash_lanes_gb_s": raw_lanes, "read_hash_floor_s": t_floor,
                 "ceiling_vs_recompute": t_rec / (t_floor + parts["compute_seconds"]),
                 "graft_over_floor": t_graft / (t_floor + parts["compute_seconds"]),
+                "samples_s": {"graft": times, "recompute": rec_samples, "single_pass": single_samples},
             }
             if lcpp is not None:
                 state = Path(tmp.name) / f"llamacpp-{L}.state"
                 lcpp.save(ids[:L], state)
                 lcpp_first = lcpp.restore_and_eval(state, ids[L : L + new_tokens])  # warm
-                row["llamacpp_restore_ttft_s"] = _median(
-                    lambda: lcpp.restore_and_eval(state, ids[L : L + new_tokens]), repeats)
+                lcpp_samples = _samples(lambda: lcpp.restore_and_eval(state, ids[L : L + new_tokens]), repeats)
+                row["samples_s"]["llamacpp_restore"] = lcpp_samples
+                row["llamacpp_restore_ttft_s"] = statistics.median(lcpp_samples)
                 row["llamacpp_state_bytes"] = state.stat().st_size
                 row["speedup_vs_llamacpp"] = row["llamacpp_restore_ttft_s"] / t_graft
                 # Other kernels, other numerics: the same first token is likely, not owed.
@@ -300,11 +311,19 @@ def format_table(r: dict) -> str:
            " vs recompute | vs single pass |" + (" vs llama.cpp |" if has_l else "") + \
            " floor s (read+hash, 16-token step) | ceiling vs recompute |"
     out = [f"profile: {r['dtype']} compute, {r.get('kv_dtype', r['dtype'])} K/V, {r['attn_implementation']}, "
-           f"linears {r['linear_impl']}", "", head, "|" + "---|" * (head.count("|") - 1)]
+           f"linears {r['linear_impl']}; times: median [min-max] over the repeats", "", head, "|" + "---|" * (head.count("|") - 1)]
+    def cell(x: dict, side: str, key: str, digits: int) -> str:
+        samples = x.get("samples_s", {}).get(side)
+        if not samples or len(samples) < 2:
+            return f"{x.get(key, float('nan')):.{digits}f}"
+        sp = spread(samples)
+        return f"{sp['median']:.{digits}f} [{sp['min']:.{digits}f}-{sp['max']:.{digits}f}]"
+
     for x in r["rows"]:
-        cells = [str(x["L"]), f"{x['graft_ttft_s']:.4f}", f"{x['recompute_ttft_s']:.3f}", f"{x['single_pass_ttft_s']:.3f}"]
+        cells = [str(x["L"]), cell(x, "graft", "graft_ttft_s", 4), cell(x, "recompute", "recompute_ttft_s", 3),
+                 cell(x, "single_pass", "single_pass_ttft_s", 3)]
         if has_l:
-            cells.append(f"{x.get('llamacpp_restore_ttft_s', float('nan')):.4f}")
+            cells.append(cell(x, "llamacpp_restore", "llamacpp_restore_ttft_s", 4))
         cells += [f"{x['speedup_vs_recompute']:.1f}x", f"{x['speedup_vs_single_pass']:.1f}x"]
         if has_l:
             cells.append(f"{x.get('speedup_vs_llamacpp', float('nan')):.2f}x")

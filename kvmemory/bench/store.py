@@ -140,6 +140,9 @@ def run_store_bench(blocks: int = 64, block_bytes: int = DEFAULT_BLOCK_BYTES, th
                 # None where the multi-lane SHA-256 cannot run here
                 "read_verified_store_lanes_gb_s": gb / t_lanes_r if lanes else None,
                 "sha256_lanes_only_gb_s": gb / t_lanes_h if lanes else None,
+                # every read's seconds (medians above; the spread is theirs), the writes timed once each
+                "read_samples_s": {k: v for k, v in reads.items() if v},
+                "write_samples_s": {"store": [t_store_w], "raw": [t_raw_w]},
             })
             store.close()
         from kvmemory.bench.graft import machine_info

@@ -13,6 +13,7 @@ compare against a reference of their own:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import time
 from collections.abc import Callable, Sequence
@@ -25,7 +26,8 @@ from kvmemory.errors import InvalidInput, ProfileMismatch
 from kvmemory.engine.cache import Room
 from kvmemory.engine.graft import GraftReport, LoadedChain, build_cache, check_chain, load_chain, plan_chain
 from kvmemory.models.loading import DEFAULT_MODEL, LoadedModel, load_model
-from kvmemory.engine.profile import ExecutionProfile, apply_determinism, build_profile
+from kvmemory.engine.determinism import Determinism
+from kvmemory.engine.profile import ExecutionProfile, build_profile
 from kvmemory.engine.runner import DEFAULT_CHUNK, GREEDY, CanonicalRunner, ForwardResult, Sampling
 from kvmemory.store.local import BlockRow, LocalStore
 from kvmemory.engine.verify import Comparison, compare_runs, make_attestation
@@ -66,6 +68,17 @@ def graft_point_for(n_tokens: int, chunk: int) -> int:
     return ((n_tokens - 1) // chunk) * chunk if n_tokens > 0 else 0
 
 
+def _pinned(method):
+    """An engine method that computes: it runs with the engine's torch settings applied (determinism.py)."""
+
+    @functools.wraps(method)
+    def pinned(self, *args, **kwargs):
+        with self.determinism.applied():
+            return method(self, *args, **kwargs)
+
+    return pinned
+
+
 class Engine:
     """A frozen model + profile + canonical runner + store."""
 
@@ -76,12 +89,15 @@ class Engine:
         self.tokenizer = loaded.tokenizer
         self.store = store
         self.device = next(self.model.parameters()).device
-        apply_determinism(self.device, threads)
+        # torch's process-wide settings (deterministic algorithms, threads, ...) are pinned only while
+        # this engine computes and restored after each call (determinism.py): nothing leaks to the caller.
+        self.determinism = Determinism.for_device(self.device, threads)
         self.runner = CanonicalRunner(self.model, chunk, max_positions, kv_dtype)
         self.room = Room()  # K/V buffers kept between grafted forwards (cache.Room; room.clear() frees them)
         self.chunk = chunk
-        self.profile: ExecutionProfile = build_profile(self.model, self.tokenizer, chunk, model_sha256=model_sha256,
-                                                     kv_dtype=self.runner.kv_dtype)
+        with self.determinism.applied():
+            self.profile: ExecutionProfile = build_profile(self.model, self.tokenizer, chunk, self.determinism,
+                                                         model_sha256=model_sha256, kv_dtype=self.runner.kv_dtype)
         self.profile_id = self.profile.profile_id
         if not getattr(store, "readonly", False):
             store.put_profile(self.profile_id, self.profile.to_dict())
@@ -126,6 +142,11 @@ class Engine:
                 ids.update(int(x) for x in e)
         return sorted(ids)
 
+    def stored_prefix_tokens(self, token_ids: Sequence[int]) -> int:
+        """How many leading tokens of `token_ids` a grafted `forward` would read from the store: the
+        longest stored chain under this profile, in whole blocks, never the last token."""
+        return len(plan_chain(self.store, self.profile_id, [int(t) for t in token_ids], self.chunk)) * self.chunk
+
     # ------------------------------------------------------------------ profiles
     def require_profile(self, profile_id: str, what: str) -> None:
         """Raise ProfileMismatch naming every differing field when `profile_id` is not ours."""
@@ -138,6 +159,7 @@ class Engine:
         self.profile.require_same(ExecutionProfile.from_dict(stored), what)
 
     # ------------------------------------------------------------------ compute
+    @_pinned
     def recompute(self, token_ids: Sequence[int], *, max_new_tokens: int = 0, sampling: Sampling = GREEDY,
                   stop_token_ids: Sequence[int] = (), keep_logits: bool = True) -> ForwardResult:
         """The reference: the canonical runner from scratch, no graft."""
@@ -164,6 +186,7 @@ class Engine:
 
         return on_chunk
 
+    @_pinned
     def compute_blocks(self, token_ids: Sequence[int], *, max_new_tokens: int = 0, keep_logits: bool = True,
                        sampling: Sampling = GREEDY) -> tuple[ForwardResult, list[tuple[BlockMeta, torch.Tensor]]]:
         """Recompute from scratch and capture every full block of the prompt."""
@@ -188,6 +211,7 @@ class Engine:
         end = check_chain(chain.metas, token_ids, self.chunk, start)
         return build_cache(self.runner, chain, report, capacity), end
 
+    @_pinned
     def forward(self, token_ids: Sequence[int], *, graft: bool = True, max_new_tokens: int = 0,
                 sampling: Sampling = GREEDY, stop_token_ids: Sequence[int] | None = None,
                 keep_logits: bool = False, store_new_blocks: bool = False, entries_used: Sequence[str] = (),
@@ -233,6 +257,7 @@ class Engine:
         cache, start = self.graft_chain(token_ids, chain, report, capacity=capacity)
         return cache, start, report
 
+    @_pinned
     def choose(self, token_ids: Sequence[int], choices: Sequence[Sequence[int]], *, graft: bool = True,
                entries_used: Sequence[str] = ()) -> tuple[int, list[float], GraftReport]:
         """Which choice (token ids) the model finds likeliest after `token_ids`: the prompt is grafted
@@ -257,6 +282,7 @@ class Engine:
         return best, scores, report
 
     # ------------------------------------------------------------------ proof
+    @_pinned
     def verify_tokens(self, token_ids: Sequence[int], *, decode_tokens: int = 4, single_pass: bool = True,
                       reference: ForwardResult | None = None, rows: Sequence[BlockRow] | None = None) -> VerifyReport:
         """Graft what the store holds for `token_ids`, recompute from scratch, compare every logit after

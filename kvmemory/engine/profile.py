@@ -20,6 +20,7 @@ from kvmemory.models import gguf_linear
 from kvmemory.models import packed_linear
 from kvmemory.models.loading import linear_implementation
 from kvmemory.kernels.cpu import cpu_info
+from kvmemory.engine.determinism import Determinism
 from kvmemory.errors import ProfileMismatch
 
 # Keys of a model config that do not change what the model computes.
@@ -78,20 +79,6 @@ def _device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return cpu_info().get("model name") or platform.processor() or platform.machine()
-
-
-def apply_determinism(device: torch.device, threads: int | None = None) -> int:
-    """Pin what the canonical runner needs to be repeatable; returns the thread count in force."""
-    if device.type == "cuda":
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.backends.cudnn.deterministic = True
-        torch.backends.cudnn.benchmark = False
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
-    torch.use_deterministic_algorithms(True)
-    if threads is not None and threads != torch.get_num_threads():
-        torch.set_num_threads(threads)
-    return torch.get_num_threads()
 
 
 @dataclass(slots=True, frozen=True)
@@ -171,23 +158,16 @@ def _sdpa_backend(device: torch.device) -> str:
     return "cpu-default"
 
 
-def build_profile(model: torch.nn.Module, tokenizer, chunk: int, *, model_sha256: str | None = None,
-                  kv_dtype: torch.dtype | None = None) -> ExecutionProfile:
-    """Fingerprint a loaded model under the current torch settings (call `apply_determinism` first)."""
+def build_profile(model: torch.nn.Module, tokenizer, chunk: int, determinism: Determinism, *,
+                  model_sha256: str | None = None, kv_dtype: torch.dtype | None = None) -> ExecutionProfile:
+    """Fingerprint a loaded model under the settings its engine pins (called inside `determinism.applied()`)."""
     import transformers
 
     param = next(model.parameters())
     device = param.device
     cfg = model.config
     dtype = str(param.dtype).removeprefix("torch.")
-    det = canonical_json(
-        {
-            "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
-            "float32_matmul_precision": torch.get_float32_matmul_precision(),
-            "cudnn_deterministic": torch.backends.cudnn.deterministic,
-            "cuda_tf32": torch.backends.cuda.matmul.allow_tf32 if device.type == "cuda" else None,
-        }
-    )
+    det = canonical_json(determinism.to_json())
     return ExecutionProfile(
         model_sha256=model_sha256 or weights_sha256(model),
         config_sha256=config_sha256(cfg),
@@ -200,7 +180,7 @@ def build_profile(model: torch.nn.Module, tokenizer, chunk: int, *, model_sha256
         device_type=device.type,
         device_name=_device_name(device),
         cpu_isa=torch.backends.cpu.get_cpu_capability(),
-        threads=torch.get_num_threads(),
+        threads=determinism.threads,
         torch_version=torch.__version__,
         transformers_version=transformers.__version__,
         kvmemory_version=kvmemory_version(),

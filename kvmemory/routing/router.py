@@ -186,6 +186,22 @@ def weights_fingerprint(folder: Path) -> str:
     return digest
 
 
+@contextlib.contextmanager
+def _offline() -> Iterator[None]:
+    """HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE set for the duration of a load, then put back as they were."""
+    keys = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+    saved = {k: os.environ.get(k) for k in keys}
+    os.environ.update({k: "1" for k in keys})
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 class Embedder:
     """A sentence-transformers model that turns texts into L2-normalised float32 vectors.
 
@@ -219,9 +235,6 @@ class Embedder:
         with _MODEL_LOCK:
             m = _MODELS.get(key)
             if m is None:
-                # Defensive: a local folder needs no network, and nothing may be fetched at run time.
-                os.environ.setdefault("HF_HUB_OFFLINE", "1")
-                os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
                 from sentence_transformers import SentenceTransformer
                 from transformers.utils import logging as hf_logging
 
@@ -229,7 +242,10 @@ class Embedder:
                 bar_was_on = hf_logging.is_progress_bar_enabled()
                 hf_logging.disable_progress_bar()
                 try:
-                    m = SentenceTransformer(str(self.path), device=self.device)
+                    # A local folder needs no network and nothing may be fetched at run time; the
+                    # offline switches hold for this load only (the caller's environment is theirs).
+                    with _offline():
+                        m = SentenceTransformer(str(self.path), device=self.device)
                 finally:
                     if bar_was_on:
                         hf_logging.enable_progress_bar()
