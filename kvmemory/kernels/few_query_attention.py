@@ -10,11 +10,11 @@ AVX512-BF16 where the CPU has it), decoding one token 1.3x (float32) and 10-13x 
 (Zen 3), 1.3x at 2k and 1.6-1.7x at 8k and 16k in float32 (~100 GFLOP/s on 2 cores, ~60 % of the FMA
 peak), 1.4x in bfloat16, decoding 1.2x and 8x.
 
-It is built and loaded by cpu.py (once per source, torch version and ISA: AVX-512, or
-AVX2 + FMA for CPUs without it). Chosen once per process: `load()` returns the module, or None with
-`why_unavailable()` saying why (neither ISA, no compiler ...), and the attention name in the execution
-profile records which attention ran (attention.py); the profile's `cpu_isa` keeps the two builds' bits
-apart.
+A plain C library built into the package at install time (build.py: an AVX-512 build, and an AVX2 +
+FMA one for CPUs without it), picked and loaded by native.py. Chosen once per process: `load()` returns
+the library, or None with `why_unavailable()` saying why (neither ISA, a missing or stale build ...,
+logged once, with the fallback: SDPA), and the attention name in the execution profile records which
+attention ran (models/attention.py); the profile's `cpu_isa` keeps the two builds' bits apart.
 
 Numerics: float32 accumulation for both dtypes, one rounding to the output dtype; it is not
 bit-equal to SDPA (different order of sums) and is not claimed to be: it is its own profile.
@@ -24,37 +24,45 @@ one thread, so neither the thread count nor scheduling changes a bit.
 
 from __future__ import annotations
 
+import ctypes
 import functools
-import logging
 import sys
-from pathlib import Path
 
 import torch
 
-from kvmemory.kernels import cpu
-from kvmemory.kernels.cpu import BUILDS, isa
+from kvmemory.kernels import native
 
-log = logging.getLogger(__name__)
-
-SOURCE = Path(__file__).parent / "csrc" / "few_query_attention.cpp"
+KERNEL = "fewq"
 MAX_ROWS = 64  # query heads per K/V head x new tokens the kernel takes (its kMaxRowBlocks x 16)
-_PREFIX = "kvmemory_fewq"
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the C entry point's dtype codes
 
 _why: str | None = None
 
 
-def build_dir() -> Path:
-    return cpu.build_dir(_PREFIX, SOURCE)
-
-
 @functools.cache
-def load():
-    """The compiled kernel module, or None where it cannot run here (see `why_unavailable`)."""
+def load() -> ctypes.CDLL | None:
+    """The kernel library, or None where it cannot run here (see `why_unavailable`; logged once)."""
     global _why
-    module, _why = cpu.load(_PREFIX, SOURCE, "few-query CPU attention kernel")
-    if module is None and isa() in BUILDS:
-        log.warning("kvmemory: few-query attention kernel unavailable (%s); attention runs on SDPA", _why)
-    return module
+    lib, _why = native.load(KERNEL)
+    if lib is None:
+        native.warn_fallback(KERNEL, _why, "attention runs on SDPA (kvmemory_sdpa)")
+        return None
+    return _declare(lib)
+
+
+def load_variant(variant: str) -> ctypes.CDLL | None:
+    """Another build than the CPU's own ("avx512", "avx2"), for tests and benches; None where it
+    cannot run here."""
+    lib, _ = native.load(KERNEL, variant)
+    return _declare(lib) if lib is not None else None
+
+
+def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    i64, vp = ctypes.c_int64, ctypes.c_void_p
+    lib.kvm_fewq_attention.argtypes = ([ctypes.c_int, ctypes.c_int, vp, vp, vp, vp, vp] + [i64] * 12
+                                       + [ctypes.c_float, ctypes.c_int, ctypes.c_int])
+    lib.kvm_fewq_attention.restype = ctypes.c_int
+    return lib
 
 
 def why_unavailable() -> str | None:
@@ -62,25 +70,56 @@ def why_unavailable() -> str | None:
     return _why
 
 
+def build_info() -> dict | None:
+    """The identity of the build that runs here (native.build_info), or None."""
+    return native.build_info(KERNEL) if load() is not None else None
+
+
 def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scale: float,
-           causal: bool) -> torch.Tensor | None:
+           causal: bool, lib: ctypes.CDLL | None = None) -> torch.Tensor | None:
     """[1, T, H_q, D] attention output, or None when this call is not one the kernel takes (the caller
     runs SDPA). Shapes as transformers passes them: query [1, H_q, T, D], key/value [1, H_kv, S, D],
-    mask [1, 1, T, S] bool (rows must be prefixes of trues) or None (`causal`: bottom-right aligned)."""
-    module = load()
-    if module is None:
+    mask [1, 1, T, S] bool (rows must be prefixes of trues) or None (`causal`: bottom-right aligned).
+    `lib`: another build than `load()`'s (load_variant)."""
+    lib = lib if lib is not None else load()
+    if lib is None:
         return None
-    return module.few_query_attention(query, key, value, mask, float(scale), bool(causal))  # None: refused
+    q, k, v = query, key, value
+    # What the C entry point cannot see: dtypes, ranks, the batch of 1, the device, contiguous rows.
+    # (Its sizes' limits: head size, rows per K/V head, T <= S, it checks itself and refuses.)
+    if (q.dtype not in _DTYPES or k.dtype not in _DTYPES or v.dtype != k.dtype or q.dim() != 4 or k.dim() != 4
+            or v.dim() != 4 or q.shape[0] != 1 or k.shape[0] != 1 or v.shape[0] != 1 or q.device.type != "cpu"
+            or k.device.type != "cpu" or v.device.type != "cpu"):
+        return None
+    _, Hq, T, D = q.shape
+    _, Hkv, S, _ = k.shape
+    if k.shape[3] != D or v.shape != k.shape or q.stride(3) != 1 or k.stride(3) != 1 or v.stride(3) != 1:
+        return None
+    mask_ptr, mask_st = None, 0
+    if mask is not None:
+        if (mask.dtype != torch.bool or mask.dim() != 4 or tuple(mask.shape) != (1, 1, T, S) or mask.stride(3) != 1
+                or mask.device.type != "cpu"):
+            return None
+        mask_ptr, mask_st = mask.data_ptr(), mask.stride(2)
+    out = torch.empty((1, T, Hq, D), dtype=q.dtype)
+    rc = lib.kvm_fewq_attention(_DTYPES[q.dtype], _DTYPES[k.dtype], q.data_ptr(), k.data_ptr(), v.data_ptr(),
+                                mask_ptr, out.data_ptr(), Hq, T, D, Hkv, S, q.stride(1), q.stride(2), k.stride(1),
+                                k.stride(2), v.stride(1), v.stride(2), mask_st, float(scale), int(bool(causal)),
+                                torch.get_num_threads())
+    if rc == 1:
+        return None  # refused: the caller runs SDPA
+    if rc != 0:
+        raise MemoryError("the few-query attention kernel could not allocate its scratch memory")
+    return out
 
 
 def _main() -> None:
-    """Build the kernel, then time it against SDPA on SmolLM2's attention shapes."""
+    """Time the kernel against SDPA on SmolLM2's attention shapes."""
     import time
 
-    module = load()
-    if module is None:
+    if load() is None:
         sys.exit(f"unavailable: {why_unavailable()}")
-    print(f"built: {build_dir()}")
+    print(f"library: {build_info()['path']}")
     F = torch.nn.functional
     # (query dtype, cache dtype): the two profiles' own dtypes, and float32 over a bfloat16 cache
     for dtype, kv_dtype in ((torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),

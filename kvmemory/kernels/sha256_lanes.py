@@ -1,4 +1,4 @@
-"""SHA-256 of many blocks at once (csrc/sha256_lanes.cpp): built once, loaded once, called by ctypes.
+"""SHA-256 of many blocks at once (csrc/sha256_lanes.cpp): built at install time, called by ctypes.
 
 Verifying a graft is SHA-256 over every byte it grafts, and on a CPU that is most of a graft's read
 time. OpenSSL (hashlib) hashes one message at a time with the CPU's SHA instructions (~1.7 GB/s per
@@ -13,12 +13,13 @@ checked before, fills the block's rows of the cache from it (one preadv per slab
 the slab while it is still in the CPU cache, all without the GIL — the bytes hashed are the bytes the
 cache holds, and a reader thread makes no system call holding the GIL.
 
-Plain C++ (no torch headers), compiled with g++ on first use into the user cache folder (~2 s), in
-one of two builds chosen once per process by what the CPU runs (`kind()`): "avx512" (16 lanes in one
+Plain C++ (no torch headers), built into the package at install time (build.py) in two builds, one
+chosen once per process by what the CPU runs (`kind()`, native.py): "avx512" (16 lanes in one
 register) or, on x86 CPUs with the SHA extensions but no AVX-512, "sha-ni" (each lane hashed on its
 own with the SHA instructions, as OpenSSL would, but right where the reader put it, with no copy and
-no GIL). Where neither can run (another CPU, no compiler) `load()` returns None, `why_unavailable()`
-says why, and hashing stays on hashlib.
+no GIL). KVMEMORY_SHA256_LANES=avx512|sha-ni|off asks for one. Where neither can run (another CPU, a
+missing build) `load()` returns None, `why_unavailable()` says why (logged once), and hashing stays
+on hashlib.
 """
 
 from __future__ import annotations
@@ -28,34 +29,27 @@ import functools
 import hashlib
 import logging
 import os
-import shutil
-import subprocess
 import sys
-import tempfile
-from pathlib import Path
 
 import numpy as np
-import torch
 
-from kvmemory.kernels.cpu import cpu_info
+from kvmemory.kernels import native
+from kvmemory.kernels.cpu import isa
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "sha256_lanes.cpp"
+KERNEL = "sha256"
 LANES = 16  # messages per call, at most
-_BASE_FLAGS = ["-O3", "-shared", "-fPIC", "-fno-exceptions"]
-# Per build: its compiler flags, and the fewest blocks a call should hash (with AVX-512, idle lanes
-# make a call of fewer than 10 slower than hashlib on the same bytes; SHA-NI lanes cost nothing idle).
-_BUILDS = {"avx512": (["-mavx512f", "-mavx512bw"], 10),
-           "sha-ni": (["-msha", "-msse4.1", "-mssse3", "-DKVM_SHA_NI"], 1)}
+# Per build, the fewest blocks a call should hash (with AVX-512, idle lanes make a call of fewer
+# than 10 slower than hashlib on the same bytes; SHA-NI lanes cost nothing idle).
+_FEWEST = {"avx512": 10, "sha-ni": 1}
 
 _why: str | None = None
 
 
 def builds_here() -> dict[str, bool]:
     """Per build, whether this CPU runs it."""
-    return {"avx512": torch.backends.cpu.get_cpu_capability() == "AVX512",
-            "sha-ni": {"sha_ni", "sse4_1", "ssse3"} <= set(cpu_info().get("flags", "").split())}
+    return {"avx512": isa() == "AVX512", "sha-ni": native.runs("SHA-NI")}
 
 
 @functools.cache
@@ -63,57 +57,25 @@ def kind() -> str | None:
     """The build this CPU runs: "avx512", "sha-ni", or None (neither). KVMEMORY_SHA256_LANES=sha-ni
     (or avx512, or off) asks for one; a build the CPU cannot run is refused, with the reason."""
     global _why
-    _why = None
-    runs = builds_here()
-    wanted = os.environ.get("KVMEMORY_SHA256_LANES", "").strip().lower()
-    if wanted == "off":
-        _why = "turned off by KVMEMORY_SHA256_LANES=off"
-        return None
-    if wanted:
-        if wanted not in runs:
-            _why = f"KVMEMORY_SHA256_LANES={wanted!r} is none of avx512, sha-ni, off"
-        elif not runs[wanted]:
-            _why = f"KVMEMORY_SHA256_LANES asks for the {wanted} build, which this CPU cannot run"
-        return wanted if runs.get(wanted) else None
-    found = next((k for k, ok in runs.items() if ok), None)
-    if found is None:
-        _why = ("the CPU runs neither AVX-512 nor the SHA extensions "
-                f"(torch reports {torch.backends.cpu.get_cpu_capability()})")
+    found, _why = native.choose(KERNEL)
     return found
 
 
 def fewest_lanes() -> int:
     """The fewest blocks worth one call of this CPU's build."""
-    return _BUILDS[kind()][1] if kind() else LANES
-
-
-def _cflags() -> list[str]:
-    return _BASE_FLAGS + _BUILDS[kind()][0]
-
-
-@functools.cache
-def library_path() -> Path:
-    from kvmemory.paths import cache_dir
-
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(_cflags()).encode()).hexdigest()[:12]
-    return cache_dir() / "ext" / f"kvmemory_sha256_lanes_{kind()}_{digest}.so"
+    return _FEWEST[kind()] if kind() else LANES
 
 
 @functools.cache
 def load() -> ctypes.CDLL | None:
-    """The compiled library, or None where it cannot run here (see `why_unavailable`)."""
+    """The library, or None where it cannot run here (see `why_unavailable`; logged once)."""
     global _why
     if kind() is None:
+        native.warn_fallback(KERNEL, _why, "blocks are hashed by hashlib")
         return None
-    out = library_path()
-    try:
-        if not out.exists():
-            _build(out)
-        lib = ctypes.CDLL(str(out))
-    except (OSError, subprocess.CalledProcessError) as exc:
-        detail = (getattr(exc, "stderr", None) or str(exc)).strip().splitlines()[-3:]
-        _why = f"building {SOURCE.name} failed: {type(exc).__name__}: {' '.join(detail)}"
-        log.warning("kvmemory: multi-lane SHA-256 unavailable (%s); blocks are hashed by hashlib", _why)
+    lib, _why = native.load(KERNEL, kind())
+    if lib is None:
+        native.warn_fallback(KERNEL, _why, "blocks are hashed by hashlib")
         return None
     u64p, i64p, u8p = (np.ctypeslib.ndpointer(t, flags="C_CONTIGUOUS") for t in (np.uint64, np.int64, np.uint8))
     lib.kvm_sha256_lanes.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, u64p, u8p]
@@ -125,25 +87,14 @@ def load() -> ctypes.CDLL | None:
     return lib
 
 
-def _build(out: Path) -> None:
-    """g++ into a temporary name, then an atomic rename: concurrent first uses do not collide."""
-    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if cxx is None:
-        raise OSError("no C++ compiler (g++) on PATH")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so.tmp")
-    os.close(fd)
-    try:
-        subprocess.run([cxx, *_cflags(), str(SOURCE), "-o", tmp], check=True, capture_output=True, text=True)
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
 def why_unavailable() -> str | None:
     load()
     return _why
+
+
+def build_info() -> dict | None:
+    """The identity of the build that runs here (native.build_info), or None."""
+    return native.build_info(KERNEL, kind()) if load() is not None else None
 
 
 def groups(items: list, threads: int, min_lanes: int | None = None) -> list[list] | None:
@@ -209,12 +160,12 @@ def read_hash_lanes(paths: list, offsets: list[int], segments: np.ndarray, seg_b
 
 
 def _main() -> None:
-    """Build, then time this CPU's build against hashlib on 16 buffers of 3 MB (one thread)."""
+    """Time this CPU's build against hashlib on 16 buffers of 3 MB (one thread)."""
     import time
 
     if load() is None:
         sys.exit(f"unavailable: {why_unavailable()}")
-    print(f"built ({kind()}): {library_path()}")
+    print(f"library ({kind()}): {build_info()['path']}")
     bufs = [bytearray(os.urandom(3 << 20)) for _ in range(LANES)]
     assert sha256_many(bufs) == [hashlib.sha256(b).digest() for b in bufs]
     for name, fn in (("hashlib (one at a time)", lambda: [hashlib.sha256(b).digest() for b in bufs]),

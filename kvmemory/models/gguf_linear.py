@@ -1,4 +1,4 @@
-"""Linear layers computed from the GGUF file's own quantized blocks (csrc/quantized_linear.cpp).
+"""Linear layers computed from the GGUF file's own quantized blocks (kernels/csrc/quantized_linear.cpp).
 
 The embedded model is a GGUF file (Q4_1 layers, a Q8_0 embedding that is also the output layer);
 transformers dequantizes it to float32, 540 MB of linear weights. A graft's step computes 16 rows
@@ -15,15 +15,19 @@ Exactness: the kernel expands every weight to the very float32 value transformer
 before replacing a layer. The products are summed in one fixed order (k ascending, one FMA each), so
 a row's bits depend on nothing else: not the number of rows, the thread count, nor AVX-512 vs AVX2.
 That order is not sgemm's or oneDNN's, so the implementation is part of the execution profile
-(`linear_impl` = `gguf-blocks`, read by `packed_linear.implementation`).
+(`linear_impl` = `gguf-blocks`, read by `loading.linear_implementation`).
 
 Chosen at load (`models.load_model`) for the embedded model on an AVX-512 or AVX2 CPU; elsewhere,
 and for any model not read from a GGUF file, linears are packed for oneDNN (packed_linear.py). The float32
 `weight` stays (state_dict, tied embeddings and the weights fingerprint are untouched; no packed copy).
+The kernel is a plain C library built into the package at install time (kernels/build.py: AVX-512 and
+AVX2 builds, both with -ffp-contract=off), picked and loaded by kernels/native.py; where none runs,
+`load()` says why once and the linears are packed instead.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import logging
 import os
@@ -32,30 +36,47 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvmemory.kernels import cpu
 from kvmemory.errors import KVMemoryError
+from kvmemory.kernels import native
 
 log = logging.getLogger(__name__)
 
 NAME = "gguf-blocks"
-SOURCE = Path(__file__).parent / "csrc" / "quantized_linear.cpp"
-# No FMA may fuse a Q4_1 weight's `d * q + m`: transformers' weights round the product first.
-EXTRA_FLAGS = ["-ffp-contract=off"]
-_PREFIX = "kvmemory_qlinear"
+KERNEL = "qlinear"
 PANEL = 16  # output rows per panel (the kernel's kPanel)
 BLOCK = 32  # weights per Q4_1 / Q8_0 block
 KINDS = {"Q4_1": 0, "Q8_0": 1}  # GGUF block type -> the kernel's `kind`
 _KIND_NAMES = {v: k for k, v in KINDS.items()}
+_Q_DTYPES = {0: torch.uint8, 1: torch.int8}
 
 _why: str | None = None
 
 
 @functools.cache
-def load():
-    """The compiled kernel module, or None where it cannot run here (see `why_unavailable`)."""
+def load() -> ctypes.CDLL | None:
+    """The kernel library, or None where it cannot run here (see `why_unavailable`; logged once)."""
     global _why
-    module, _why = cpu.load(_PREFIX, SOURCE, "GGUF-block linear kernel", EXTRA_FLAGS)
-    return module
+    lib, _why = native.load(KERNEL)
+    if lib is None:
+        native.warn_fallback(KERNEL, _why, "linears run on oneDNN-packed float32 weights (onednn-packed)")
+        return None
+    return _declare(lib)
+
+
+def load_variant(variant: str) -> ctypes.CDLL | None:
+    """Another build than the CPU's own ("avx512", "avx2"), for tests and benches; None where it
+    cannot run here."""
+    lib, _ = native.load(KERNEL, variant)
+    return _declare(lib) if lib is not None else None
+
+
+def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    i64, vp, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    lib.kvm_qlinear_dequantize.argtypes = [c_int, vp, vp, vp, i64, i64, vp, c_int]
+    lib.kvm_qlinear_dequantize.restype = c_int
+    lib.kvm_qlinear_linear.argtypes = [c_int, vp, i64, vp, vp, vp, i64, i64, vp, c_int]
+    lib.kvm_qlinear_linear.restype = c_int
+    return lib
 
 
 def why_unavailable() -> str | None:
@@ -63,24 +84,83 @@ def why_unavailable() -> str | None:
     return _why
 
 
+def build_info() -> dict | None:
+    """The identity of the build that runs here (native.build_info), or None."""
+    return native.build_info(KERNEL) if load() is not None else None
+
+
+def _in_features(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, kind: int) -> int:
+    """K, after checking the panels against the kernel's layout (csrc/quantized_linear.cpp); raises
+    ValueError saying what is wrong."""
+    if kind not in _Q_DTYPES:
+        raise ValueError("kind must be 0 (Q4_1) or 1 (Q8_0)")
+    if q.dim() != 3 or q.shape[2] != PANEL or not q.is_contiguous() or q.device.type != "cpu":
+        raise ValueError("q must be [N/16, K/2 or K, 16] contiguous on the CPU")
+    if q.dtype != _Q_DTYPES[kind]:
+        raise ValueError("q has the wrong dtype for its kind")
+    K = q.shape[1] * 2 if kind == KINDS["Q4_1"] else q.shape[1]
+    if K % BLOCK:
+        raise ValueError("K must be a multiple of 32")
+    if (d.dtype != torch.float32 or not d.is_contiguous() or d.dim() != 3 or d.device.type != "cpu"
+            or tuple(d.shape) != (q.shape[0], K // BLOCK, PANEL)):
+        raise ValueError("d must be [N/16, K/32, 16] float32 contiguous")
+    if kind == KINDS["Q4_1"] and (m.shape != d.shape or m.dtype != torch.float32 or not m.is_contiguous()
+                                  or m.device.type != "cpu"):
+        raise ValueError("m must be shaped and typed as d")
+    return K
+
+
+def _call(rc: int) -> None:
+    if rc == -1:
+        raise MemoryError("the GGUF-block linear kernel could not allocate its scratch memory")
+    if rc != 0:
+        raise ValueError(f"the GGUF-block linear kernel refused its arguments ({rc})")
+
+
+def dequantize(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, kind: int,
+               lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """The float32 weight [N, K] the panels hold, expanded by the kernel's own code (`lib`: another build)."""
+    lib = lib if lib is not None else load()
+    K = _in_features(q, d, m, kind)
+    out = torch.empty((q.shape[0] * PANEL, K), dtype=torch.float32)
+    m_ptr = m.data_ptr() if kind == KINDS["Q4_1"] else None
+    _call(lib.kvm_qlinear_dequantize(kind, q.data_ptr(), d.data_ptr(), m_ptr, q.shape[0], K, out.data_ptr(),
+                                     torch.get_num_threads()))
+    return out
+
+
+def linear(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, kind: int,
+           lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """y [M, N] = x [M, K] @ W.T with W held as panels (`lib`: another build than the CPU's own)."""
+    lib = lib if lib is not None else load()
+    K = _in_features(q, d, m, kind)
+    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != K or not x.is_contiguous() or x.device.type != "cpu":
+        raise ValueError("x must be [M, K] float32 contiguous on the CPU")
+    y = torch.empty((x.shape[0], q.shape[0] * PANEL), dtype=torch.float32)
+    m_ptr = m.data_ptr() if kind == KINDS["Q4_1"] else None
+    _call(lib.kvm_qlinear_linear(kind, x.data_ptr(), x.shape[0], q.data_ptr(), d.data_ptr(), m_ptr, q.shape[0], K,
+                                 y.data_ptr(), torch.get_num_threads()))
+    return y
+
+
 class GGUFLinear(torch.nn.Linear):
     """An `nn.Linear` (no bias) computing with its weight's GGUF blocks; `weight` stays as it was."""
 
     def __init__(self, linear: torch.nn.Linear, kind: str, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor):
         torch.nn.Module.__init__(self)
-        self.in_features, self.out_features = packed_linear.in_features, packed_linear.out_features
-        self.weight = packed_linear.weight  # the same Parameter: ties (lm_head = embeddings) stay tied
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight  # the same Parameter: ties (lm_head = embeddings) stay tied
         self.bias = None
         self.kind, self.q, self.d, self.m = KINDS[kind], q, d, m
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        y = load().linear(rows.contiguous(), self.q, self.d, self.m, self.kind)
+        y = linear(rows.contiguous(), self.q, self.d, self.m, self.kind)
         return y.view(*x.shape[:-1], self.out_features)
 
     def dequantized(self) -> torch.Tensor:
         """The float32 weight the blocks hold, expanded by the kernel's own code."""
-        return load().dequantize(self.q, self.d, self.m, self.kind)
+        return dequantize(self.q, self.d, self.m, self.kind)
 
 
 def panels(kind: str, raw: np.ndarray, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -167,7 +247,7 @@ def _checked(model: torch.nn.Module, stored: dict[str, torch.Tensor], origin: Pa
             kind = _KIND_NAMES[int(stored[f"{name}.kind"])]
             new = GGUFLinear(module, kind, stored[f"{name}.q"], stored[f"{name}.d"], stored[f"{name}.m"])
             same = torch.equal(new.dequantized(), module.weight.detach())
-        except (KeyError, RuntimeError) as exc:  # missing or misshapen: the kernel's checks say how
+        except (KeyError, ValueError, RuntimeError) as exc:  # missing or misshapen: the checks say how
             raise KVMemoryError(f"the GGUF panels for {name} in {origin} are unusable: {exc}") from exc
         if not same:
             raise KVMemoryError(f"the GGUF blocks for {name} in {origin} do not expand to its weights")

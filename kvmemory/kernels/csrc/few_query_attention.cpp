@@ -12,7 +12,7 @@
 // while the scores compute: neither changes a bit, both only the time (AVX2: 4-10 % at 8k keys over
 // a bfloat16 cache, 20-30 % over a float32 one; AVX-512: 0-9 %; Zen 4).
 //
-// One source, two builds (cpu_attention.py picks the one the CPU runs): AVX-512 (16 lanes, 32
+// One source, two builds (kernels/native.py picks the one the CPU runs): AVX-512 (16 lanes, 32
 // vector registers) by default, AVX2 + FMA (8 lanes, 16 registers) with -DKVM_AVX2. The few vector
 // operations the kernel needs are written once per build (simd.h, and below: `vec` ...), the rest (exp, tiles,
 // softmax) once on top of them; the tiles are sized to each build's register file. The two builds do not give the same bits (another exp, other tiles),
@@ -31,11 +31,15 @@
 //   mask [1, 1, T, S] bool or none: row t must be a prefix of trues (keys [0, n_t) visible);
 //        anything else is refused (an undefined tensor is returned and the caller uses SDPA)
 //   out  [1, T, H_q, D]     contiguous: what transformers' attention functions return
+//
+// A plain C entry point over raw pointers (no torch headers: the library does not depend on torch's
+// C++ ABI); few_query_attention.py checks the tensors, allocates the output and passes pointers,
+// sizes, strides and torch's thread count. Threads are OpenMP's, torch's own libgomp (parallel.h).
 
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "bfloat16.h"
+#include "parallel.h"
 #include "simd.h"
 
 #include <algorithm>
@@ -47,7 +51,7 @@
 
 namespace {
 
-using namespace kvm;  // vec, kLanes, vload ... (simd.h)
+using namespace kvm;  // vec, kLanes, vload ... (simd.h); bf16 (bfloat16.h); parallel_for (parallel.h)
 
 constexpr int64_t kUnitKeys = 512;  // keys per work item: scores + widened K stay in L2
 constexpr int64_t kPvKeys = 64;     // keys per P @ V pass: their V rows and weights stay in L1 (28 KB at D = 64)
@@ -142,7 +146,7 @@ inline const float* rows_f32(const float* src, int64_t stride, int64_t n, int D,
     ld = stride;
     return src;
 }
-inline const float* rows_f32(const at::BFloat16* src, int64_t stride, int64_t n, int D, float* scratch, int64_t& ld) {
+inline const float* rows_f32(const bf16* src, int64_t stride, int64_t n, int D, float* scratch, int64_t& ld) {
     for (int64_t j = 0; j < n; ++j) {
         const uint16_t* s = reinterpret_cast<const uint16_t*>(src + j * stride);
         float* d = scratch + j * D;
@@ -151,9 +155,6 @@ inline const float* rows_f32(const at::BFloat16* src, int64_t stride, int64_t n,
     ld = D;
     return scratch;
 }
-
-inline float to_f32(float x) { return x; }
-inline float to_f32(at::BFloat16 x) { return static_cast<float>(x); }
 
 // Rows a unit reads later (its own V, then the next unit's K), prefetched into L2 a few rows per
 // score tile: the cache streams from memory, and with the hardware prefetcher alone the widening
@@ -254,7 +255,8 @@ __attribute__((target("avx512bf16"), noinline)) void qk_unit_bf16(const uint32_t
     for (; j < n; ++j) qk_tile_bf16<NR, 1>(QP, ldq, K + j * ldk, ldk, D2, St + j * lds, lds);
 }
 
-const bool kHasBf16Dot = __builtin_cpu_supports("avx512bf16");
+// (__builtin_cpu_init first: this runs in the library's constructors, when it is loaded)
+const bool kHasBf16Dot = (__builtin_cpu_init(), __builtin_cpu_supports("avx512bf16"));
 #else
 const bool kHasBf16Dot = false;  // VDPBF16PS is an AVX-512 instruction: bfloat16 K is widened
 #endif
@@ -409,24 +411,29 @@ void run_unit(const Shape& s, const float* Qt, const scalar_t* kh, int64_t k_ss,
     }
 }
 
+// Sizes and element strides of one call (see the layouts above).
+struct Args {
+    int64_t Hq, T, D, Hkv, S;
+    int64_t q_sh, q_st, k_sh, k_ss, v_sh, v_ss;
+    int threads;
+};
+
 // q_t: the query's and the output's type; kv_t: the cache's (float32 queries may read a bfloat16 cache).
+// False when a thread failed (out of memory): the output is then not written in full.
 template <typename q_t, typename kv_t>
-void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::vector<int32_t>& nvis,
-         float scale, at::Tensor& out) {
+bool run(const Args& a, const q_t* qp, const kv_t* kp, const kv_t* vp, const std::vector<int32_t>& nvis,
+         float scale, q_t* op) {
     Shape s;
-    s.Hq = q.size(1); s.T = q.size(2); s.D = q.size(3);
-    s.Hkv = k.size(1); s.S = k.size(2);
+    s.Hq = a.Hq; s.T = a.T; s.D = a.D;
+    s.Hkv = a.Hkv; s.S = a.S;
     s.G = s.Hq / s.Hkv; s.R = s.G * s.T; s.Rpad = (s.R + kLanes - 1) / kLanes * kLanes;
-    s.bf16_dot = std::is_same<q_t, at::BFloat16>::value && std::is_same<kv_t, at::BFloat16>::value && kHasBf16Dot &&
-                 k.stride(2) % 2 == 0 &&
-                 k.stride(1) % 2 == 0;
+    s.bf16_dot = std::is_same<q_t, bf16>::value && std::is_same<kv_t, bf16>::value && kHasBf16Dot &&
+                 a.k_ss % 2 == 0 &&
+                 a.k_sh % 2 == 0;
     const int64_t nsplit = (s.S + kUnitKeys - 1) / kUnitKeys;
     s.units = s.Hkv * nsplit;
-    const q_t* qp = q.data_ptr<q_t>();
-    const kv_t* kp = k.data_ptr<kv_t>();
-    const kv_t* vp = v.data_ptr<kv_t>();
-    const int64_t q_sh = q.stride(1), q_st = q.stride(2), k_sh = k.stride(1), k_ss = k.stride(2);
-    const int64_t v_sh = v.stride(1), v_ss = v.stride(2);
+    const int64_t q_sh = a.q_sh, q_st = a.q_st, k_sh = a.k_sh, k_ss = a.k_ss;
+    const int64_t v_sh = a.v_sh, v_ss = a.v_ss;
     // Per K/V head: Qt[d][r] (r = g * T + t, query head h * G + g), and each row's visible count.
     std::vector<float> Qt(s.Hkv * s.D * s.Rpad, 0.f);
     std::vector<int32_t> nvis_row(s.Rpad, 0);
@@ -448,7 +455,7 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const st
             }
     const int64_t ldp = s.R * (s.D + 2);
     std::vector<float> parts(s.units * ldp);
-    at::parallel_for(0, s.units, 1, [&](int64_t begin, int64_t end) {
+    const bool units_ok = parallel_for(a.threads, 0, s.units, 1, [&](int64_t begin, int64_t end) {
         for (int64_t u = begin; u < end; ++u) {
             const int64_t h = u / nsplit, j0 = (u % nsplit) * kUnitKeys;
             // the unit after this one (the thread's next, unless its range ends here)
@@ -459,9 +466,9 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const st
                            next_n ? kp + hn * k_sh + jn * k_ss : nullptr, next_n);
         }
     });
+    if (!units_ok) return false;
     // Merge the units of each K/V head in unit order.
-    q_t* op = out.data_ptr<q_t>();
-    at::parallel_for(0, s.Hkv * s.R, 16, [&](int64_t begin, int64_t end) {
+    return parallel_for(a.threads, 0, s.Hkv * s.R, 16, [&](int64_t begin, int64_t end) {
         std::vector<float> acc(s.D);
         for (int64_t hr = begin; hr < end; ++hr) {
             const int64_t h = hr / s.R, r = hr % s.R, g = r / s.T, t = r % s.T;
@@ -478,18 +485,18 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const st
             }
             q_t* dst = op + (t * s.Hq + h * s.G + g) * s.D;
             const float inv = 1.f / l;
-            for (int64_t d = 0; d < s.D; ++d) dst[d] = static_cast<q_t>(acc[d] * inv);
+            for (int64_t d = 0; d < s.D; ++d) dst[d] = from_f32<q_t>(acc[d] * inv);
         }
     });
 }
 
 // Keys each query row sees, from a bool mask [1, 1, T, S] whose rows are prefixes of trues;
 // empty when a row is not (or sees no key at all): the caller falls back to SDPA.
-std::vector<int32_t> visible_counts(const at::Tensor& mask, int64_t T, int64_t S) {
+std::vector<int32_t> visible_counts(const bool* mask, int64_t row_stride, int64_t T, int64_t S) {
     std::vector<int32_t> n(T);
-    const char* base = reinterpret_cast<const char*>(mask.data_ptr<bool>());
+    const char* base = reinterpret_cast<const char*>(mask);
     for (int64_t t = 0; t < T; ++t) {
-        const char* row = base + t * mask.stride(2);
+        const char* row = base + t * row_stride;
         const void* first_false = std::memchr(row, 0, S);
         const int64_t j = first_false ? static_cast<const char*>(first_false) - row : S;
         if (j == 0 || (j < S && std::memchr(row + j, 1, S - j))) return {};
@@ -500,40 +507,55 @@ std::vector<int32_t> visible_counts(const at::Tensor& mask, int64_t T, int64_t S
 
 }  // namespace
 
-// Returns [1, T, H_q, D], or an undefined tensor when this call is not one the kernel takes.
-at::Tensor few_query_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                               const c10::optional<at::Tensor>& mask, double scale, bool causal) {
+// The entry point's dtypes: 0 float32, 1 bfloat16 (few_query_attention.py passes them).
+enum Dtype { kF32 = 0, kBF16 = 1 };
+
+// The library is built with -fvisibility=hidden: only these entry points are exported.
+#pragma GCC visibility push(default)
+extern "C" {
+
+// The version of the calling convention below; few_query_attention.py refuses a library of another.
+int kvm_fewq_abi_version() { return 1; }
+
+// out [1, T, H_q, D] (contiguous, q's dtype) = attention of q over k, v. Returns 0 when done; 1 when
+// this call is not one the kernel takes (the caller runs SDPA; out is untouched); -1 when a thread
+// failed (out of memory). Python checks the tensors' dtypes, dims, batch of 1, device and contiguous
+// last dimensions; the sizes' limits are checked here. Strides in elements: q_sh / q_st between query
+// heads / tokens, k_sh / k_ss (v_sh / v_ss) between K (V) heads / positions; mask: null (no mask:
+// `causal` says bottom-right-aligned causal, else every key), or bool rows of S, mask_st apart.
+int kvm_fewq_attention(int q_dtype, int kv_dtype, const void* q, const void* k, const void* v, const bool* mask,
+                       void* out, int64_t Hq, int64_t T, int64_t D, int64_t Hkv, int64_t S, int64_t q_sh,
+                       int64_t q_st, int64_t k_sh, int64_t k_ss, int64_t v_sh, int64_t v_ss, int64_t mask_st,
+                       float scale, int causal, int threads) {
     // q and the cache alike (float32 or bfloat16), or float32 queries over a bfloat16 cache
-    const auto qt = q.scalar_type(), kt = k.scalar_type();
-    const bool ok_dtype = (qt == at::kFloat || qt == at::kBFloat16) && (kt == qt || kt == at::kBFloat16);
-    if (!ok_dtype || v.scalar_type() != kt || q.dim() != 4 ||
-        k.dim() != 4 || v.dim() != 4 || q.size(0) != 1 || k.size(0) != 1 || v.size(0) != 1 || !q.device().is_cpu())
-        return {};
-    const int64_t Hq = q.size(1), T = q.size(2), D = q.size(3), Hkv = k.size(1), S = k.size(2);
-    if (D % 16 || D == 0 || D > 128 || k.size(3) != D || v.size(3) != D || v.size(1) != Hkv || v.size(2) != S ||
-        Hkv == 0 || Hq % Hkv || (Hq / Hkv) * T > kMaxRows || T > S || q.stride(3) != 1 ||
-        k.stride(3) != 1 || v.stride(3) != 1)
-        return {};
-    std::vector<int32_t> nvis;
-    if (mask.has_value() && mask->defined()) {
-        const auto& m = *mask;
-        if (m.scalar_type() != at::kBool || m.dim() != 4 || m.size(0) != 1 || m.size(1) != 1 || m.size(2) != T ||
-            m.size(3) != S || m.stride(3) != 1)
-            return {};
-        nvis = visible_counts(m, T, S);
-        if (nvis.empty()) return {};
-    } else {
-        nvis.resize(T);
-        for (int64_t t = 0; t < T; ++t) nvis[t] = static_cast<int32_t>(causal ? S - T + t + 1 : S);
+    const bool ok_dtype = (q_dtype == kF32 || q_dtype == kBF16) && (kv_dtype == q_dtype || kv_dtype == kBF16);
+    if (!ok_dtype || D % 16 || D == 0 || D > 128 || Hkv <= 0 || Hq % Hkv || (Hq / Hkv) * T > kMaxRows || T > S)
+        return 1;
+    try {
+        std::vector<int32_t> nvis;
+        if (mask != nullptr) {
+            nvis = visible_counts(mask, mask_st, T, S);
+            if (nvis.empty()) return 1;
+        } else {
+            nvis.resize(T);
+            for (int64_t t = 0; t < T; ++t) nvis[t] = static_cast<int32_t>(causal ? S - T + t + 1 : S);
+        }
+        const Args a{Hq, T, D, Hkv, S, q_sh, q_st, k_sh, k_ss, v_sh, v_ss, threads};
+        bool ok;
+        if (q_dtype == kBF16)
+            ok = run<bf16, bf16>(a, static_cast<const bf16*>(q), static_cast<const bf16*>(k),
+                                 static_cast<const bf16*>(v), nvis, scale, static_cast<bf16*>(out));
+        else if (kv_dtype == kBF16)
+            ok = run<float, bf16>(a, static_cast<const float*>(q), static_cast<const bf16*>(k),
+                                  static_cast<const bf16*>(v), nvis, scale, static_cast<float*>(out));
+        else
+            ok = run<float, float>(a, static_cast<const float*>(q), static_cast<const float*>(k),
+                                   static_cast<const float*>(v), nvis, scale, static_cast<float*>(out));
+        return ok ? 0 : -1;
+    } catch (...) {  // a failed allocation: nothing may throw through a C entry point
+        return -1;
     }
-    auto out = at::empty({1, T, Hq, D}, q.options());
-    const float sc = static_cast<float>(scale);
-    if (qt == at::kBFloat16) run<at::BFloat16, at::BFloat16>(q, k, v, nvis, sc, out);
-    else if (kt == at::kBFloat16) run<float, at::BFloat16>(q, k, v, nvis, sc, out);
-    else run<float, float>(q, k, v, nvis, sc, out);
-    return out;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-    m.def("few_query_attention", &few_query_attention, "Attention for few query rows over a long K/V cache");
-}
+}  // extern "C"
+#pragma GCC visibility pop

@@ -21,21 +21,25 @@
 //   Q4_1  q [N/16, K/2, 16] uint8: byte (p, t, j) = q(16p+j, 2t) | q(16p+j, 2t+1) << 4
 //         d, m [N/16, K/32, 16] float32: block scale and minimum of row 16p+j, k-block b
 //   Q8_0  q [N/16, K, 16] int8: q(16p+j, k);  d [N/16, K/32, 16] float32;  m: an empty tensor
+//
+// Plain C entry points over raw pointers (no torch headers: the library does not depend on torch's
+// C++ ABI); gguf_linear.py checks the tensors against these layouts, allocates the outputs and passes
+// pointers, sizes and torch's thread count. Threads are OpenMP's, torch's own libgomp (parallel.h).
 
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "parallel.h"
 #include "simd.h"
 
 #include <algorithm>
 #include <array>
 #include <cstring>
 #include <utility>
+#include <vector>
 
 namespace {
 
-using namespace kvm;  // vec, kLanes, vload ... (simd.h)
+using namespace kvm;  // vec, kLanes, vload ... (simd.h); parallel_for (parallel.h)
 
 constexpr int kPanel = 16;    // output features per panel
 constexpr int kBlock = 32;    // weights per GGUF block (Q4_1, Q8_0)
@@ -141,76 +145,47 @@ constexpr std::array<TileFn, sizeof...(I)> make_tiles(std::index_sequence<I...>)
 }
 constexpr auto kTiles = make_tiles(std::make_index_sequence<kMaxRows>{});  // kTiles[r - 1] = tile<r>
 
-void check(const torch::Tensor& q, const torch::Tensor& d, const torch::Tensor& m, int64_t kind) {
-    TORCH_CHECK(kind == kQ4_1 || kind == kQ8_0, "kind must be 0 (Q4_1) or 1 (Q8_0)");
-    TORCH_CHECK(q.dim() == 3 && q.size(2) == kPanel && q.is_contiguous(), "q must be [N/16, K/2 or K, 16] contiguous");
-    TORCH_CHECK(q.scalar_type() == (kind == kQ4_1 ? torch::kUInt8 : torch::kInt8), "q has the wrong dtype for its kind");
-    const int64_t K = kind == kQ4_1 ? q.size(1) * 2 : q.size(1);
-    TORCH_CHECK(K % kBlock == 0, "K must be a multiple of 32");
-    TORCH_CHECK(d.scalar_type() == torch::kFloat32 && d.is_contiguous() && d.dim() == 3 && d.size(0) == q.size(0) &&
-                d.size(1) == K / kBlock && d.size(2) == kPanel, "d must be [N/16, K/32, 16] float32 contiguous");
-    if (kind == kQ4_1)
-        TORCH_CHECK(m.sizes() == d.sizes() && m.scalar_type() == torch::kFloat32 && m.is_contiguous(),
-                    "m must be shaped and typed as d");
-}
-
-int64_t in_features(const torch::Tensor& q, int64_t kind) { return kind == kQ4_1 ? q.size(1) * 2 : q.size(1); }
-
-// The float32 weight [N, K] the blocks hold, expanded by the same code as `linear` uses.
-torch::Tensor dequantize(torch::Tensor q, torch::Tensor d, torch::Tensor m, int64_t kind) {
-    check(q, d, m, kind);
-    const int64_t P = q.size(0), K = in_features(q, kind);
-    auto out = torch::empty({P * kPanel, K}, torch::kFloat32);
-    const auto* qp = q.data_ptr();
-    const float* dp = d.data_ptr<float>();
-    const float* mp = kind == kQ4_1 ? m.data_ptr<float>() : nullptr;
-    float* op = out.data_ptr<float>();
-    const int64_t q_panel = q.size(1) * kPanel, s_panel = (K / kBlock) * kPanel;
-    at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+// The float32 weight [N, K] (N = P * 16) the blocks hold, expanded by the same code as `linear` uses.
+bool dequantize(int kind, const uint8_t* qp, const float* dp, const float* mp, int64_t P, int64_t K, float* op,
+                int threads) {
+    const int64_t q_panel = (kind == kQ4_1 ? K / 2 : K) * kPanel, s_panel = (K / kBlock) * kPanel;
+    return parallel_for(threads, 0, P, 1, [&](int64_t p0, int64_t p1) {
         std::vector<float> w(K * kPanel);
         for (int64_t p = p0; p < p1; ++p) {
-            expand_panel(kind, static_cast<const uint8_t*>(qp) + p * q_panel, dp + p * s_panel,
-                         mp ? mp + p * s_panel : nullptr, 0, K / kBlock, w.data());
+            expand_panel(kind, qp + p * q_panel, dp + p * s_panel, mp ? mp + p * s_panel : nullptr, 0, K / kBlock,
+                         w.data());
             for (int64_t j = 0; j < kPanel; ++j)
                 for (int64_t k = 0; k < K; ++k) op[(p * kPanel + j) * K + k] = w[k * kPanel + j];
         }
     });
-    return out;
 }
 
-torch::Tensor linear(torch::Tensor x, torch::Tensor q, torch::Tensor d, torch::Tensor m, int64_t kind) {
-    check(q, d, m, kind);
-    const int64_t P = q.size(0), N = P * kPanel, K = in_features(q, kind);
-    TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.size(1) == K && x.is_contiguous(),
-                "x must be [M, K] float32 contiguous");
-    const int64_t M = x.size(0);
-    auto y = torch::empty({M, N}, torch::kFloat32);
-    if (M == 0) return y;
-    const auto* qp = static_cast<const uint8_t*>(q.data_ptr());
-    const float* dp = d.data_ptr<float>();
-    const float* mp = kind == kQ4_1 ? m.data_ptr<float>() : nullptr;
-    const float* xp = x.data_ptr<float>();
-    float* yp = y.data_ptr<float>();
-    const int64_t q_panel = q.size(1) * kPanel, s_panel = (K / kBlock) * kPanel;
+// y [M, N] = x [M, K] . W.T, W held as the blocks (N = P * 16).
+bool linear(int kind, const float* xp, int64_t M, const uint8_t* qp, const float* dp, const float* mp, int64_t P,
+            int64_t K, float* yp, int threads) {
+    const int64_t N = P * kPanel;
+    if (M == 0) return true;
+    const int64_t q_panel = (kind == kQ4_1 ? K / 2 : K) * kPanel, s_panel = (K / kBlock) * kPanel;
     // Rows in tiles of at most kMaxRows, as even as possible (16 rows: 8 + 8 on AVX-512), each tile
     // transposed once so that its broadcasts stream. Tiling moves no bit: each output's sum is fixed.
     const int64_t n_tiles = (M + kMaxRows - 1) / kMaxRows;
     std::vector<int64_t> start(n_tiles + 1);
     for (int64_t t = 0; t <= n_tiles; ++t) start[t] = t * M / n_tiles;
     std::vector<float> xt(M * K);
-    at::parallel_for(0, n_tiles, 1, [&](int64_t t0, int64_t t1) {
+    const bool transposed = parallel_for(threads, 0, n_tiles, 1, [&](int64_t t0, int64_t t1) {
         for (int64_t t = t0; t < t1; ++t) {
             const int64_t r0 = start[t], R = start[t + 1] - r0;
             for (int64_t r = 0; r < R; ++r)
                 for (int64_t k = 0; k < K; ++k) xt[r0 * K + k * R + r] = xp[(r0 + r) * K + k];
         }
     });
+    if (!transposed) return false;
     // Work items: (group of tiles, group of panels). A group's panels are expanded once per tile
     // group, whose rows stay in L2 while the panels stream by. Which thread computes an item
     // changes no bit.
     const int64_t groups = (P + kTilePanels - 1) / kTilePanels;
     const int64_t tile_groups = (n_tiles + kTilesPerItem - 1) / kTilesPerItem;
-    at::parallel_for(0, tile_groups * groups, 1, [&](int64_t i0, int64_t i1) {
+    return parallel_for(threads, 0, tile_groups * groups, 1, [&](int64_t i0, int64_t i1) {
         std::vector<float> w(kTilePanels * kSliceBlocks * kBlock * kPanel, 0.0f);
         std::vector<float> part(kTilesPerItem * kMaxRows * kTileVecs * kLanes);  // an odd last panel's tiles
         for (int64_t i = i0; i < i1; ++i) {
@@ -240,12 +215,43 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor q, torch::Tensor d, torch::T
                                     part.data() + ((t - t0) * kMaxRows + r) * kTileVecs * kLanes, sizeof(float) * kPanel);
         }
     });
-    return y;
 }
 
 }  // namespace
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-    m.def("linear", &linear, "y = x @ W.T with W held as GGUF blocks (panel layout)");
-    m.def("dequantize", &dequantize, "The float32 weight [N, K] held by GGUF blocks (panel layout)");
+// The library is built with -fvisibility=hidden: only these entry points are exported.
+#pragma GCC visibility push(default)
+extern "C" {
+
+// The version of the calling convention below; gguf_linear.py refuses a library of another.
+int kvm_qlinear_abi_version() { return 1; }
+
+// Returns 0 when done, -2 for sizes that are not whole panels and blocks or a kind that is neither
+// Q4_1 (0) nor Q8_0 (1), -1 when a thread failed (out of memory). Python checks the tensors: q
+// [P, K/2 (Q4_1) or K (Q8_0), 16] uint8 / int8, d and m [P, K/32, 16] float32 (m null for Q8_0),
+// x [M, K] and the outputs float32, all contiguous.
+int kvm_qlinear_dequantize(int kind, const void* q, const float* d, const float* m, int64_t P, int64_t K, float* out,
+                           int threads) {
+    if ((kind != kQ4_1 && kind != kQ8_0) || K % kBlock || P < 0 || (kind == kQ4_1 && m == nullptr)) return -2;
+    try {
+        return dequantize(kind, static_cast<const uint8_t*>(q), d, kind == kQ4_1 ? m : nullptr, P, K, out, threads)
+                   ? 0 : -1;
+    } catch (...) {
+        return -1;
+    }
 }
+
+int kvm_qlinear_linear(int kind, const float* x, int64_t M, const void* q, const float* d, const float* m, int64_t P,
+                       int64_t K, float* y, int threads) {
+    if ((kind != kQ4_1 && kind != kQ8_0) || K % kBlock || P < 0 || M < 0 || (kind == kQ4_1 && m == nullptr))
+        return -2;
+    try {
+        return linear(kind, x, M, static_cast<const uint8_t*>(q), d, kind == kQ4_1 ? m : nullptr, P, K, y, threads)
+                   ? 0 : -1;
+    } catch (...) {
+        return -1;
+    }
+}
+
+}  // extern "C"
+#pragma GCC visibility pop

@@ -257,7 +257,12 @@ int64_t preadv_all(int fd, struct iovec* iov, int count, int64_t off) {
 
 }  // namespace
 
+// The library is built with -fvisibility=hidden: only these entry points are exported.
+#pragma GCC visibility push(default)
 extern "C" {
+
+// The version of the calling convention below; sha256_lanes.py refuses a library of another.
+int kvm_sha256_abi_version() { return 1; }
 
 // Digests (lanes x 32 bytes) of `lanes` (1..16) messages of `nseg` segments of `seg_bytes` bytes:
 // segment k of lane l starts at seg[l * nseg + k]. Returns 0, or -1 on bad arguments.
@@ -340,3 +345,4 @@ int kvm_read_hash_lanes(int lanes, const char* const* paths, const int64_t* offs
 }
 
 }  // extern "C"
+#pragma GCC visibility pop
