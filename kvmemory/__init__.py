@@ -13,7 +13,11 @@ The public API, everything users and the framework integrations need:
   `ExecutionProfile`, `load_model`;
 - stores: `open_store` and the `Store` protocol (`LocalStore`, `SignedLocalStore`, `RedisStore`);
 - verifiers (`verifier_by_name`, `ArithmeticVerifier`, ...) and the typed errors (`KVMemoryError` ...);
-- for adapters: `shared_memory` / `memory_lock` (one memory per model and store in a process).
+- for framework adapters (kvmemory.adapters, what the LangChain and LlamaIndex integrations share):
+  one memory per model and store in a process (`shared_memory`, `borrow_memory`, `memory_lock`),
+  messages as chat-template turns and the tool-call protocol (`Message`, `to_turns`, ...), one chat call
+  with guided decoding (`ChatRequest`, `run_chat`, `Decoder`, `JsonGuide`), streaming that stops when its
+  consumer goes away (`stream_text`, `astream_text`).
 
 Names are imported on first use, so `import kvmemory` (and `kvmemory --help`) stays quick; the
 layers underneath (kvmemory.engine, .store, ...) are internals and may change between versions.
@@ -35,6 +39,7 @@ _EXPORTS = {
     # the facade and its results
     "KVMemory": "kvmemory.memory.facade",
     "Answer": "kvmemory.memory.facade",
+    "ChatPrompt": "kvmemory.memory.facade",
     "Recalled": "kvmemory.memory.facade",
     "VerifySummary": "kvmemory.memory.facade",
     "TEXT_TEMPLATE": "kvmemory.memory.facade",
@@ -72,9 +77,36 @@ _EXPORTS = {
     "SignedLocalStore": "kvmemory.store.signing",
     "Signer": "kvmemory.store.signing",
     "RedisStore": "kvmemory.store.redis_store",
-    # what the framework adapters share
+    # what the framework adapters share (kvmemory.adapters)
     "shared_memory": "kvmemory.adapters.shared",
     "memory_lock": "kvmemory.adapters.shared",
+    "SharedMemory": "kvmemory.adapters.shared",
+    "borrow_memory": "kvmemory.adapters.shared",
+    "env_store": "kvmemory.adapters.shared",
+    "Message": "kvmemory.adapters.messages",
+    "to_turns": "kvmemory.adapters.messages",
+    "template_role": "kvmemory.adapters.messages",
+    "text_of": "kvmemory.adapters.messages",
+    "normalize_tool_choice": "kvmemory.adapters.messages",
+    "parse_tool_calls": "kvmemory.adapters.messages",
+    "render_tool_call": "kvmemory.adapters.messages",
+    "TOOL_CALL_OPEN": "kvmemory.adapters.messages",
+    "TOOL_CALL_CLOSE": "kvmemory.adapters.messages",
+    "Decoder": "kvmemory.adapters.guided",
+    "DecodeStats": "kvmemory.adapters.guided",
+    "JsonGuide": "kvmemory.adapters.guided",
+    "call_tool": "kvmemory.adapters.guided",
+    "ChatRequest": "kvmemory.adapters.chat",
+    "ChatOutcome": "kvmemory.adapters.chat",
+    "run_chat": "kvmemory.adapters.chat",
+    "stream_text": "kvmemory.adapters.streaming",
+    "astream_text": "kvmemory.adapters.streaming",
+    "StreamChunk": "kvmemory.adapters.streaming",
+    "VisibleText": "kvmemory.adapters.streaming",
+    "StreamCancelled": "kvmemory.adapters.streaming",
+    "UnsupportedContent": "kvmemory.adapters.errors",
+    "ToolChoiceError": "kvmemory.adapters.errors",
+    "GuidedDecodingError": "kvmemory.adapters.errors",
     # data for evaluations (seeded word problems with worked solutions, rewordings, unrelated questions)
     "generate_problems": "kvmemory.bench.problems",
     "unrelated_questions": "kvmemory.bench.problems",
@@ -111,7 +143,13 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # what type checkers and IDEs see (py.typed): the same names, imported eagerly
-    from kvmemory.adapters.shared import memory_lock, shared_memory
+    from kvmemory.adapters.chat import ChatOutcome, ChatRequest, run_chat
+    from kvmemory.adapters.errors import GuidedDecodingError, ToolChoiceError, UnsupportedContent
+    from kvmemory.adapters.guided import DecodeStats, Decoder, JsonGuide, call_tool
+    from kvmemory.adapters.messages import (TOOL_CALL_CLOSE, TOOL_CALL_OPEN, Message, normalize_tool_choice,
+                                            parse_tool_calls, render_tool_call, template_role, text_of, to_turns)
+    from kvmemory.adapters.shared import SharedMemory, borrow_memory, env_store, memory_lock, shared_memory
+    from kvmemory.adapters.streaming import StreamCancelled, StreamChunk, VisibleText, astream_text, stream_text
     from kvmemory.bench.problems import generate_problems, unrelated_questions
     from kvmemory.engine.engine import Engine, VerifyReport
     from kvmemory.engine.graft import GraftReport
@@ -120,7 +158,8 @@ if TYPE_CHECKING:  # what type checkers and IDEs see (py.typed): the same names,
     from kvmemory.errors import (IntegrityError, InvalidInput, KVMemoryError, NotOnGrid, ProfileMismatch,
                                  RouterMismatch, StoreError, StoreFormatError, StoreFull, StoreReadOnly,
                                  UnknownEntry, UnsupportedArchitecture, VerificationFailed)
-    from kvmemory.memory.facade import DEFAULT_NAMESPACE, TEXT_TEMPLATE, Answer, KVMemory, Recalled, VerifySummary
+    from kvmemory.memory.facade import (DEFAULT_NAMESPACE, TEXT_TEMPLATE, Answer, ChatPrompt, KVMemory, Recalled,
+                                        VerifySummary)
     from kvmemory.memory.prompts import render_ids, solution_text
     from kvmemory.memory.verifiers import (VERIFIERS, ArithmeticVerifier, ExactAnswerVerifier, NoneVerifier,
                                            Verifier, VerifierResult, extract_answer, numbers_in, verifier_by_name)

@@ -36,12 +36,30 @@ def test_one_lock_per_engine(store):
 
 
 def test_adapters_of_both_frameworks_share_it(store):
-    from langchain_kvmemory._memory import shared_memory as lc_shared
-    from llama_index.retrievers.kvmemory import KVMemoryRetriever
+    from langchain_kvmemory import KVMemoryRetriever as LCRetriever
+    from llama_index.retrievers.kvmemory import KVMemoryRetriever as LIRetriever
 
-    lc = lc_shared(None, store)
-    li = KVMemoryRetriever(store=store)
+    lc = LCRetriever(store=str(store)).shared()
+    li = LIRetriever(store=store)
     assert li.memory is lc.memory is shared.shared_memory(None, store)
+    assert lc.lock is shared.memory_lock(li.memory)
+
+
+def test_borrow_memory_pairs_a_memory_with_its_lock(store):
+    mem = shared.shared_memory(None, store)
+    own = KVMemory(engine=mem.engine, namespace="mine")
+    borrowed = shared.borrow_memory(own)
+    assert borrowed.memory is own and borrowed.lock is shared.memory_lock(mem)
+    assert shared.borrow_memory(None, None, store).memory is mem
+    with pytest.raises(TypeError):
+        shared.borrow_memory(object())
+
+
+def test_env_store_reads_kvmemory_store(monkeypatch):
+    monkeypatch.delenv("KVMEMORY_STORE", raising=False)
+    assert shared.env_store() is None
+    monkeypatch.setenv("KVMEMORY_STORE", "/tmp/somewhere")
+    assert shared.env_store() == "/tmp/somewhere"
 
 
 def test_a_redis_store_is_named_by_its_url(monkeypatch):

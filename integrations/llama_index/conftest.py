@@ -56,7 +56,7 @@ def no_default_models(monkeypatch):
 @pytest.fixture(scope="session")
 def li_memory(tmp_path_factory):
     """The embedded SmolLM2 and a fresh store, shared by every LlamaIndex test (loading takes seconds)."""
-    from kvmemory.memory.facade import KVMemory
+    from kvmemory import KVMemory
 
     # probe_tokens=1: each remembered entry's attestation decodes one token instead of four. The graft
     # is still proven bit-identical over the whole prompt; it halves the fixture's model time.
@@ -78,7 +78,7 @@ class Recurring:
 @pytest.fixture(scope="session")
 def li_recurring(li_memory) -> Recurring:
     """10 seeded word problems x 2 rewordings, each solution remembered (arithmetic-verified) once."""
-    from kvmemory.bench.problems import generate_problems
+    from kvmemory import generate_problems
     from llama_index.retrievers.kvmemory import remember_recurring
 
     problems = generate_problems(10, 0, rewordings=2)

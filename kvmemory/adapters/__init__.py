@@ -1,1 +1,13 @@
-"""What every framework adapter shares: one memory per (model, store) and its lock."""
+"""What every framework adapter shares, written once (the LangChain and LlamaIndex integrations are thin
+layers over these):
+
+- `shared`: one `KVMemory` per (model, store) in a process, and the lock its callers hold;
+- `messages`: framework messages as chat-template turns, the tool-call text protocol, the system turn's
+  instructions (tools, a JSON schema);
+- `guided`: decoding passes over one prompt: free text, choices scored by the model, schema-guided JSON
+  and forced tool calls;
+- `chat`: one chat call with routing, prefix caching, tools and structured output, and what it cost;
+- `streaming`: a decode in a worker thread, its visible text delivered to a sync or async consumer,
+  stopped (and the lock released) when the consumer goes away;
+- `errors`: the adapters' typed errors.
+"""

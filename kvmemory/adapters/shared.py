@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import threading
 import weakref
+from dataclasses import dataclass
 from pathlib import Path
 
 from kvmemory.memory.facade import KVMemory
@@ -22,9 +23,22 @@ from kvmemory.models.loading import DEFAULT_MODEL
 from kvmemory.paths import default_store_path
 from kvmemory.store.open import is_redis_url
 
+@dataclass(slots=True, frozen=True)
+class SharedMemory:
+    """A KVMemory and the lock every caller holds while it computes."""
+
+    memory: KVMemory
+    lock: threading.RLock
+
+
 _registry_lock = threading.Lock()
 _memories: dict[tuple[str, str], KVMemory] = {}
 _locks: "weakref.WeakKeyDictionary[object, threading.RLock]" = weakref.WeakKeyDictionary()
+
+
+def env_store() -> str | None:
+    """$KVMEMORY_STORE when set (adapters record it at construction, so it shows in their fields)."""
+    return os.environ.get("KVMEMORY_STORE") or None
 
 
 def resolve_store(store: str | os.PathLike[str] | None) -> str:
@@ -54,3 +68,13 @@ def memory_lock(memory: KVMemory) -> threading.RLock:
         if lock is None:
             lock = _locks[memory.engine] = threading.RLock()
         return lock
+
+
+def borrow_memory(memory: KVMemory | None = None, model: str | None = None,
+                  store: str | os.PathLike[str] | None = None) -> SharedMemory:
+    """`memory` (the caller's own) or else the process-wide one for (model, store), with its lock."""
+    if memory is None:
+        memory = shared_memory(model, store)
+    elif not isinstance(memory, KVMemory):
+        raise TypeError(f"memory must be a kvmemory.KVMemory, got {type(memory).__name__}")
+    return SharedMemory(memory, memory_lock(memory))

@@ -101,6 +101,16 @@ class Recalled:
                 "attestation_id": e.attestation.get("attestation_id"), "matched_text": self.matched_text}
 
 
+@dataclass(slots=True, frozen=True)
+class ChatPrompt:
+    """A chat's prompt (`KVMemory.chat_prompt`): token ids up to the assistant's turn, the routed
+    entries placed before the conversation (best first), and whether new blocks are stored."""
+
+    ids: list[int]
+    hits: list[Recalled]
+    store_new_blocks: bool
+
+
 @dataclass(slots=True)
 class VerifySummary:
     checked: int = 0
@@ -481,6 +491,16 @@ class KVMemory:
         with one, whatever grid-aligned prefix was stored before (same system prompt, same entries)
         is grafted, and the new blocks are stored per `block_policy`.
         """
+        prompt = self.chat_prompt(messages, route=route, k=k, namespace=namespace, threshold=threshold)
+        return self.generate(prompt.ids, max_new_tokens=max_new_tokens, sampling=sampling, stop=stop,
+                             store_new_blocks=prompt.store_new_blocks, entries=[h.entry for h in prompt.hits],
+                             scores=[h.score for h in prompt.hits], on_text=on_text)
+
+    def chat_prompt(self, messages: Sequence[dict], *, route: bool = True, k: int = 1, namespace: str | None = None,
+                    threshold: float | None = None) -> ChatPrompt:
+        """What `chat` decodes from: the entries its last user message routes to, the prompt's token ids
+        and whether the blocks it computes are stored (per `block_policy`). For adapters that decode
+        the prompt in several passes (guided decoding)."""
         msgs = [{"role": str(m["role"]), "content": str(m.get("content") or "")} for m in messages]
         if not msgs:
             raise InvalidInput("empty conversation")
@@ -489,12 +509,9 @@ class KVMemory:
         entries = [h.entry for h in hits]
         for e in entries:
             self.engine.require_profile(e.profile_id, f"entry {e.id}'s blocks")
-        ids = self.chat_ids(msgs, entries)
         store_new = self.block_policy == "always" or (self.block_policy == "multi" and (len(entries) > 1 or (
             bool(entries) and msgs[0]["role"] == "system")))
-        return self.generate(ids, max_new_tokens=max_new_tokens, sampling=sampling, stop=stop,
-                             store_new_blocks=store_new, entries=entries, scores=[h.score for h in hits],
-                             on_text=on_text)
+        return ChatPrompt(self.chat_ids(msgs, entries), hits, store_new)
 
     def sync_router(self, namespace: str) -> int:
         """Route entries another process or machine remembered into this one's (local) router, and

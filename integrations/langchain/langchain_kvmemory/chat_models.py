@@ -8,26 +8,30 @@ usage metadata says how many prompt tokens came from the store (`input_token_det
 and the tokens grafted / computed / decoded / forced over every pass.
 
 Tools (`bind_tools`) are described in the system turn, and a tool call is written in the assistant
-turn as `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (see `_protocol`). When a call is
-required (`tool_choice="any"` or a tool's name, or `tool_policy="user_turn"` on a user turn), the
-model picks the tool by its own likelihood and decodes every argument value under the tool's JSON
-schema (see `_guided`); otherwise its free output is read for a tool call. Structured output
-(`with_structured_output`) uses the same schema guidance.
+turn as `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`. When a call is required
+(`tool_choice="any"` or a tool's name, or `tool_policy="user_turn"` on a user turn), the model picks
+the tool by its own likelihood and decodes every argument value under the tool's JSON schema;
+otherwise its free output is read for a tool call. Structured output (`with_structured_output`) uses
+the same schema guidance.
+
+This module only translates between LangChain and kvmemory: the call itself (routing, prefix caching,
+guided decoding), the message layout and the tool-call protocol, and streaming with cancellation are
+kvmemory's adapter layer (`kvmemory.run_chat`, `kvmemory.to_turns`, `kvmemory.stream_text`), shared
+with the LlamaIndex integration.
 """
 
 from __future__ import annotations
 
 import json
-import queue
-import threading
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from contextlib import aclosing, closing
 from operator import itemgetter
 from typing import Any, Literal
 
-from langchain_core.callbacks import CallbackManagerForLLMRun
+from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models import BaseChatModel, LangSmithParams, LanguageModelInput
-from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
+from langchain_core.messages import (AIMessage, AIMessageChunk, BaseMessage, ChatMessage, FunctionMessage,
+                                     HumanMessage, SystemMessage, ToolMessage)
 from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
@@ -36,90 +40,37 @@ from langchain_core.utils.function_calling import convert_to_json_schema, conver
 from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import ConfigDict, Field, model_validator
 
-from kvmemory.engine.graft import plan_chain
-from kvmemory.memory.facade import KVMemory
-from kvmemory.models.loading import DEFAULT_MODEL
-from kvmemory.memory.prompts import render_ids
-from kvmemory.engine.runner import Sampling
-from kvmemory.store.local import EntryRecord
-
-from ._guided import Decoder, JsonGuide
-from ._memory import SharedMemory, env_store, shared_memory, wrap_memory
-from ._protocol import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, last_user_text, new_call_id, parse_tool_calls, to_chat, tools_prompt
-from .errors import GuidedDecodingError, ToolChoiceError
+from kvmemory import (DEFAULT_MODEL, ChatOutcome, ChatRequest, KVMemory, Message, Sampling, SharedMemory,
+                      StreamChunk, UnsupportedContent, astream_text, borrow_memory, env_store, normalize_tool_choice,
+                      run_chat, stream_text, to_turns)
 
 # Keyword arguments a call may carry besides the standard ones; anything else is refused, so that a
 # misspelt option is an error instead of being silently ignored.
 _CALL_KWARGS = {"tools", "tool_choice", "response_format", "model", "temperature", "top_p", "top_k", "seed",
                 "max_tokens", "namespace", "k", "route", "score_threshold", "tool_policy"}
-_FINISH = {"stop_token": "stop", "stop": "stop", "length": "length"}
+# LangChain's message classes onto chat-template roles (chunks are subclasses of these).
+_ROLES = ((SystemMessage, "system"), (HumanMessage, "user"), (AIMessage, "assistant"), (ToolMessage, "tool"),
+          (FunctionMessage, "tool"))
 
 
-def normalize_tool_choice(tool_choice: Any, names: Sequence[str]) -> str:
-    """'auto', 'none', 'any' or a bound tool's name, from LangChain's / OpenAI's / Anthropic's spellings."""
-    if tool_choice is None or tool_choice == "auto":
-        return "auto"
-    if tool_choice is False or tool_choice == "none":
-        return "none"
-    if tool_choice is True or tool_choice in ("any", "required"):
-        if not names:
-            raise ToolChoiceError("tool_choice asks for a tool call, but no tools are bound")
-        return "any"
-    name = tool_choice
-    if isinstance(tool_choice, dict):
-        kind = tool_choice.get("type")
-        if kind in ("any", "auto", "none", "required"):
-            return normalize_tool_choice(kind, names)
-        name = (tool_choice.get("function") or {}).get("name") or tool_choice.get("name")
-    if isinstance(name, str) and name in names:
-        return name
-    raise ToolChoiceError(f"tool_choice {tool_choice!r} names no bound tool; bound tools: {list(names)}")
+def to_chat(messages: Sequence[BaseMessage]) -> list[dict[str, str]]:
+    """LangChain messages as chat-template turns (`kvmemory.to_turns`: one leading system turn, earlier
+    tool calls replayed in the assistant turn, failed tool results marked)."""
+    out = []
+    for m in messages:
+        role = m.role if isinstance(m, ChatMessage) else next((r for cls, r in _ROLES if isinstance(m, cls)), None)
+        if role is None:
+            raise UnsupportedContent(f"cannot render a {type(m).__name__} for the model")
+        calls = [(tc["name"], tc.get("args") or {}) for tc in m.tool_calls] if isinstance(m, AIMessage) else []
+        out.append(Message(role, m.content, calls, error=getattr(m, "status", "success") == "error"))
+    return to_turns(out)
 
 
-def _safe_text(raw: str, stops: Sequence[str]) -> str:
-    """The part of streamed text that is final: cut at a stop string, without a tail that could still
-    become one, and without surrounding whitespace (the final answer is stripped too)."""
-    text = raw.lstrip()
-    cut = min([i for s in stops if s and (i := text.find(s)) != -1], default=-1)
-    if cut != -1:
-        return text[:cut].rstrip()
-    hold = 0
-    for s in stops:
-        for n in range(min(len(s) - 1, len(text)), 0, -1):
-            if text.endswith(s[:n]):
-                hold = max(hold, n)
-                break
-    return text[: len(text) - hold].rstrip()
-
-
-@dataclass(slots=True)
-class _Call:
-    """One call's settings, resolved from the model's fields and the call's keyword arguments."""
-
-    shared: SharedMemory
-    model_name: str
-    turns: list[dict[str, str]]
-    tools: list[dict]
-    tool_choice: str
-    tool_policy: str
-    response_schema: dict | None
-    stop: list[str]
-    max_tokens: int
-    sampling: Sampling
-    namespace: str
-    route: bool
-    k: int
-    threshold: float | None
-
-
-@dataclass(slots=True)
-class _Outcome:
-    text: str
-    tool_calls: list[dict] = field(default_factory=list)
-    invalid_tool_calls: list[dict] = field(default_factory=list)
-    finish_reason: str = "stop"
-    usage: dict = field(default_factory=dict)
-    metadata: dict = field(default_factory=dict)
+def _tool_call_chunks(out: ChatOutcome) -> list[dict]:
+    chunks = [{"name": tc["name"], "args": json.dumps(tc["args"], ensure_ascii=False), "id": tc["id"], "index": i,
+               "type": "tool_call_chunk"} for i, tc in enumerate(out.tool_calls)]
+    return chunks + [{"name": tc["name"], "args": tc["args"], "id": tc["id"], "index": len(chunks) + i,
+                      "type": "tool_call_chunk"} for i, tc in enumerate(out.invalid_tool_calls)]
 
 
 class ChatKVGraft(BaseChatModel):
@@ -223,8 +174,8 @@ class ChatKVGraft(BaseChatModel):
     def shared(self, model: str | None = None) -> SharedMemory:
         """The KVMemory this model uses (and its lock); `model` names another model for one call."""
         if self.memory is not None and (model is None or model == self.model_name):
-            return wrap_memory(self.memory)
-        return shared_memory(model or self.model_name, self.store)
+            return borrow_memory(self.memory)
+        return borrow_memory(None, model or self.model_name, self.store)
 
     # ------------------------------------------------------------------ tools and structured output
     def bind_tools(self, tools: Sequence[dict[str, Any] | type | Callable | BaseTool], *,
@@ -264,13 +215,15 @@ class ChatKVGraft(BaseChatModel):
         return llm | parser
 
     # ------------------------------------------------------------------ one call
-    def _prepare(self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]) -> _Call:
+    def _prepare(self, messages: list[BaseMessage], stop: list[str] | None,
+                 kwargs: dict[str, Any]) -> tuple[SharedMemory, str, ChatRequest]:
+        """The memory to use, the model's name and the call's request, from the fields and `kwargs`."""
         unknown = set(kwargs) - _CALL_KWARGS
         if unknown:
             raise TypeError(f"ChatKVGraft got unsupported call arguments {sorted(unknown)}")
         tools = list(kwargs.get("tools") or [])
-        names = [t["function"]["name"] for t in tools]
-        choice = normalize_tool_choice(kwargs.get("tool_choice"), names) if tools else "auto"
+        choice = normalize_tool_choice(kwargs.get("tool_choice"), [t["function"]["name"] for t in tools]) \
+            if tools else "auto"
         schema = None
         rf = kwargs.get("response_format")
         if rf is not None:
@@ -279,124 +232,33 @@ class ChatKVGraft(BaseChatModel):
                                  "JSON output is decoded under a schema's guidance (with_structured_output builds it)")
             schema = rf["json_schema"].get("schema") or {}
         max_tokens = kwargs.get("max_tokens", self.max_tokens)
-        temperature = float(kwargs.get("temperature", self.temperature) or 0.0)
         model_name = kwargs.get("model") or self.model_name
         turns = to_chat(messages)
         if not turns:
             raise ValueError("empty conversation: give at least one message")
-        return _Call(
-            shared=self.shared(model_name), model_name=model_name, turns=turns, tools=tools, tool_choice=choice,
-            tool_policy=kwargs.get("tool_policy", self.tool_policy), response_schema=schema,
-            stop=list(stop if stop is not None else (self.stop or [])),
+        request = ChatRequest(
+            turns=turns, tools=tools, tool_choice=choice, tool_policy=kwargs.get("tool_policy", self.tool_policy),
+            response_schema=schema, stop=list(stop if stop is not None else (self.stop or [])),
             max_tokens=int(max_tokens) if max_tokens is not None else 256,
-            sampling=Sampling(temperature=temperature, top_p=float(kwargs.get("top_p", self.top_p)),
-                              top_k=int(kwargs.get("top_k", self.top_k)), seed=int(kwargs.get("seed", self.seed))),
+            sampling=Sampling(temperature=float(kwargs.get("temperature", self.temperature) or 0.0),
+                              top_p=float(kwargs.get("top_p", self.top_p)), top_k=int(kwargs.get("top_k", self.top_k)),
+                              seed=int(kwargs.get("seed", self.seed))),
             namespace=kwargs.get("namespace", self.namespace), route=bool(kwargs.get("route", self.route)),
             k=int(kwargs.get("k", self.k)), threshold=kwargs.get("score_threshold", self.score_threshold),
+            cache_prefixes=self.cache_prefixes,
         )
+        return self.shared(model_name), model_name, request
 
-    def _prefix_missing(self, memory: KVMemory, system_turn: dict[str, str], prompt_ids: list[int]) -> bool:
-        """Whether the system turn's full blocks are not stored yet. The first pass over such a prompt
-        then stores the blocks it computes anyway (no extra forward), so later calls graft them; the
-        blocks after the system turn that are stored with them are as content-addressed as any."""
-        eng = memory.engine
-        ids = render_ids(eng.tokenizer, [system_turn])
-        n_blocks = min(len(ids), len(prompt_ids) - 1) // eng.chunk
-        if n_blocks == 0 or prompt_ids[: len(ids)] != ids or getattr(memory.store, "readonly", False):
-            return False
-        return len(plan_chain(memory.store, eng.profile_id, prompt_ids, eng.chunk)) < n_blocks
+    @staticmethod
+    def _usage(out: ChatOutcome) -> dict:
+        s = out.stats
+        return {"input_tokens": s.prompt_tokens, "output_tokens": s.tokens_decoded + s.tokens_forced,
+                "total_tokens": s.prompt_tokens + s.tokens_decoded + s.tokens_forced,
+                "input_token_details": {"cache_read": s.prompt_grafted or 0}}
 
-    def _run(self, call: _Call, on_text: Callable[[str], None] | None = None) -> _Outcome:
-        mem = call.shared.memory
-        with call.shared.lock:
-            turns = [dict(t) for t in call.turns]
-            tool_mode = bool(call.tools) and call.tool_choice != "none"
-            extra = []
-            if tool_mode:
-                extra.append(tools_prompt(call.tools))
-            if call.response_schema is not None:
-                extra.append("Reply with one JSON object that follows this JSON schema: "
-                             + json.dumps(call.response_schema, ensure_ascii=False))
-            if extra:
-                if turns[0]["role"] == "system":
-                    turns[0]["content"] = "\n\n".join([turns[0]["content"], *extra])
-                else:
-                    turns.insert(0, {"role": "system", "content": "\n\n".join(extra)})
-            query = last_user_text(turns)
-            hits = mem.recall(query, call.k, namespace=call.namespace, threshold=call.threshold) \
-                if call.route and query.strip() else []
-            entries = [h.entry for h in hits]
-            for e in entries:
-                mem.engine.require_profile(e.profile_id, f"entry {e.id}'s blocks")
-            ids = mem.chat_ids(turns, entries)
-            has_system = turns[0]["role"] == "system"
-            policy = mem.block_policy
-            store_new = policy == "always" or (policy == "multi" and (len(entries) > 1 or (bool(entries) and has_system)))
-            store_new = store_new or (self.cache_prefixes and has_system and self._prefix_missing(mem, turns[0], ids))
-            dec = Decoder(mem, ids, call.sampling, entries, [h.score for h in hits], store_new)
-            out = self._decode(call, dec, turns, tool_mode, on_text)
-        s = dec.stats
-        out.usage = {"input_tokens": s.prompt_tokens, "output_tokens": s.tokens_decoded + s.tokens_forced,
-                     "total_tokens": s.prompt_tokens + s.tokens_decoded + s.tokens_forced,
-                     "input_token_details": {"cache_read": s.prompt_grafted or 0}}
-        out.metadata = {
-            "model_name": call.model_name,
-            "finish_reason": out.finish_reason,
-            "kvmemory": {
-                **s.to_json(),
-                "entries": [{"id": h.entry.id, "score": round(h.score, 4), "namespace": h.entry.namespace,
-                             "verified": h.entry.verified, "answer": h.entry.answer,
-                             "attestation_id": h.entry.attestation.get("attestation_id")} for h in hits],
-                "profile_id": mem.engine.profile_id,
-            },
-        }
-        return out
-
-    def _decode(self, call: _Call, dec: Decoder, turns: list[dict], tool_mode: bool,
-                on_text: Callable[[str], None] | None) -> _Outcome:
-        names = [t["function"]["name"] for t in call.tools]
-        if call.response_schema is not None:
-            guide = JsonGuide(dec, "", call.response_schema, call.max_tokens)
-            value = guide.value(call.response_schema)
-            return _Outcome(json.dumps(value, ensure_ascii=False), finish_reason="length" if guide.truncated else "stop")
-        forced = tool_mode and (call.tool_choice != "auto" or (call.tool_policy == "user_turn" and turns[-1]["role"] == "user"))
-        if forced:
-            allowed = names if call.tool_choice in ("any", "auto") else [call.tool_choice]
-            return self._tool_call(call, dec, "", allowed)
-        stops = list(call.stop) + ([TOOL_CALL_OPEN] if tool_mode and TOOL_CALL_OPEN not in call.stop else [])
-        ans = dec.free("", max_new_tokens=call.max_tokens, stop=stops, on_text=on_text)
-        finish = _FINISH.get(ans.stopped_by, "stop")
-        if tool_mode:
-            raw = dec.memory.engine.decode(ans.token_ids)
-            if TOOL_CALL_OPEN in raw:  # the model began a call by itself: write it out under the schema
-                head = raw[: raw.index(TOOL_CALL_OPEN)]
-                out = self._tool_call(call, dec, head, names)
-                out.text = ans.text
-                return out
-            rest, calls, invalid = parse_tool_calls(ans.text, names)
-            if calls or invalid:
-                return _Outcome(rest, calls, invalid, finish_reason="tool_calls")
-        return _Outcome(ans.text, finish_reason=finish)
-
-    def _tool_call(self, call: _Call, dec: Decoder, head: str, allowed: list[str]) -> _Outcome:
-        """One tool call after `head` (assistant text already there): the model picks the tool among
-        `allowed` by likelihood and decodes its arguments under the tool's parameter schema."""
-        text = head + dec.force(TOOL_CALL_OPEN + '{"name": "')
-        i = dec.choose(text, [n + '"' for n in allowed])
-        name = allowed[i]
-        text += dec.force(name + '", "arguments": ')
-        params = next(t["function"] for t in call.tools if t["function"]["name"] == name).get("parameters") or {}
-        params = params if params.get("properties") else {"type": "object", "properties": {}}
-        guide = JsonGuide(dec, text, params, call.max_tokens)
-        cid = new_call_id()
-        try:
-            args = guide.value(params)
-        except GuidedDecodingError as exc:
-            partial = guide.text[len(text):]
-            return _Outcome("", invalid_tool_calls=[{"name": name, "args": partial, "id": cid, "error": str(exc),
-                                                     "type": "invalid_tool_call"}], finish_reason="tool_calls")
-        dec.force("}" + TOOL_CALL_CLOSE)
-        return _Outcome("", [{"name": name, "args": args, "id": cid, "type": "tool_call"}], finish_reason="tool_calls")
+    @staticmethod
+    def _metadata(out: ChatOutcome, model_name: str) -> dict:
+        return {"model_name": model_name, "finish_reason": out.finish_reason, "kvmemory": out.provenance()}
 
     # ------------------------------------------------------------------ LangChain entry points
     def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
@@ -405,50 +267,44 @@ class ChatKVGraft(BaseChatModel):
             from langchain_core.language_models.chat_models import generate_from_stream
 
             return generate_from_stream(self._stream(messages, stop=stop, run_manager=run_manager, **kwargs))
-        out = self._run(self._prepare(messages, stop, kwargs))
+        shared, model_name, request = self._prepare(messages, stop, kwargs)
+        out = run_chat(shared, request)
         msg = AIMessage(content=out.text, tool_calls=out.tool_calls, invalid_tool_calls=out.invalid_tool_calls,
-                        usage_metadata=out.usage, response_metadata=out.metadata)
+                        usage_metadata=self._usage(out), response_metadata=self._metadata(out, model_name))
         return ChatResult(generations=[ChatGeneration(message=msg, generation_info={"finish_reason": out.finish_reason})])
+
+    def _chunk(self, chunk: StreamChunk[ChatOutcome], model_name: str) -> ChatGenerationChunk:
+        """A streamed text delta, or the last chunk: the rest of the text, tool calls, usage, provenance."""
+        out = chunk.result
+        if out is None:
+            return ChatGenerationChunk(message=AIMessageChunk(content=chunk.delta))
+        return ChatGenerationChunk(
+            message=AIMessageChunk(content=chunk.delta, tool_call_chunks=_tool_call_chunks(out),
+                                   usage_metadata=self._usage(out), response_metadata=self._metadata(out, model_name),
+                                   chunk_position="last"),
+            generation_info={"finish_reason": out.finish_reason})
 
     def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                 run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
-        call = self._prepare(messages, stop, kwargs)
-        holdback = list(call.stop) + ([TOOL_CALL_OPEN] if call.tools and call.tool_choice != "none" else [])
-        events: queue.Queue = queue.Queue()
+        shared, model_name, request = self._prepare(messages, stop, kwargs)
+        # Decoding runs in a worker thread; closing this generator (the caller stopped reading) stops
+        # it within a token and releases the memory's lock.
+        with closing(stream_text(lambda on_text: run_chat(shared, request, on_text), request.held_back)) as chunks:
+            for chunk in chunks:
+                out = self._chunk(chunk, model_name)
+                if run_manager and chunk.delta:
+                    run_manager.on_llm_new_token(chunk.delta, chunk=out)
+                yield out
 
-        def work() -> None:
-            # The model decodes in this thread; the caller's iterator takes text from the queue as it comes.
-            try:
-                events.put(("done", self._run(call, on_text=lambda d: events.put(("text", d)))))
-            except BaseException as exc:  # re-raised in the caller's thread
-                events.put(("error", exc))
-
-        threading.Thread(target=work, name="kvmemory-stream", daemon=True).start()
-        raw, emitted = "", ""
-        while True:
-            kind, value = events.get()
-            if kind == "error":
-                raise value
-            if kind == "done":
-                out: _Outcome = value
-                break
-            raw += value
-            safe = _safe_text(raw, holdback)
-            if len(safe) > len(emitted) and safe.startswith(emitted):
-                delta, emitted = safe[len(emitted):], safe
-                chunk = ChatGenerationChunk(message=AIMessageChunk(content=delta))
-                if run_manager:
-                    run_manager.on_llm_new_token(delta, chunk=chunk)
-                yield chunk
-        rest = out.text[len(emitted):] if out.text.startswith(emitted) else ""
-        tool_chunks = [{"name": tc["name"], "args": json.dumps(tc["args"], ensure_ascii=False), "id": tc["id"],
-                        "index": i, "type": "tool_call_chunk"} for i, tc in enumerate(out.tool_calls)]
-        tool_chunks += [{"name": tc["name"], "args": tc["args"], "id": tc["id"], "index": len(tool_chunks) + i,
-                         "type": "tool_call_chunk"} for i, tc in enumerate(out.invalid_tool_calls)]
-        last = ChatGenerationChunk(
-            message=AIMessageChunk(content=rest, tool_call_chunks=tool_chunks, usage_metadata=out.usage,
-                                   response_metadata=out.metadata, chunk_position="last"),
-            generation_info={"finish_reason": out.finish_reason})
-        if run_manager and rest:
-            run_manager.on_llm_new_token(rest, chunk=last)
-        yield last
+    async def _astream(self, messages: list[BaseMessage], stop: list[str] | None = None,
+                       run_manager: AsyncCallbackManagerForLLMRun | None = None,
+                       **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
+        shared, model_name, request = self._prepare(messages, stop, kwargs)
+        # As `_stream`; cancelling the consuming task stops the decode too.
+        async with aclosing(astream_text(lambda on_text: run_chat(shared, request, on_text),
+                                         request.held_back)) as chunks:
+            async for chunk in chunks:
+                out = self._chunk(chunk, model_name)
+                if run_manager and chunk.delta:
+                    await run_manager.on_llm_new_token(chunk.delta, chunk=out)
+                yield out

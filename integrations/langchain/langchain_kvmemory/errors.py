@@ -1,24 +1,17 @@
 """Typed errors of the LangChain integration (all of them are kvmemory errors too).
 
 Each says what happened and what to do; bad input is refused before it reaches the model or the store.
+The ones every framework adapter raises are kvmemory's own (`kvmemory.UnsupportedContent`,
+`ToolChoiceError`, `GuidedDecodingError`), named here too.
 """
 
 from __future__ import annotations
 
-from kvmemory.errors import InvalidInput, KVMemoryError
-
-
-class UnsupportedContent(InvalidInput):
-    """A message block the model cannot read (an image, audio, a file): the embedded model is text-only."""
-
-
-class ToolChoiceError(InvalidInput):
-    """A `tool_choice` that names no bound tool, or a forced tool call with no tools bound."""
-
-
-class GuidedDecodingError(KVMemoryError):
-    """The model's output for a schema-guided value could not be read as that value's type."""
+from kvmemory import GuidedDecodingError, InvalidInput, ToolChoiceError, UnsupportedContent
 
 
 class InvalidNamespace(InvalidInput):
     """A LangGraph namespace that cannot be mapped to a kvmemory namespace."""
+
+
+__all__ = ["GuidedDecodingError", "InvalidNamespace", "ToolChoiceError", "UnsupportedContent"]

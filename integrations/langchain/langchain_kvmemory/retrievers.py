@@ -15,10 +15,7 @@ from langchain_core.retrievers import BaseRetriever
 from langchain_core.runnables.config import run_in_executor
 from pydantic import ConfigDict, Field, model_validator
 
-from kvmemory.memory.facade import KVMemory, Recalled
-from kvmemory.models.loading import DEFAULT_MODEL
-
-from ._memory import SharedMemory, env_store, shared_memory, wrap_memory
+from kvmemory import DEFAULT_MODEL, KVMemory, Recalled, SharedMemory, borrow_memory, env_store
 
 
 def to_document(hit: Recalled) -> Document:
@@ -64,7 +61,7 @@ class KVMemoryRetriever(BaseRetriever):
         return values
 
     def shared(self) -> SharedMemory:
-        return wrap_memory(self.memory) if self.memory is not None else shared_memory(self.model_name, self.store)
+        return borrow_memory(self.memory, self.model_name, self.store)
 
     def _search(self, query: str, k: int | None, namespace: str | None, score_threshold: float | None) -> list[Document]:
         sm = self.shared()

@@ -42,11 +42,8 @@ from langgraph.store.base import (
     tokenize_path,
 )
 
-from kvmemory.errors import UnknownEntry
-from kvmemory.memory.facade import KVMemory
-from kvmemory.models.loading import DEFAULT_MODEL
+from kvmemory import DEFAULT_MODEL, KVMemory, SharedMemory, UnknownEntry, borrow_memory, env_store
 
-from ._memory import SharedMemory, env_store, shared_memory, wrap_memory
 from .errors import InvalidNamespace
 
 _SCHEMA = """
@@ -145,7 +142,7 @@ class KVMemoryStore(BaseStore):
 
     # ------------------------------------------------------------------ plumbing
     def shared(self) -> SharedMemory:
-        return wrap_memory(self._memory) if self._memory is not None else shared_memory(self._model, self._store)
+        return borrow_memory(self._memory, self._model, self._store)
 
     def _connect(self, memory: KVMemory) -> sqlite3.Connection:
         if self._db_path is None:

@@ -14,11 +14,8 @@ import json
 from langchain_core.tools import BaseTool, StructuredTool, ToolException
 from pydantic import BaseModel, Field
 
-from kvmemory.errors import InvalidInput, VerificationFailed
-from kvmemory.memory.facade import KVMemory
-from kvmemory.models.loading import DEFAULT_MODEL
+from kvmemory import DEFAULT_MODEL, InvalidInput, KVMemory, VerificationFailed, borrow_memory, env_store
 
-from ._memory import env_store, shared_memory, wrap_memory
 from .retrievers import KVMemoryRetriever
 
 
@@ -44,7 +41,7 @@ def create_remember_tool(*, memory: KVMemory | None = None, store: str | None = 
     store = store or env_store()
 
     def remember(problem: str, solution: str, answer: str) -> tuple[str, dict]:
-        sm = wrap_memory(memory) if memory is not None else shared_memory(model, store)
+        sm = borrow_memory(memory, model, store)
         try:
             with sm.lock:
                 entry = sm.memory.remember(problem, solution, answer, verifier=verifier, namespace=namespace)

@@ -14,7 +14,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-from kvmemory.bench.problems import generate_problems
+from kvmemory import generate_problems
 
 PROBLEMS = generate_problems(4, seed=11)
 _lock = threading.Lock()
@@ -31,10 +31,10 @@ def seeded_store() -> str:
     """A store with PROBLEMS remembered (verifier "arithmetic"), in the default namespace."""
     with _lock:
         if "store" not in _made:
-            from langchain_kvmemory._memory import shared_memory
+            from kvmemory import borrow_memory
 
             path = str(_tmp("store"))
-            sm = shared_memory(None, path)
+            sm = borrow_memory(None, None, path)
             with sm.lock:
                 for p in PROBLEMS:
                     sm.memory.remember(p.text, p.solution, str(p.answer), verifier="arithmetic")

@@ -11,7 +11,7 @@ from langchain_core.tools import tool
 from pydantic import BaseModel, Field
 
 from langchain_kvmemory import ChatKVGraft
-from langchain_kvmemory._memory import shared_memory
+from kvmemory import shared_memory
 from langchain_kvmemory.errors import UnsupportedContent
 from lc_testutil import PROBLEMS, seeded_store
 
@@ -34,7 +34,7 @@ def lookup_city(city: str) -> str:
 
 
 def test_routed_question_grafts_the_verified_entry(llm):
-    mem = shared_memory(None, seeded_store()).memory
+    mem = shared_memory(None, seeded_store())
     target = PROBLEMS[2]
     entry = next(e for e in mem.store.list_entries("default") if e.problem == target.text)
     msg = llm.invoke(target.rewordings[1])

@@ -6,14 +6,14 @@ from __future__ import annotations
 import asyncio
 
 from langchain_kvmemory import KVMemoryRetriever
-from langchain_kvmemory._memory import shared_memory
+from kvmemory import shared_memory
 from lc_testutil import PROBLEMS, seeded_store
 
 
 def test_documents_carry_problem_solution_and_provenance():
     r = KVMemoryRetriever(store=seeded_store(), k=2)
     docs = r.invoke(PROBLEMS[0].rewordings[1])
-    mem = shared_memory(None, seeded_store()).memory
+    mem = shared_memory(None, seeded_store())
     entry = next(e for e in mem.store.list_entries("default") if e.problem == PROBLEMS[0].text)
     assert docs and docs[0].id == entry.id
     d = docs[0]

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from langchain_kvmemory import ChatKVGraft, KVMemoryStore
-from langchain_kvmemory._memory import shared_memory
+from kvmemory import shared_memory
 from langchain_kvmemory.errors import InvalidNamespace
 from langchain_kvmemory.stores import kv_namespace
 from lc_testutil import PROBLEMS, fresh_store
@@ -38,7 +38,7 @@ def test_get_returns_the_value_exactly(store):
 
 
 def test_items_are_entries_with_their_kv(store, path):
-    mem = shared_memory(None, path).memory
+    mem = shared_memory(None, path)
     eid = store.entry_id(("notes", "alice"), "pet")
     entry = mem.entry(eid, "notes.alice")
     assert entry.problem == "Alice has a grey cat called Miso." and entry.verified is False
@@ -67,7 +67,7 @@ def test_list_namespaces(store):
 
 
 def test_overwrite_and_delete_release_entries(path):
-    mem = shared_memory(None, path).memory
+    mem = shared_memory(None, path)
     s = KVMemoryStore(store=path)
     s.put(("tmp",), "k", {"text": "first version of the note"})
     first = s.entry_id(("tmp",), "k")
@@ -83,7 +83,7 @@ def test_solution_items_are_verified_and_graftable(path):
     s = KVMemoryStore(store=path, verifier="arithmetic")
     p = PROBLEMS[3]
     s.put(("solutions",), "p3", {"problem": p.text, "solution": p.solution, "answer": p.answer})
-    entry = shared_memory(None, path).memory.entry(s.entry_id(("solutions",), "p3"), "solutions")
+    entry = shared_memory(None, path).entry(s.entry_id(("solutions",), "p3"), "solutions")
     assert entry.verified is True
     msg = ChatKVGraft(store=path, namespace="solutions", max_tokens=4).invoke(p.rewordings[0])
     assert msg.response_metadata["kvmemory"]["entries"][0]["id"] == entry.id

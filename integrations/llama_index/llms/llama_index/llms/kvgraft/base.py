@@ -17,14 +17,11 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import Sequence
+from contextlib import aclosing, closing
 from typing import Any
 
-from kvmemory.errors import InvalidInput
-from kvmemory.memory.facade import Answer, KVMemory
-from kvmemory.models.loading import DEFAULT_MODEL
-from kvmemory.engine.runner import Sampling
-from kvmemory.adapters.shared import memory_lock, shared_memory
-from kvmemory.store.local import EntryRecord
+from kvmemory import (DEFAULT_MODEL, Answer, EntryRecord, InvalidInput, KVMemory, Message, Sampling, StreamChunk,
+                      astream_text, memory_lock, shared_memory, stream_text, to_turns)
 from llama_index.core.base.llms.types import (
     ChatMessage,
     ChatResponse,
@@ -41,20 +38,6 @@ from llama_index.core.callbacks import CallbackManager
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.llm import LLM
 
-from ._stream import avisible_stream, visible_stream
-
-# LlamaIndex's roles onto the three every chat template knows. Tool output keeps its own role (see
-# `KVGraftLLM.tool_role`): kvmemory routes on the last *user* message, so an observation sent as a
-# user turn would replace the question as what is routed.
-_ROLE_MAP = {
-    MessageRole.SYSTEM.value: "system",
-    MessageRole.DEVELOPER.value: "system",
-    MessageRole.USER.value: "user",
-    MessageRole.ASSISTANT.value: "assistant",
-    MessageRole.CHATBOT.value: "assistant",
-    MessageRole.MODEL.value: "assistant",
-}
-_TOOL_ROLES = {MessageRole.TOOL.value, MessageRole.FUNCTION.value}
 # Keys of the report copied into every response's additional_kwargs.
 REPORT_KEYS = ("tokens_total", "tokens_grafted", "tokens_computed", "tokens_decoded", "bytes_read",
                "blocks_stored")
@@ -65,13 +48,12 @@ _CALL_KEYS = {"max_new_tokens", "max_tokens", "temperature", "top_p", "top_k", "
 
 
 def to_kv_messages(messages: Sequence[ChatMessage], tool_role: str = "tool") -> list[dict[str, str]]:
-    """LlamaIndex chat messages as kvmemory's {"role", "content"} dicts (text blocks only)."""
-    out = []
-    for m in messages:
-        role = m.role.value if isinstance(m.role, MessageRole) else str(m.role)
-        role = tool_role if role in _TOOL_ROLES else _ROLE_MAP.get(role, "user")
-        out.append({"role": role, "content": m.content or ""})
-    return out
+    """LlamaIndex chat messages as chat-template turns (`kvmemory.to_turns`: the text of each message,
+    system messages merged into one leading turn). Tool output keeps its own role (`tool_role`):
+    kvmemory routes on the last *user* message, so an observation sent as a user turn would replace the
+    question as what is routed."""
+    return to_turns([Message(m.role.value if isinstance(m.role, MessageRole) else str(m.role), m.content or "")
+                     for m in messages], tool_role)
 
 
 def answer_kwargs(ans: Answer) -> dict[str, Any]:
@@ -237,23 +219,25 @@ class KVGraftLLM(LLM):
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
         return self._completion_response(self._run_completion(prompt, formatted, self._options(kwargs)))
 
-    def _chat_chunk(self, kind: str, value: Any, delta: str) -> ChatResponse:
-        if kind == "text":
-            return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=value), delta=delta)
-        return self._chat_response(value, delta=delta)  # the last chunk: the final text and the report
+    def _chat_chunk(self, chunk: StreamChunk[Answer]) -> ChatResponse:
+        if chunk.result is None:
+            return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=chunk.text), delta=chunk.delta)
+        return self._chat_response(chunk.result, delta=chunk.delta)  # the last chunk: the final text and the report
 
-    def _completion_chunk(self, kind: str, value: Any, delta: str) -> CompletionResponse:
-        if kind == "text":
-            return CompletionResponse(text=value, delta=delta)
-        return self._completion_response(value, delta=delta)
+    def _completion_chunk(self, chunk: StreamChunk[Answer]) -> CompletionResponse:
+        if chunk.result is None:
+            return CompletionResponse(text=chunk.text, delta=chunk.delta)
+        return self._completion_response(chunk.result, delta=chunk.delta)
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
         opts = self._options(kwargs)
 
         def gen() -> ChatResponseGen:
-            for chunk in visible_stream(lambda on_text: self._run_chat(messages, opts, on_text), opts["stop"]):
-                yield self._chat_chunk(*chunk)
+            # Decoding runs in a worker thread; closing this generator stops it (and frees the memory).
+            with closing(stream_text(lambda on_text: self._run_chat(messages, opts, on_text), opts["stop"])) as chunks:
+                for chunk in chunks:
+                    yield self._chat_chunk(chunk)
 
         return gen()
 
@@ -262,9 +246,10 @@ class KVGraftLLM(LLM):
         opts = self._options(kwargs)
 
         def gen() -> CompletionResponseGen:
-            for chunk in visible_stream(lambda on_text: self._run_completion(prompt, formatted, opts, on_text),
-                                        opts["stop"]):
-                yield self._completion_chunk(*chunk)
+            with closing(stream_text(lambda on_text: self._run_completion(prompt, formatted, opts, on_text),
+                                     opts["stop"])) as chunks:
+                for chunk in chunks:
+                    yield self._completion_chunk(chunk)
 
         return gen()
 
@@ -284,8 +269,11 @@ class KVGraftLLM(LLM):
         opts = self._options(kwargs)
 
         async def gen() -> ChatResponseAsyncGen:
-            async for chunk in avisible_stream(lambda on_text: self._run_chat(messages, opts, on_text), opts["stop"]):
-                yield self._chat_chunk(*chunk)
+            # Cancelling the consuming task (or closing this generator) stops the decode.
+            async with aclosing(astream_text(lambda on_text: self._run_chat(messages, opts, on_text),
+                                             opts["stop"])) as chunks:
+                async for chunk in chunks:
+                    yield self._chat_chunk(chunk)
 
         return gen()
 
@@ -294,9 +282,10 @@ class KVGraftLLM(LLM):
         opts = self._options(kwargs)
 
         async def gen() -> CompletionResponseAsyncGen:
-            async for chunk in avisible_stream(
-                    lambda on_text: self._run_completion(prompt, formatted, opts, on_text), opts["stop"]):
-                yield self._completion_chunk(*chunk)
+            async with aclosing(astream_text(lambda on_text: self._run_completion(prompt, formatted, opts, on_text),
+                                             opts["stop"])) as chunks:
+                async for chunk in chunks:
+                    yield self._completion_chunk(chunk)
 
         return gen()
 

@@ -18,10 +18,10 @@ from __future__ import annotations
 import asyncio
 import copy
 from collections.abc import Generator, Sequence
+from contextlib import closing
 from typing import Any
 
-from kvmemory.memory.facade import Answer
-from kvmemory.store.local import EntryRecord
+from kvmemory import Answer, EntryRecord, stream_text
 from llama_index.core.base.response.schema import RESPONSE_TYPE, Response, StreamingResponse
 from llama_index.core.callbacks import CallbackManager
 from llama_index.core.callbacks.schema import CBEventType, EventPayload
@@ -30,7 +30,6 @@ from llama_index.core.response_synthesizers.base import BaseSynthesizer
 from llama_index.core.schema import NodeWithScore, QueryBundle, QueryType
 from llama_index.core.types import RESPONSE_TEXT_TYPE
 
-from ._stream import visible_stream
 from .base import KVGraftLLM, answer_kwargs
 
 # Response.metadata key under which the graft report of the answer is kept (next to the node ids).
@@ -96,10 +95,11 @@ class KVGraftSynthesizer(BaseSynthesizer):
         if prefix:
             yield prefix
             sep = " "
-        for _kind, _value, delta in visible_stream(call, kwargs.get("stop", self._kv_llm.stop)):
-            if delta:
-                yield sep + delta
-                sep = ""
+        with closing(stream_text(call, kwargs.get("stop", self._kv_llm.stop))) as chunks:
+            for chunk in chunks:
+                if chunk.delta:
+                    yield sep + chunk.delta
+                    sep = ""
 
     def _respond(self, query: QueryType, nodes: list[NodeWithScore],
                  additional_source_nodes: Sequence[NodeWithScore] | None, **kwargs: Any) -> RESPONSE_TYPE:

@@ -19,12 +19,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from kvmemory.errors import InvalidInput, VerificationFailed
-from kvmemory.memory.facade import TEXT_TEMPLATE, KVMemory, Recalled
-from kvmemory.models.loading import DEFAULT_MODEL
-from kvmemory.memory.verifiers import VERIFIERS
-from kvmemory.adapters.shared import shared_memory
-from kvmemory.store.local import EntryRecord
+from kvmemory import (DEFAULT_MODEL, TEXT_TEMPLATE, VERIFIERS, EntryRecord, InvalidInput, KVMemory, Recalled,
+                      VerificationFailed, shared_memory)
 from llama_index.core.base.llms.types import ChatMessage, MessageRole, TextBlock
 from llama_index.core.bridge.pydantic import Field, PrivateAttr, field_validator, model_validator
 from llama_index.core.memory.memory import BaseMemoryBlock

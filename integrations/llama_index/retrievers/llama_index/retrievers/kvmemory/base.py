@@ -10,11 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import os
-from typing import Any
 
-from kvmemory.memory.facade import TEXT_TEMPLATE, KVMemory, Recalled
-from kvmemory.models.loading import DEFAULT_MODEL
-from kvmemory.adapters.shared import shared_memory
+from kvmemory import DEFAULT_MODEL, TEXT_TEMPLATE, KVMemory, Recalled, shared_memory
 from llama_index.core.base.base_retriever import BaseRetriever
 from llama_index.core.callbacks.base import CallbackManager
 from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode

@@ -1,7 +1,7 @@
 """Hit rate and MRR of `KVMemoryRetriever` on kvmemory's recurring-problems set, by LlamaIndex's own
 `RetrieverEvaluator`.
 
-The set (`kvmemory.bench.problems.generate_problems`) is seeded: each problem's worked solution is
+The set (`kvmemory.generate_problems`) is seeded: each problem's worked solution is
 remembered (it must pass the arithmetic verifier), and each of its rewordings, which the store never
 saw verbatim, is a query whose one expected id is that problem's entry id.
 """
@@ -11,8 +11,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from kvmemory.memory.facade import KVMemory
-from kvmemory.bench.problems import generate_problems
+from kvmemory import KVMemory, generate_problems
 from llama_index.core.evaluation import RetrieverEvaluator
 
 from .base import KVMemoryRetriever

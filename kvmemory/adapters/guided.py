@@ -1,4 +1,5 @@
-"""Decoding on the facade: free text, choices scored by the model, and schema-guided JSON.
+"""Decoding passes over one prompt: free text, choices scored by the model, schema-guided JSON and
+forced tool calls.
 
 A tiny model does not reliably emit a tool call or a JSON object by itself, so the structure is
 written for it and only the content is left to it, as constrained-decoding back ends do:
@@ -10,10 +11,14 @@ written for it and only the content is left to it, as constrained-decoding back 
   ("forced" tokens), every value is decoded by the model (a string up to its closing quote, a number
   as digits) or chosen by it (enums, booleans). A value the model does not write as its type raises
   `GuidedDecodingError`: nothing is made up.
+- `call_tool` writes one tool call in the text protocol of `messages`: the model picks the tool by
+  likelihood and decodes its arguments under the tool's parameter schema.
 
 Every pass goes through `KVMemory.generate` / `Engine.forward`, the canonical runner, so whatever the
 store holds for the prompt (a routed entry, a stored system prompt) is grafted on each pass; the
-counts of grafted, computed, decoded and forced tokens are added up in `DecodeStats`.
+counts of grafted, computed, decoded and forced tokens are added up in `DecodeStats`. A `Decoder`
+given a stream's `on_text` (see `streaming`) calls it with "" before every pass and at every token
+that adds text, so a consumer that went away stops guided passes as promptly as free text.
 """
 
 from __future__ import annotations
@@ -27,11 +32,11 @@ from typing import Any
 
 import torch
 
-from kvmemory.memory.facade import Answer, KVMemory
+from kvmemory.adapters.errors import GuidedDecodingError
+from kvmemory.adapters.messages import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, invalid_tool_call, new_call_id, tool_call
 from kvmemory.engine.runner import Sampling
+from kvmemory.memory.facade import Answer, KVMemory
 from kvmemory.store.local import EntryRecord
-
-from .errors import GuidedDecodingError
 
 # Per-value token caps: digits never need many tokens; strings share the call's budget.
 _NUMBER_TOKENS = 12
@@ -82,6 +87,7 @@ class Decoder:
     entries: Sequence[EntryRecord] = ()
     scores: Sequence[float] = ()
     store_new_blocks: bool = False
+    on_text: Callable[[str], None] | None = None  # a stream's callback: raises once its consumer went away
     stats: DecodeStats = field(init=False)
 
     def __post_init__(self) -> None:
@@ -102,10 +108,20 @@ class Decoder:
         s.bytes_read += report.bytes_read
         s.blocks_stored += report.blocks_stored
 
+    def _watch(self) -> Callable[[str], None] | None:
+        """What a pass whose text is not shown reports its tokens to: the stream's check only."""
+        on_text = self.on_text
+        if on_text is None:
+            return None
+        on_text("")
+        return lambda _delta: on_text("")
+
     def free(self, assistant_text: str, *, max_new_tokens: int, stop: Sequence[str] = (),
-             on_text: Callable[[str], None] | None = None) -> Answer:
-        """Decode after the prompt and `assistant_text` (what the assistant turn already holds)."""
+             shown: bool = False) -> Answer:
+        """Decode after the prompt and `assistant_text` (what the assistant turn already holds);
+        `shown`: the decoded text is the stream's visible text (else it only checks the stream)."""
         t0 = time.perf_counter()
+        on_text = self.on_text if shown else self._watch()
         ids = self.prompt_ids + self.encode(assistant_text)
         first = self.stats.passes == 0
         ans = self.memory.generate(ids, max_new_tokens=max(1, max_new_tokens), sampling=self.sampling,
@@ -125,6 +141,7 @@ class Decoder:
         base = self.prompt_ids + self.encode(assistant_text)
         best, best_score = 0, float("-inf")
         for i, opt in enumerate(options):
+            self._watch()
             tail = self.encode(opt)
             ids = base + tail
             first = self.stats.passes == 0
@@ -281,3 +298,23 @@ class JsonGuide:
             raise GuidedDecodingError(f"the model wrote {raw!r} where the schema asks for a JSON array") from None
         self.text += json.dumps(value, ensure_ascii=False)[1:]
         return value
+
+
+def call_tool(dec: Decoder, tools: Sequence[dict], head: str, allowed: Sequence[str], budget: int) -> dict:
+    """One tool call after `head` (assistant text already there): the model picks the tool among
+    `allowed` by likelihood and decodes its arguments under the tool's parameter schema (`tools`:
+    OpenAI tool dicts). Returns the call, of type "invalid_tool_call" when an argument could not be
+    read as its type."""
+    text = head + dec.force(TOOL_CALL_OPEN + '{"name": "')
+    name = allowed[dec.choose(text, [n + '"' for n in allowed])]
+    text += dec.force(name + '", "arguments": ')
+    params = next(t["function"] for t in tools if t["function"]["name"] == name).get("parameters") or {}
+    params = params if params.get("properties") else {"type": "object", "properties": {}}
+    guide = JsonGuide(dec, text, params, budget)
+    cid = new_call_id()
+    try:
+        args = guide.value(params)
+    except GuidedDecodingError as exc:
+        return invalid_tool_call(name, guide.text[len(text):], str(exc), cid)
+    dec.force("}" + TOOL_CALL_CLOSE)
+    return tool_call(name, args, cid)

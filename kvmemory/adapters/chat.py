@@ -1,0 +1,141 @@
+"""One chat call of a framework's chat model: routing, prefix caching, tools and structured output.
+
+The conversation (turns from `messages.to_turns`) gets its instructions in the system turn (the
+tools, a JSON schema), its last user turn is routed to stored verified solutions, and the prompt is
+laid out by `KVMemory.chat_prompt` (entries before the conversation, as `KVMemory.chat` places them).
+Then, under the memory's lock:
+
+- a response schema: the JSON value is written under the schema's guidance (`guided.JsonGuide`);
+- a required tool call (`tool_choice` "any" or a tool's name, or `tool_policy="user_turn"` on a
+  user turn): the model picks the tool and decodes its arguments under its schema (`guided.call_tool`);
+- otherwise free text, read for a tool call the model began by itself when tools are bound.
+
+With `cache_prefixes`, the first call over a system turn whose blocks are not stored yet stores the
+blocks it computes anyway (no extra forward), so later calls graft them. The outcome says what was
+routed and grafted and what every pass cost (`guided.DecodeStats`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from kvmemory.adapters.guided import Decoder, DecodeStats, JsonGuide, call_tool
+from kvmemory.adapters.messages import (TOOL_CALL_OPEN, parse_tool_calls, schema_prompt, tool_names, tools_prompt,
+                                        with_instructions)
+from kvmemory.adapters.shared import SharedMemory
+from kvmemory.engine.runner import GREEDY, Sampling
+from kvmemory.memory.facade import KVMemory, Recalled
+from kvmemory.memory.prompts import render_ids
+
+# How the runner's stop reasons read as a chat response's finish reason.
+_FINISH = {"stop_token": "stop", "stop": "stop", "length": "length"}
+
+
+@dataclass(slots=True)
+class ChatRequest:
+    """One call's settings (the adapter resolves them from its fields and the call's arguments)."""
+
+    turns: list[dict[str, str]]
+    tools: list[dict] = field(default_factory=list)  # OpenAI tool dicts
+    tool_choice: str = "auto"  # "auto", "none", "any" or a tool's name (messages.normalize_tool_choice)
+    tool_policy: str = "model"  # "model" or "user_turn": what an unforced call with tools does
+    response_schema: dict | None = None
+    stop: list[str] = field(default_factory=list)
+    max_tokens: int = 256
+    sampling: Sampling = GREEDY
+    namespace: str | None = None
+    route: bool = True
+    k: int = 1
+    threshold: float | None = None
+    cache_prefixes: bool = True
+
+    @property
+    def tool_mode(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
+
+    @property
+    def held_back(self) -> list[str]:
+        """Where streamed text stops being the answer: the stop strings, and the start of a tool call."""
+        return list(self.stop) + ([TOOL_CALL_OPEN] if self.tool_mode and TOOL_CALL_OPEN not in self.stop else [])
+
+
+@dataclass(slots=True)
+class ChatOutcome:
+    """What a call produced, what it used (`hits`) and what it cost (`stats`)."""
+
+    text: str
+    tool_calls: list[dict] = field(default_factory=list)
+    invalid_tool_calls: list[dict] = field(default_factory=list)
+    finish_reason: str = "stop"
+    stats: DecodeStats | None = None
+    hits: list[Recalled] = field(default_factory=list)
+    profile_id: str = ""
+
+    def provenance(self) -> dict:
+        """The token counts of every pass, the routed entries (id, score, verified, attestation) and
+        the execution profile."""
+        return {
+            **(self.stats.to_json() if self.stats else {}),
+            "entries": [{"id": h.entry.id, "score": round(h.score, 4), "namespace": h.entry.namespace,
+                         "verified": h.entry.verified, "answer": h.entry.answer,
+                         "attestation_id": h.entry.attestation.get("attestation_id")} for h in self.hits],
+            "profile_id": self.profile_id,
+        }
+
+
+def prefix_missing(memory: KVMemory, system_turn: dict[str, str], prompt_ids: Sequence[int]) -> bool:
+    """Whether the system turn's full blocks are not stored yet. The first pass over such a prompt then
+    stores the blocks it computes anyway, so later calls graft them; the blocks after the system turn
+    that are stored with them are as content-addressed as any."""
+    eng = memory.engine
+    ids = render_ids(eng.tokenizer, [system_turn])
+    n_blocks = min(len(ids), len(prompt_ids) - 1) // eng.chunk
+    if n_blocks == 0 or list(prompt_ids[: len(ids)]) != ids or getattr(memory.store, "readonly", False):
+        return False
+    return eng.stored_prefix_tokens(prompt_ids) < n_blocks * eng.chunk
+
+
+def run_chat(shared: SharedMemory, req: ChatRequest, on_text: Callable[[str], None] | None = None) -> ChatOutcome:
+    """Run one call under the memory's lock; `on_text` gets the free text as it is decoded (and is
+    checked by every guided pass: `streaming`)."""
+    mem = shared.memory
+    with shared.lock:
+        turns = with_instructions(req.turns, tools_prompt(req.tools) if req.tool_mode else "",
+                                  schema_prompt(req.response_schema) if req.response_schema is not None else "")
+        prompt = mem.chat_prompt(turns, route=req.route, k=req.k, namespace=req.namespace, threshold=req.threshold)
+        store_new = prompt.store_new_blocks or (
+            req.cache_prefixes and turns[0]["role"] == "system" and prefix_missing(mem, turns[0], prompt.ids))
+        dec = Decoder(mem, prompt.ids, req.sampling, [h.entry for h in prompt.hits],
+                      [h.score for h in prompt.hits], store_new, on_text)
+        out = _decode(req, dec, turns)
+    out.stats, out.hits, out.profile_id = dec.stats, prompt.hits, mem.engine.profile_id
+    return out
+
+
+def _decode(req: ChatRequest, dec: Decoder, turns: list[dict]) -> ChatOutcome:
+    names = tool_names(req.tools)
+    if req.response_schema is not None:
+        guide = JsonGuide(dec, "", req.response_schema, req.max_tokens)
+        value = guide.value(req.response_schema)
+        return ChatOutcome(json.dumps(value, ensure_ascii=False), finish_reason="length" if guide.truncated else "stop")
+    forced = req.tool_mode and (req.tool_choice != "auto" or (req.tool_policy == "user_turn" and turns[-1]["role"] == "user"))
+    if forced:
+        allowed = names if req.tool_choice in ("any", "auto") else [req.tool_choice]
+        return _tool_outcome("", call_tool(dec, req.tools, "", allowed, req.max_tokens))
+    ans = dec.free("", max_new_tokens=req.max_tokens, stop=req.held_back, shown=True)
+    if req.tool_mode:
+        raw = dec.memory.engine.decode(ans.token_ids)
+        if TOOL_CALL_OPEN in raw:  # the model began a call by itself: write it out under the schema
+            head = raw[: raw.index(TOOL_CALL_OPEN)]
+            return _tool_outcome(ans.text, call_tool(dec, req.tools, head, names, req.max_tokens))
+        rest, calls, invalid = parse_tool_calls(ans.text, names)
+        if calls or invalid:
+            return ChatOutcome(rest, calls, invalid, finish_reason="tool_calls")
+    return ChatOutcome(ans.text, finish_reason=_FINISH.get(ans.stopped_by, "stop"))
+
+
+def _tool_outcome(text: str, call: dict) -> ChatOutcome:
+    valid = call["type"] == "tool_call"
+    return ChatOutcome(text, [call] if valid else [], [] if valid else [call], finish_reason="tool_calls")
