@@ -204,23 +204,35 @@ def test_an_abandoned_stream_is_stopped_when_it_is_collected():
     lock.release()
 
 
-def test_cancelling_the_consuming_task_stops_an_async_stream():
-    lock, progress = threading.RLock(), []
+def _cancel_after_first_chunk(open_stream, before_cancel=lambda: None) -> None:
+    """Consume the async stream `await open_stream()` in a task and cancel the task once a chunk with
+    text has arrived (`before_cancel` runs just before)."""
 
     async def main():
         first = asyncio.Event()
 
         async def consume():
-            async for _chunk in astream_text(_decoder(lock, 10_000, progress)):
-                first.set()
+            async for chunk in await open_stream():
+                if getattr(chunk, "delta", None) or getattr(chunk, "content", None):
+                    first.set()
 
         task = asyncio.create_task(consume())
         await first.wait()
+        before_cancel()
         task.cancel()
         with suppress(asyncio.CancelledError):
             await task
 
     asyncio.run(main())
+
+
+def test_cancelling_the_consuming_task_stops_an_async_stream():
+    lock, progress = threading.RLock(), []
+
+    async def open_stream():
+        return astream_text(_decoder(lock, 10_000, progress))
+
+    _cancel_after_first_chunk(open_stream)
     assert _workers_gone(STOP_WITHIN_S)
     assert lock.acquire(timeout=0.1)
     lock.release()
@@ -270,15 +282,14 @@ def memory(tmp_path_factory):
 
 
 class _Stopped:
-    """Records how many pieces the decode had reported when its consumer went away; `check()` then
-    asserts that the decode stopped (its worker ended, at most one more piece) and freed the lock."""
+    """`mark()` when the consumer goes away; `check()` then asserts that the decode stopped (its worker
+    ended, at most the piece being decoded followed) and freed the memory's lock."""
 
     def __init__(self, memory: CountingMemory):
         self.memory, self.at_close = memory, None
 
-    def close(self, close) -> None:
+    def mark(self) -> None:
         self.at_close = self.memory.pieces
-        close()
 
     def check(self) -> None:
         assert _workers_gone(STOP_WITHIN_S), "the decode went on after its consumer stopped"
@@ -291,14 +302,20 @@ class _Stopped:
 COUNT = "Count from 1 to 1000, separated by commas."
 
 
+def _user(text: str):
+    from llama_index.core.base.llms.types import ChatMessage, MessageRole
+
+    return [ChatMessage(role=MessageRole.USER, content=text)]
+
+
 def test_langchain_stream_closed_early_stops_decoding(memory):
     from langchain_kvmemory import ChatKVGraft
 
     llm = ChatKVGraft(memory=memory, max_tokens=LONG, route=False)
-    stream = llm.stream(COUNT)
+    stream, stopped = llm.stream(COUNT), _Stopped(memory)
     assert next(stream).content
-    stopped = _Stopped(memory)
-    stopped.close(stream.close)
+    stopped.mark()
+    stream.close()
     stopped.check()
     # The memory is free for the next call.
     assert llm.invoke("Say yes.", max_tokens=2).usage_metadata["output_tokens"] <= 2
@@ -310,59 +327,31 @@ def test_langchain_astream_cancelled_stops_decoding(memory):
     llm = ChatKVGraft(memory=memory, max_tokens=LONG, route=False)
     stopped = _Stopped(memory)
 
-    async def main():
-        first = asyncio.Event()
+    async def open_stream():
+        return llm.astream(COUNT)
 
-        async def consume():
-            async for chunk in llm.astream(COUNT):
-                if chunk.content:
-                    first.set()
-
-        task = asyncio.create_task(consume())
-        await first.wait()
-        stopped.close(task.cancel)
-        with suppress(asyncio.CancelledError):
-            await task
-
-    asyncio.run(main())
+    _cancel_after_first_chunk(open_stream, stopped.mark)
     stopped.check()
 
 
 def test_llama_index_stream_chat_closed_early_stops_decoding(memory):
-    from llama_index.core.base.llms.types import ChatMessage, MessageRole
     from llama_index.llms.kvgraft import KVGraftLLM
 
     llm = KVGraftLLM(memory=memory, max_new_tokens=LONG, route=False)
-    gen = llm.stream_chat([ChatMessage(role=MessageRole.USER, content=COUNT)])
+    gen, stopped = llm.stream_chat(_user(COUNT)), _Stopped(memory)
     assert next(gen).delta
-    stopped = _Stopped(memory)
-    stopped.close(gen.close)
+    stopped.mark()
+    gen.close()
     stopped.check()
     assert llm.last_answer is None  # the decode was stopped, not finished
 
 
 def test_llama_index_astream_chat_cancelled_stops_decoding(memory):
-    from llama_index.core.base.llms.types import ChatMessage, MessageRole
     from llama_index.llms.kvgraft import KVGraftLLM
 
     llm = KVGraftLLM(memory=memory, max_new_tokens=LONG, route=False)
     stopped = _Stopped(memory)
-
-    async def main():
-        first = asyncio.Event()
-
-        async def consume():
-            async for chunk in await llm.astream_chat([ChatMessage(role=MessageRole.USER, content=COUNT)]):
-                if chunk.delta:
-                    first.set()
-
-        task = asyncio.create_task(consume())
-        await first.wait()
-        stopped.close(task.cancel)
-        with suppress(asyncio.CancelledError):
-            await task
-
-    asyncio.run(main())
+    _cancel_after_first_chunk(lambda: llm.astream_chat(_user(COUNT)), stopped.mark)
     stopped.check()
     assert llm.last_answer is None
 

@@ -89,14 +89,18 @@ class VisibleText:
         return delta
 
 
-class _Worker:
-    """The decode in its own thread; its events ("text", delta) / ("done", result) / ("error", exc)
-    go to `put`."""
+class _Stream:
+    """A decode in its own thread, started at once, and what its consumer has been shown of it. The
+    worker's events ("text", delta) / ("done", result) / ("error", exc) go to `put`; the consumer
+    turns each into a chunk with `chunk(event)`."""
 
-    def __init__(self, work: Work, put: Callable[[tuple[str, Any]], None]):
-        self.cancelled = threading.Event()
+    def __init__(self, work: Work, put: Callable[[tuple[str, Any]], None], stop: Sequence[str],
+                 cancelled: threading.Event | None = None):
+        self.cancelled = cancelled if cancelled is not None else threading.Event()
+        self.visible = VisibleText(stop)
+        self.done = False
         self._work, self._put = work, put
-        self.thread = threading.Thread(target=self._run, name=WORKER_THREAD_NAME, daemon=True)
+        threading.Thread(target=self._run, name=WORKER_THREAD_NAME, daemon=True).start()
 
     def on_text(self, delta: str) -> None:
         if self.cancelled.is_set():
@@ -110,33 +114,28 @@ class _Worker:
         except BaseException as exc:  # handed to the consumer, who re-raises it in its own thread
             self._put(("error", exc))
 
-
-def _chunk(vis: VisibleText, kind: str, value: Any) -> StreamChunk | None:
-    if kind == "error":
-        raise value
-    if kind == "done":
-        return StreamChunk(value.text, vis.finish(value.text), value)
-    delta = vis.add(value)
-    return StreamChunk(vis.shown, delta) if delta else None
+    def chunk(self, event: tuple[str, Any]) -> StreamChunk | None:
+        kind, value = event
+        if kind == "error":
+            raise value
+        if kind == "done":
+            self.done = True
+            return StreamChunk(value.text, self.visible.finish(value.text), value)
+        delta = self.visible.add(value)
+        return StreamChunk(self.visible.shown, delta) if delta else None
 
 
 def stream_text(work: Work[R], stop: Sequence[str] = ()) -> Iterator[StreamChunk[R]]:
     """Chunks of visible text while `work` decodes in a worker thread, then the last chunk with its
     result; the worker's error is raised here. Closing the iterator early stops the decode."""
     events: queue.Queue = queue.Queue()
-    worker = _Worker(work, events.put)
-    worker.thread.start()
-    vis = VisibleText(stop)
+    stream = _Stream(work, events.put, stop)
     try:
-        while True:
-            kind, value = events.get()
-            chunk = _chunk(vis, kind, value)
-            if chunk is not None:
+        while not stream.done:
+            if (chunk := stream.chunk(events.get())) is not None:
                 yield chunk
-            if kind == "done":
-                return
     finally:
-        worker.cancelled.set()
+        stream.cancelled.set()
 
 
 async def astream_text(work: Work[R], stop: Sequence[str] = ()) -> AsyncIterator[StreamChunk[R]]:
@@ -144,23 +143,18 @@ async def astream_text(work: Work[R], stop: Sequence[str] = ()) -> AsyncIterator
     cancelling the consuming task (or closing the iterator) stops the decode."""
     loop = asyncio.get_running_loop()
     events: asyncio.Queue = asyncio.Queue()
+    cancelled = threading.Event()
 
     def put(item: tuple[str, Any]) -> None:
         try:
             loop.call_soon_threadsafe(events.put_nowait, item)
         except RuntimeError:  # the loop is closed: nobody reads any more
-            worker.cancelled.set()
+            cancelled.set()
 
-    worker = _Worker(work, put)
-    worker.thread.start()
-    vis = VisibleText(stop)
+    stream = _Stream(work, put, stop, cancelled)
     try:
-        while True:
-            kind, value = await events.get()
-            chunk = _chunk(vis, kind, value)
-            if chunk is not None:
+        while not stream.done:
+            if (chunk := stream.chunk(await events.get())) is not None:
                 yield chunk
-            if kind == "done":
-                return
     finally:
-        worker.cancelled.set()
+        stream.cancelled.set()
