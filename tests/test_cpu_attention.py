@@ -1,8 +1,9 @@
-"""The few-query CPU attention kernel (kvmemory/few_query_attention.py, csrc/few_query_attention.cpp).
+"""The few-query CPU attention kernel (kvmemory/kernels/few_query_attention.py, csrc/few_query_attention.cpp).
 
-On an AVX-512 or AVX2 CPU it must build (a build failure here is a FAILURE: CI proves it builds);
-elsewhere these tests skip, and `attention.for_device` keeps SDPA. They run the build this CPU takes
-(few_query_attention.isa()); the other one is only compiled here (test_the_other_build_compiles). It is not claimed bit-equal to SDPA, so it
+On an AVX-512 or AVX2 CPU its library must be installed and load (a missing or stale build here is a
+FAILURE: the install's build step proves it builds); elsewhere these tests skip, and
+`attention.for_device` keeps SDPA. They run the build this CPU takes (native.choose); the other one
+is compiled again here and, where the CPU runs it too, run (test_the_other_build_*). It is not claimed bit-equal to SDPA, so it
 is compared with a float64 reference by tolerance, next to SDPA's own error; what is claimed exact
 (the same bytes whatever the thread count, run after run; grafted logits equal to the recompute's
 under the profile that uses it) is asserted with `torch.equal`.
@@ -18,11 +19,11 @@ import pytest
 import torch
 from tiny_models import tiny_engine
 
-from kvmemory.models import attention
-from kvmemory.kernels import few_query_attention
 from kvmemory.errors import UnsupportedArchitecture
+from kvmemory.kernels import build, few_query_attention, native
+from kvmemory.models import attention
 
-RUNS_HERE = few_query_attention.isa() in few_query_attention.BUILDS
+RUNS_HERE = native.choose("fewq")[0] is not None
 needs_kernel = pytest.mark.skipif(not RUNS_HERE, reason="the few-query kernel runs on AVX-512 and AVX2 CPUs only")
 F = torch.nn.functional
 
@@ -45,17 +46,16 @@ def test_kernel_builds_and_is_the_cpu_default():
 
 
 @needs_kernel
-def test_kernel_compiles_from_scratch(tmp_path):
-    """A fresh machine has no build in its cache: compile into an empty cache folder, in a new
-    process, with the venv's bin (where the `ninja` wheel puts its binary) off PATH."""
-    env = dict(os.environ, KVMEMORY_CACHE=str(tmp_path))
-    venv_bin = os.path.dirname(sys.executable)
-    env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep) if p != venv_bin)
+def test_kernel_loads_without_a_compiler_or_a_cache(tmp_path):
+    """Nothing is compiled at run time: in a new process with no compiler on PATH and an empty cache
+    folder the installed library loads, and the cache folder stays empty."""
+    env = dict(os.environ, KVMEMORY_CACHE=str(tmp_path / "cache"), PATH=str(tmp_path / "no-bin"))
+    env.pop("CXX", None)
     code = ("from kvmemory.kernels import few_query_attention as c; m = c.load(); "
             "print('OK' if m is not None else 'FAILED: ' + str(c.why_unavailable()))")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.stdout.strip().endswith("OK"), out.stdout + out.stderr
-    assert list(tmp_path.glob("ext/kvmemory_fewq_*/*.so"))
+    assert not (tmp_path / "cache").exists()
 
 
 @needs_kernel
@@ -137,7 +137,7 @@ def test_engine_runs_the_kernel_and_stays_exact(dtype, store_dir, monkeypatch):
         taken.append(out is not None)
         return out
 
-    monkeypatch.setattr(cpu_attention, "attend", counting)
+    monkeypatch.setattr(few_query_attention, "attend", counting)
     eng = tiny_engine("llama", store_dir, dtype)
     assert eng.profile.attn_implementation == attention.FEWQ
     ids = torch.randint(0, 512, (120,), generator=torch.Generator().manual_seed(5)).tolist()
@@ -151,22 +151,51 @@ def test_engine_runs_the_kernel_and_stays_exact(dtype, store_dir, monkeypatch):
 
 
 def test_asking_for_the_kernel_where_it_cannot_run_is_an_error(monkeypatch):
-    monkeypatch.setattr(cpu_attention, "load", lambda: None)
-    monkeypatch.setattr(cpu_attention, "_why", "the CPU does not run AVX-512 (test)")
+    monkeypatch.setattr(few_query_attention, "load", lambda: None)
+    monkeypatch.setattr(few_query_attention, "_why", "the CPU does not run AVX-512 (test)")
     with pytest.raises(UnsupportedArchitecture, match="AVX-512"):
         attention.for_device(attention.FEWQ, "cpu")
     assert attention.for_device("sdpa", "cpu") == attention.NAME  # the default falls back, by name
 
 
-@pytest.mark.parametrize("isa", [b for b in sorted(few_query_attention.BUILDS) if b != few_query_attention.isa()])
-def test_the_other_build_compiles(isa, tmp_path):
-    """The build this CPU does not run still compiles, so a change made on an AVX2 machine cannot break
-    the AVX-512 build unseen (and the reverse). Compiled to an object only: loading code the CPU does
-    not run could fault. The build this CPU runs is built and run by the tests above."""
-    from kvmemory.kernels import cpu
+@pytest.mark.parametrize("variant", [b.variant for b in build.builds("fewq")])
+def test_the_other_build_compiles(variant, tmp_path):
+    """The build this CPU does not run still compiles from the checkout's sources (so a change made on
+    an AVX2 machine cannot break the AVX-512 build unseen, and the reverse), with its entry points
+    exported; the build this CPU runs is compiled too, and must be the very library installed."""
+    b = build.find("fewq", variant)
+    entry = build.compile_library(b, tmp_path)
+    out = subprocess.run(["nm", "-D", "--defined-only", str(tmp_path / b.filename)], capture_output=True, text=True,
+                         check=True).stdout
+    assert {"kvm_fewq_attention", "kvm_fewq_abi_version"} <= {line.split()[-1] for line in out.split("\n") if line}
+    if variant == native.choose("fewq")[0]:
+        assert entry["source_digest"] == native.build_info("fewq")["source_digest"]
 
-    ok, err = cpu.compile_object(few_query_attention.SOURCE, isa, tmp_path / "fewq.o")
-    assert ok, err
+
+@needs_kernel
+@pytest.mark.skipif(not native.runs("AVX2"), reason="needs a CPU that runs AVX2")
+def test_the_avx2_build_runs_here_too():
+    """On an AVX-512 CPU the AVX2 build runs as well (`ATEN_CPU_CAPABILITY=avx2` picks it): it takes the
+    same calls and is as close to the float64 reference (its bits are its own: another exp, other tiles)."""
+    lib = few_query_attention.load_variant("avx2")
+    assert lib is not None
+    for dtype, tol in ((torch.float32, 2e-6), (torch.bfloat16, 2e-2)):
+        q, k, v, m = _inputs(9, 3, 16, 2048, 64, dtype)
+        ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=m, enable_gqa=True)
+        out = few_query_attention.attend(q, k, v, m, 0.125, False, lib=lib)
+        assert out is not None and (out.double() - ref.transpose(1, 2)).abs().max().item() <= tol
+
+
+@needs_kernel
+def test_aten_cpu_capability_lowers_the_build(tmp_path):
+    """`ATEN_CPU_CAPABILITY=avx2` lowers torch's kernels and kvmemory's alike (the profile's cpu_isa)."""
+    if not native.runs("AVX2"):
+        pytest.skip("needs a CPU that runs AVX2")
+    env = dict(os.environ, ATEN_CPU_CAPABILITY="avx2")
+    code = ("import json; from kvmemory.kernels import native; "
+            "print(json.dumps([native.choose(k)[0] for k in ('fewq', 'qlinear')]))")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.stdout.strip().splitlines()[-1] == '["avx2", "avx2"]', out.stdout + out.stderr
 
 
 @needs_kernel

@@ -13,13 +13,12 @@ import pytest
 import torch
 from tiny_models import assert_graft_equals_recompute
 
-from kvmemory.kernels import cpu
-from kvmemory.models import gguf_linear
-from kvmemory.models import packed_linear
-from kvmemory.models.loading import linear_implementation
 from kvmemory.errors import InvalidInput, KVMemoryError
+from kvmemory.kernels import build, cpu, native
+from kvmemory.models import gguf_linear
+from kvmemory.models.loading import linear_implementation
 
-RUNS_HERE = cpu.isa() in cpu.BUILDS
+RUNS_HERE = native.choose("qlinear")[0] is not None
 needs_kernel = pytest.mark.skipif(not RUNS_HERE, reason="the GGUF-block kernel runs on AVX-512 and AVX2 CPUs only")
 
 
@@ -91,22 +90,44 @@ def test_same_bytes_whatever_the_thread_count():
 def test_the_avx2_build_gives_the_avx512_builds_bytes():
     """The sum's order is fixed (k ascending, one FMA per lane), not the vector width: both builds
     give the same bits, so a store is not tied to one of the two kinds of CPU by its linears."""
-    other, why = cpu.load("kvmemory_qlinear", gguf_linear.SOURCE, "GGUF-block linear kernel (AVX2)",
-                                     gguf_linear.EXTRA_FLAGS, isa_name="AVX2")
-    assert other is not None, why
+    other = gguf_linear.load_variant("avx2")
+    assert other is not None, native.load("qlinear", "avx2")[1]
+    assert native.choose("qlinear")[0] == "avx512"
     for kind in ("Q4_1", "Q8_0"):
         layer = _layer(kind, 48, 192, seed=5)
         x = torch.randn(40, 192, generator=torch.Generator().manual_seed(4))
         with torch.inference_mode():
             mine = layer(x)
-        assert torch.equal(other.linear(x, layer.q, layer.d, layer.m, layer.kind), mine)
-        assert torch.equal(other.dequantize(layer.q, layer.d, layer.m, layer.kind), layer.dequantized())
+        assert torch.equal(gguf_linear.linear(x, layer.q, layer.d, layer.m, layer.kind, lib=other), mine)
+        assert torch.equal(gguf_linear.dequantize(layer.q, layer.d, layer.m, layer.kind, lib=other),
+                           layer.dequantized())
 
 
-@pytest.mark.parametrize("isa", [b for b in sorted(cpu.BUILDS) if b != cpu.isa()])
-def test_the_other_build_compiles(isa, tmp_path):
-    ok, err = cpu.compile_object(gguf_linear.SOURCE, isa, tmp_path / "qlinear.o", gguf_linear.EXTRA_FLAGS)
-    assert ok, err
+@pytest.mark.parametrize("variant", [b.variant for b in build.builds("qlinear")])
+def test_the_other_build_compiles(variant, tmp_path):
+    """Every build compiles from the checkout's sources (the one this CPU does not run included), with
+    -ffp-contract=off and its entry points exported."""
+    import subprocess
+
+    b = build.find("qlinear", variant)
+    assert "-ffp-contract=off" in b.flags
+    build.compile_library(b, tmp_path)
+    out = subprocess.run(["nm", "-D", "--defined-only", str(tmp_path / b.filename)], capture_output=True, text=True,
+                         check=True).stdout
+    assert {"kvm_qlinear_linear", "kvm_qlinear_dequantize"} <= {line.split()[-1] for line in out.split("\n") if line}
+
+
+@needs_kernel
+def test_bad_panels_are_refused_before_the_kernel_runs():
+    layer = _layer("Q4_1", 32, 64)
+    with pytest.raises(ValueError, match="x must be"):
+        gguf_linear.linear(torch.randn(3, 65), layer.q, layer.d, layer.m, layer.kind)
+    with pytest.raises(ValueError, match="wrong dtype"):
+        gguf_linear.linear(torch.randn(3, 64), layer.q.view(torch.int8), layer.d, layer.m, layer.kind)
+    with pytest.raises(ValueError, match="d must be"):
+        gguf_linear.dequantize(layer.q, layer.d[:1], layer.m, layer.kind)
+    with pytest.raises(ValueError, match="m must be"):
+        gguf_linear.dequantize(layer.q, layer.d, layer.m[:, :1], layer.kind)
 
 
 def test_q_and_k_rows_are_unpermuted_as_transformers_does():

@@ -45,7 +45,7 @@ def load() -> ctypes.CDLL | None:
     global _why
     lib, _why = native.load(KERNEL)
     if lib is None:
-        native.warn_fallback(KERNEL, _why, "attention runs on SDPA (kvmemory_sdpa)")
+        native.warn_fallback(KERNEL, _why)
         return None
     return _declare(lib)
 

@@ -47,6 +47,10 @@ _NEEDS = {
 TITLES = {"fewq": "few-query attention kernel", "qlinear": "GGUF-block linear kernel",
           "sha256": "multi-lane SHA-256"}
 ABI = {"fewq": 1, "qlinear": 1, "sha256": 1}
+# What runs where a kernel does not (each caller's fallback; the execution profile records which ran).
+FALLBACKS = {"fewq": "attention runs on SDPA (kvmemory_sdpa)",
+             "qlinear": "linears run on oneDNN-packed float32 weights (onednn-packed)",
+             "sha256": "blocks are hashed by hashlib"}
 
 _warned: set[str] = set()
 _lock = threading.Lock()
@@ -176,14 +180,14 @@ def build_info(kernel: str, variant: str | None = None) -> dict | None:
     return dict(manifest()[b.filename], path=str(LIB_DIR / b.filename))
 
 
-def warn_fallback(kernel: str, why: str, instead: str) -> None:
+def warn_fallback(kernel: str, why: str) -> None:
     """Once per process and kernel: say that `kernel` does not run, why, and what runs instead."""
     with _lock:
         if kernel in _warned:
             return
         _warned.add(kernel)
     level = logging.INFO if why.startswith("turned off by") else logging.WARNING
-    log.log(level, "kvmemory: the %s is unavailable (%s); %s", TITLES[kernel], why, instead)
+    log.log(level, "kvmemory: the %s is unavailable (%s); %s instead", TITLES[kernel], why, FALLBACKS[kernel])
 
 
 def status(kernel: str) -> dict:
@@ -191,13 +195,16 @@ def status(kernel: str) -> dict:
     path and build identity, or why not."""
     variant, why = choose(kernel)
     out = {"kernel": kernel, "title": TITLES[kernel], "available": False, "variant": variant, "cpu_isa": isa(),
-           "builds": [b.variant for b in _build.builds(kernel)], "library": None, "build_info": None, "why_not": why}
+           "builds": [b.variant for b in _build.builds(kernel)], "library": None, "build_info": None, "why_not": why,
+           "fallback": None}
     if variant is not None:
         lib, why = load(kernel, variant)
         out["why_not"] = why
         if lib is not None:
             info = build_info(kernel, variant)
             out.update(available=True, library=info["path"], build_info=info)
+    if not out["available"]:
+        out["fallback"] = FALLBACKS[kernel]
     return out
 
 

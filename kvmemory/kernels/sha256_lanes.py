@@ -71,11 +71,11 @@ def load() -> ctypes.CDLL | None:
     """The library, or None where it cannot run here (see `why_unavailable`; logged once)."""
     global _why
     if kind() is None:
-        native.warn_fallback(KERNEL, _why, "blocks are hashed by hashlib")
+        native.warn_fallback(KERNEL, _why)
         return None
     lib, _why = native.load(KERNEL, kind())
     if lib is None:
-        native.warn_fallback(KERNEL, _why, "blocks are hashed by hashlib")
+        native.warn_fallback(KERNEL, _why)
         return None
     u64p, i64p, u8p = (np.ctypeslib.ndpointer(t, flags="C_CONTIGUOUS") for t in (np.uint64, np.int64, np.uint8))
     lib.kvm_sha256_lanes.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, u64p, u8p]

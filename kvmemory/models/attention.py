@@ -16,9 +16,10 @@ in the last bits, which is why the two are different names (and so different exe
 Both read a cache kept in bfloat16 under float32 queries (cache.py's `kv_dtype`): SDPA over K/V widened
 to float32 (exact: every bfloat16 is a float32), the kernel widening the rows itself.
 
-Chosen once, at load (`models.load_model`): on the CPU `sdpa` becomes `kvmemory_fewq` where the kernel
-builds and runs (AVX-512 or AVX2), `kvmemory_sdpa` otherwise (with a warning saying why); on a GPU SDPA with
-a mask and `enable_gqa` would fall back to the math kernel, so `sdpa` stays.
+Chosen once, at load (`models.load_model`): on the CPU `sdpa` becomes `kvmemory_fewq` where the kernel's
+library (built into the package at install time) runs here (AVX-512 or AVX2), `kvmemory_sdpa` otherwise
+(with one warning saying why: kernels/native.py); on a GPU SDPA with a mask and `enable_gqa` would fall
+back to the math kernel, so `sdpa` stays.
 """
 
 from __future__ import annotations

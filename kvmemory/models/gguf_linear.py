@@ -38,6 +38,7 @@ import torch
 
 from kvmemory.errors import KVMemoryError
 from kvmemory.kernels import native
+from kvmemory.models import cache_files
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +59,7 @@ def load() -> ctypes.CDLL | None:
     global _why
     lib, _why = native.load(KERNEL)
     if lib is None:
-        native.warn_fallback(KERNEL, _why, "linears run on oneDNN-packed float32 weights (onednn-packed)")
+        native.warn_fallback(KERNEL, _why)
         return None
     return _declare(lib)
 
@@ -289,9 +290,14 @@ def gguf_linears(model: torch.nn.Module, gguf_path: str | Path, cache: str | Pat
         stored = _panels_from_gguf(model, Path(gguf_path))
         replacements = _checked(model, stored, Path(gguf_path))
         if cache is not None:
-            tmp = cache.with_name(f".{cache.name}.{os.getpid()}.tmp")
-            save_file(stored, str(tmp))
-            os.replace(tmp, cache)
+            # Written whole under a temporary name, then renamed: readers see all of it or none. One writer
+            # at a time (flock, dropped by the kernel if the writer is killed); a temporary file seen while
+            # holding the lock is a killed writer's, removed.
+            with cache_files.exclusive(cache.with_name(f".{cache.name}.lock"), "the GGUF panels"):
+                cache_files.remove_leftovers(cache.parent, f".{cache.name}.tmp-")
+                tmp = cache.with_name(f".{cache.name}.tmp-{os.getpid()}")
+                save_file(stored, str(tmp))
+                os.replace(tmp, cache)
     for name, new in replacements.items():
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, new)

