@@ -271,6 +271,28 @@ def cmd_demo(args) -> int:
     return 0 if result["verify"]["bit_identical"] == result["verify"]["checked"] else 1
 
 
+def cmd_kernels(args) -> int:
+    """Which native CPU kernels run here: per kernel, the build chosen and its library and build
+    identity, or why none runs (and so which fallback does)."""
+    from kvmemory.kernels import native
+    from kvmemory.kernels.cpu import cpu_info, isa
+
+    report = {"cpu": {"model": cpu_info().get("model name"), "torch_isa": isa()},
+              "kernels": {k: native.status(k) for k in native.TITLES}}
+    if args.json:
+        print(json.dumps(report, indent=1))
+        return 0
+    print(f"CPU: {report['cpu']['model']} (torch runs {report['cpu']['torch_isa']})")
+    for st in report["kernels"].values():
+        if st["available"]:
+            info = st["build_info"]
+            print(f"{st['title']}: {st['variant']} build, {st['library']} "
+                  f"({info['compiler_version']}, sources {info['source_digest'][:12]})")
+        else:
+            print(f"{st['title']}: not running ({st['why_not']}); {st['fallback']} instead")
+    return 0
+
+
 # ---------------------------------------------------------------------- parser
 def build_parser() -> argparse.ArgumentParser:
     from kvmemory.models.loading import DEFAULT_MODEL
@@ -364,6 +386,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("demo", parents=[common], help="remember, ask with grafts, verify, in a temporary store")
     d.set_defaults(func=cmd_demo)
+
+    kn = sub.add_parser("kernels", help="the native CPU kernels: the build each runs here, or why none")
+    kn.add_argument("--json", action="store_true", help="print JSON")
+    kn.set_defaults(func=cmd_kernels)
     return p
 
 
