@@ -16,7 +16,7 @@ import asyncio
 import importlib.util
 from pathlib import Path
 
-from kvmemory.memory.facade import KVMemory
+from kvmemory import KVMemory
 from llama_index.core.agent.workflow import AgentOutput, ToolCallResult
 
 # The agent is set up by the example itself (examples/llamaindex_agent.py), so what is tested is what

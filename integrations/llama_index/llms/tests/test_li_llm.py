@@ -8,7 +8,8 @@ import threading
 import time
 
 import pytest
-from kvmemory.errors import InvalidInput
+from kvmemory import InvalidInput
+from kvmemory.adapters.streaming import WORKER_THREAD_NAME
 from llama_index.core.base.llms.types import ChatMessage, ChatResponse, CompletionResponse, MessageRole
 from llama_index.core.llms import LLM
 from llama_index.llms.kvgraft import REPORT_KEYS, KVGraftLLM
@@ -107,9 +108,9 @@ def test_an_abandoned_stream_stops_decoding_and_frees_the_engine(li_llm):
     assert first.delta
     gen.close()
     deadline = time.monotonic() + 60
-    while any(t.name == "kvgraft-decode" for t in threading.enumerate()) and time.monotonic() < deadline:
+    while any(t.name == WORKER_THREAD_NAME for t in threading.enumerate()) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not any(t.name == "kvgraft-decode" for t in threading.enumerate())
+    assert not any(t.name == WORKER_THREAD_NAME for t in threading.enumerate())
     assert li_llm.last_answer is None or li_llm.last_answer.report.tokens_decoded < 200
     assert li_llm.complete("Say yes.", route=False, max_new_tokens=2).additional_kwargs["tokens_decoded"] <= 2
 

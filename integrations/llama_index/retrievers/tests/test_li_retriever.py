@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from kvmemory.bench.problems import unrelated_questions
+from kvmemory import unrelated_questions
 from llama_index.core.base.base_retriever import BaseRetriever
 from llama_index.core.schema import MetadataMode, NodeWithScore, QueryBundle, TextNode
 from llama_index.retrievers.kvmemory import METADATA_KEYS, KVMemoryRetriever
@@ -90,7 +90,7 @@ def test_bad_arguments_are_refused(li_memory):
         KVMemoryRetriever(li_memory, similarity_top_k=0)
     with pytest.raises(TypeError):
         KVMemoryRetriever(memory="not a memory")
-    from kvmemory.errors import InvalidInput
+    from kvmemory import InvalidInput
 
     with pytest.raises(InvalidInput):
         KVMemoryRetriever(li_memory).retrieve("   ")
