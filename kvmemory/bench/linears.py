@@ -36,7 +36,7 @@ def main() -> None:
     block_mb = sum(t.numel() * t.element_size() for m in blocks.values() for t in (m.q, m.d, m.m)) / 1e6
     print(f"{len(blocks)} linears, {block_mb:.0f} MB of blocks vs "
           f"{sum(m.weight.numel() * 4 for m in blocks.values()) / 1e6:.0f} MB float32; "
-          f"{torch.get_num_threads()} threads, {cpu.isa()}")
+          f"{torch.get_num_threads()} threads, {cpu.isa()}, the kernel's {gguf_linear.build_info()['variant']} build")
     for rows in (1, 16, 64):
         ours = _timed(blocks, rows)
         line = f"{rows:>3} rows: GGUF blocks {ours * 1e3:7.1f} ms"

@@ -30,9 +30,11 @@ import sys
 
 import torch
 
-from kvmemory.kernels import native
+from kvmemory.kernels import build, native
+from kvmemory.kernels.cpu import isa  # noqa: F401  (callers ask `isa() in BUILDS`: has this CPU a build?)
 
 KERNEL = "fewq"
+BUILDS = {b.isa: list(b.flags) for b in build.builds(KERNEL)}  # ISA -> the flags of its build
 MAX_ROWS = 64  # query heads per K/V head x new tokens the kernel takes (its kMaxRowBlocks x 16)
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the C entry point's dtype codes
 
@@ -86,25 +88,28 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: to
         return None
     q, k, v = query, key, value
     # What the C entry point cannot see: dtypes, ranks, the batch of 1, the device, contiguous rows.
-    # (Its sizes' limits: head size, rows per K/V head, T <= S, it checks itself and refuses.)
-    if (q.dtype not in _DTYPES or k.dtype not in _DTYPES or v.dtype != k.dtype or q.dim() != 4 or k.dim() != 4
-            or v.dim() != 4 or q.shape[0] != 1 or k.shape[0] != 1 or v.shape[0] != 1 or q.device.type != "cpu"
-            or k.device.type != "cpu" or v.device.type != "cpu"):
+    # (Its sizes' limits: head size, rows per K/V head, T <= S, it checks itself and refuses.) Each
+    # attribute is read once: a decode step makes this call once per layer.
+    qd, kd = _DTYPES.get(q.dtype), _DTYPES.get(k.dtype)
+    if qd is None or kd is None or v.dtype is not k.dtype or not (q.is_cpu and k.is_cpu and v.is_cpu):
         return None
-    _, Hq, T, D = q.shape
-    _, Hkv, S, _ = k.shape
-    if k.shape[3] != D or v.shape != k.shape or q.stride(3) != 1 or k.stride(3) != 1 or v.stride(3) != 1:
+    qs, ks, vs = q.shape, k.shape, v.shape
+    if len(qs) != 4 or len(ks) != 4 or ks != vs or qs[0] != 1 or ks[0] != 1 or ks[3] != qs[3]:
         return None
+    qt, kt, vt = q.stride(), k.stride(), v.stride()
+    if qt[3] != 1 or kt[3] != 1 or vt[3] != 1:
+        return None
+    _, Hq, T, D = qs
+    _, Hkv, S, _ = ks
     mask_ptr, mask_st = None, 0
     if mask is not None:
-        if (mask.dtype != torch.bool or mask.dim() != 4 or tuple(mask.shape) != (1, 1, T, S) or mask.stride(3) != 1
-                or mask.device.type != "cpu"):
+        mt = mask.stride()
+        if mask.dtype is not torch.bool or mask.shape != (1, 1, T, S) or mt[3] != 1 or not mask.is_cpu:
             return None
-        mask_ptr, mask_st = mask.data_ptr(), mask.stride(2)
+        mask_ptr, mask_st = mask.data_ptr(), mt[2]
     out = torch.empty((1, T, Hq, D), dtype=q.dtype)
-    rc = lib.kvm_fewq_attention(_DTYPES[q.dtype], _DTYPES[k.dtype], q.data_ptr(), k.data_ptr(), v.data_ptr(),
-                                mask_ptr, out.data_ptr(), Hq, T, D, Hkv, S, q.stride(1), q.stride(2), k.stride(1),
-                                k.stride(2), v.stride(1), v.stride(2), mask_st, float(scale), int(bool(causal)),
+    rc = lib.kvm_fewq_attention(qd, kd, q.data_ptr(), k.data_ptr(), v.data_ptr(), mask_ptr, out.data_ptr(), Hq, T, D,
+                                Hkv, S, qt[1], qt[2], kt[1], kt[2], vt[1], vt[2], mask_st, scale, causal,
                                 torch.get_num_threads())
     if rc == 1:
         return None  # refused: the caller runs SDPA

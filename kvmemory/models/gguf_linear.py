@@ -51,17 +51,20 @@ _KIND_NAMES = {v: k for k, v in KINDS.items()}
 _Q_DTYPES = {0: torch.uint8, 1: torch.int8}
 
 _why: str | None = None
+_linear_fn = None  # load()'s kvm_qlinear_linear, called by GGUFLinear.forward without a lookup
 
 
 @functools.cache
 def load() -> ctypes.CDLL | None:
     """The kernel library, or None where it cannot run here (see `why_unavailable`; logged once)."""
-    global _why
+    global _why, _linear_fn
     lib, _why = native.load(KERNEL)
     if lib is None:
         native.warn_fallback(KERNEL, _why)
         return None
-    return _declare(lib)
+    lib = _declare(lib)
+    _linear_fn = lib.kvm_qlinear_linear
+    return lib
 
 
 def load_variant(variant: str) -> ctypes.CDLL | None:
@@ -153,10 +156,24 @@ class GGUFLinear(torch.nn.Linear):
         self.weight = linear.weight  # the same Parameter: ties (lm_head = embeddings) stay tied
         self.bias = None
         self.kind, self.q, self.d, self.m = KINDS[kind], q, d, m
+        # The panels are checked once here, not per call (a decode step calls 211 of these for one row
+        # each, where ~10 us of checks per call would be a tenth of the step); they are never changed.
+        if _in_features(q, d, m, self.kind) != self.in_features or q.shape[0] * PANEL != self.out_features:
+            raise ValueError(f"panels for a {q.shape[0] * PANEL} x {_in_features(q, d, m, self.kind)} weight, "
+                             f"not {self.out_features} x {self.in_features}")
+        load()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
-        y = linear(rows.contiguous(), self.q, self.d, self.m, self.kind)
+        rows = x.reshape(-1, self.in_features).contiguous()
+        if rows.dtype is not torch.float32 or not rows.is_cpu or _linear_fn is None:  # says what is wrong
+            return linear(rows, self.q, self.d, self.m, self.kind).view(*x.shape[:-1], self.out_features)
+        M = rows.shape[0]
+        y = torch.empty((M, self.out_features), dtype=torch.float32)
+        rc = _linear_fn(self.kind, rows.data_ptr(), M, self.q.data_ptr(), self.d.data_ptr(),
+                        self.m.data_ptr() if self.kind == 0 else None, self.q.shape[0], self.in_features, y.data_ptr(),
+                        torch.get_num_threads())
+        if rc:
+            _call(rc)
         return y.view(*x.shape[:-1], self.out_features)
 
     def dequantized(self) -> torch.Tensor:
