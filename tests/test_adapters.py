@@ -381,3 +381,23 @@ def test_a_system_prompt_is_stored_by_the_first_call_and_grafted_by_the_next(mem
     ids = memory.chat_prompt(to_turns([Message("system", system), Message("user", "What colour is grass?")]),
                              route=False).ids
     assert memory.engine.stored_prefix_tokens(ids) == second.stats.prompt_grafted
+
+
+def test_guided_passes_check_the_stream_before_they_compute(memory):
+    """Forced tool calls and structured output stream no text; their passes still stop once the
+    stream's consumer went away (the check raises before any forward)."""
+    from kvmemory import GREEDY, Decoder, JsonGuide
+
+    def gone(_delta: str) -> None:
+        raise StreamCancelled("the consumer went away")
+
+    ids = memory.chat_prompt(to_turns([Message("user", "Is the sky blue?")]), route=False).ids
+    dec = Decoder(memory, ids, GREEDY, on_text=gone)
+    with pytest.raises(StreamCancelled):
+        dec.choose("", ["yes", "no"])
+    with pytest.raises(StreamCancelled):
+        dec.free("", max_new_tokens=3)
+    schema = {"type": "object", "properties": {"a": {"type": "string"}}}
+    with pytest.raises(StreamCancelled):
+        JsonGuide(dec, "", schema, 8).value(schema)
+    assert dec.stats.passes == 0
