@@ -72,10 +72,15 @@ class BuildKernels(build_ext):
         finally:
             self.inplace = old
 
-    def run(self) -> None:
-        super().run()  # builds into build_lib, then copies the libraries into the source tree if inplace
-        if self.inplace:
-            shutil.copyfile(self._manifest(False), self._manifest(True))
+    def copy_extensions_to_source(self) -> None:
+        """The in-place copies (`pip install -e .`), each replaced atomically and only where it differs:
+        a running kvmemory process has these libraries mapped, and a file rewritten in place under it
+        would crash it (the builds are reproducible, so an unchanged source leaves the file as it was)."""
+        build_py = self.get_finalized_command("build_py")
+        for ext in self.extensions:
+            inplace_file, regular_file = self._get_inplace_equivalent(build_py, ext)
+            _replace_if_changed(regular_file, inplace_file)
+        _replace_if_changed(self._manifest(False), self._manifest(True))
 
     def get_outputs(self) -> list[str]:
         outputs = super().get_outputs()
@@ -86,6 +91,14 @@ class BuildKernels(build_ext):
         if self.inplace:
             mapping[self._manifest(False)] = self._manifest(True)
         return mapping
+
+
+def _replace_if_changed(src: str, dst: str) -> None:
+    if os.path.exists(dst) and Path(src).read_bytes() == Path(dst).read_bytes():
+        return
+    tmp = f"{dst}.tmp-{os.getpid()}"
+    shutil.copy2(src, tmp)
+    os.replace(tmp, dst)
 
 
 class PlatformWheel(bdist_wheel):

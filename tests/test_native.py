@@ -158,3 +158,18 @@ def test_the_kernels_share_torchs_openmp_runtime():
     import torch
 
     assert maps == [os.path.realpath(Path(torch.__file__).parent / "lib" / "libgomp.so.1")], maps
+
+
+def test_the_kernels_command_reports_each_kernel(capsys):
+    from kvmemory.cli import main
+
+    assert main(["kernels", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert set(report["kernels"]) == set(native.TITLES)
+    for kernel, st in report["kernels"].items():
+        assert st["variant"] == HERE[kernel]
+        assert st["available"] == (HERE[kernel] is not None), st["why_not"]
+        assert (st["fallback"] is None) == st["available"]
+    assert main(["kernels"]) == 0
+    text = capsys.readouterr().out
+    assert all(native.TITLES[k] in text for k in native.TITLES)
