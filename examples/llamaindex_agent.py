@@ -10,7 +10,9 @@ model's own output is then parsed by LlamaIndex into tool calls that run real Py
 Each step prints where its tokens came from: from the second step on the long tool header that the
 first step computed is grafted, not recomputed. A tiny model may pick the wrong tool or loop; the
 framework retries unparsable output, and `early_stopping_method="generate"` asks for a final answer
-when the iterations run out, so the run always ends with an answer.
+when the iterations run out, so the run always ends with an answer. Every step is decoded freely
+(greedily: the ReAct format is free text); the final answer is checked against the expected one
+(12 * 7 for the default question, or `--expected`), printed with ✓/✗, and a wrong one exits 1.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 DEMO_PROBLEM = "What is 12 times 9?"
+DEFAULT_QUESTION = "What is 12 times 7?"
+DEFAULT_EXPECTED = 12 * 7
 DEMO_SOLUTION = (
     "Thought: I need to use a tool to help me answer the question.\n"
     "Action: multiply\n"
@@ -95,13 +99,15 @@ async def run_agent(agent, question: str, max_iterations: int) -> object:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--question", default="What is 12 times 7?")
+    ap.add_argument("--question", default=DEFAULT_QUESTION)
+    ap.add_argument("--expected", type=int, default=None,
+                    help="the right answer, to check the final one against (known for the default question)")
     ap.add_argument("--store", help="store folder (default: a temporary one, removed at exit)")
     ap.add_argument("--max-iterations", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=48)
     args = ap.parse_args(argv)
 
-    from kvmemory.memory.facade import KVMemory
+    from kvmemory import KVMemory, extract_answer
     from llama_index.core import Settings
 
     tmp = None if args.store else tempfile.TemporaryDirectory(prefix="kvmemory-li-agent-")
@@ -115,12 +121,21 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"\nquestion: {args.question}")
     result = asyncio.run(run_agent(agent, args.question, args.max_iterations))
-    print(f"\nfinal answer: {(result.response.content or '').strip()!r}")
+    final = (result.response.content or "").strip()
+    print(f"\nfinal answer: {final!r}")
     print(f"tools called: {[(c.tool_name, c.tool_kwargs, c.tool_output.raw_output) for c in result.tool_calls]}")
+    expected = args.expected if args.expected is not None else (
+        DEFAULT_EXPECTED if args.question == DEFAULT_QUESTION else None)
+    ok = True
+    if expected is None:
+        print("(no --expected answer given: the final answer is not checked)")
+    else:
+        ok = extract_answer(final) == expected
+        print(f"expected {expected}: {'✓' if ok else '✗'}")
 
     if tmp is not None:
         tmp.cleanup()
-    return 0
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

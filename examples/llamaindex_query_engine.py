@@ -8,10 +8,19 @@
    `RetrieverEvaluator` on rewordings the store never saw (hit rate, MRR).
 2. Answers reworded questions with `RetrieverQueryEngine.from_args(retriever, llm=KVGraftLLM)`: with
    LlamaIndex's default synthesizer the retrieved solution's text is pasted into its prompt and read
-   again; with `KVGraftSynthesizer` the entry's stored KV is grafted and, after "The answer is", the
-   model decodes only the answer.
+   again, from scratch, and the model writes its answer out (its steps are re-checked and printed
+   with the verifier's verdict: a small model miscopies them); with `KVGraftSynthesizer` the entry's
+   stored KV is grafted and, after "The answer is", the model decodes only the answer.
 3. Puts `KVMemoryBlock` in a LlamaIndex `Memory`, so a chat gets the verified solution in its
-   system message.
+   system message, and the model replies after "The answer is".
+
+Answer modes (a 135M model is unreliable at free decoding): every answer here is decoded greedily,
+and only the answer itself where that matters: `KVGraftSynthesizer(answer_prefix="The answer is")`
+and, for the memory block, the chat rendered with the assistant's turn opened by the same prefix
+(`KVGraftLLM.complete(..., formatted=True)`); a free reply to the memory block's chat copies the
+solution's steps and miscopies a product. The LlamaIndex integration has no mode that picks among
+the solution's numbers (kvmemory's most reliable one, `KVMemory.answer(choices="numbers")`).
+Each printed answer is compared with the verified answer (✓/✗); the exit status is 1 if any is wrong.
 
 Nothing is downloaded and no default model is resolved: the LLM is passed explicitly everywhere and
 set as `Settings.llm`; no embedding model is needed (kvmemory routes with its own embedder).
@@ -29,17 +38,20 @@ import time
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
+ANSWER_PREFIX = "The answer is"
+
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--store", help="store folder (default: a temporary one, removed at exit)")
     ap.add_argument("--problems", type=int, default=10, help="recurring problems to remember (default 10)")
-    ap.add_argument("--max-new-tokens", type=int, default=24, help="tokens decoded per answer (default 24)")
+    ap.add_argument("--max-new-tokens", type=int, default=8,
+                    help="tokens decoded per answer after the answer prefix (default 8)")
+    ap.add_argument("--default-budget", type=int, default=96,
+                    help="tokens the default synthesizer's answer may take (default 96)")
     args = ap.parse_args(argv)
 
-    from kvmemory.errors import VerificationFailed
-    from kvmemory.memory.facade import KVMemory
-    from kvmemory.bench.problems import generate_problems
+    from kvmemory import ArithmeticVerifier, KVMemory, VerificationFailed, extract_answer, generate_problems
     from llama_index.core import Settings
     from llama_index.core.llms import ChatMessage
     from llama_index.core.memory import Memory
@@ -73,22 +85,33 @@ def main(argv: list[str] | None = None) -> int:
           f"hit rate {ev.hit_rate:.3f}, MRR {ev.mrr:.3f}")
 
     # 2. The query engine. LlamaIndex's default synthesizer pastes the retrieved solution into its
-    #    prompt (read again, from scratch); KVGraftSynthesizer puts the entry before the question as it
-    #    was stored, so its KV is grafted and, with an answer prefix, a few tokens answer.
+    #    prompt (read again, from scratch) and the model writes its answer out (a budget that lets it
+    #    finish); KVGraftSynthesizer puts the entry before the question as it was stored, so its KV is
+    #    grafted, and after "The answer is" a few greedy tokens answer.
     problems = generate_problems(args.problems, 0, rewordings=2)
     retriever = KVMemoryRetriever(mem, similarity_top_k=1)
-    plain = RetrieverQueryEngine.from_args(retriever, llm=llm)
+    # The default synthesizer's model writes its answer out; it stops where its answer ends.
+    writer = KVGraftLLM(memory=mem, max_new_tokens=args.default_budget, stop=["\n\n", "\n-"])
+    plain = RetrieverQueryEngine.from_args(retriever, llm=writer)
     grafted = RetrieverQueryEngine.from_args(
-        retriever, llm=llm, response_synthesizer=KVGraftSynthesizer(llm, answer_prefix="The answer is"))
-    runs = [("default synthesizer", plain, problems[0]), ("KVGraftSynthesizer", grafted, problems[0]),
-            ("KVGraftSynthesizer", grafted, problems[1])]
-    for label, engine, problem in runs:
+        retriever, llm=llm, response_synthesizer=KVGraftSynthesizer(llm, answer_prefix=ANSWER_PREFIX))
+    runs = [("default synthesizer", plain, writer, problems[0]), ("KVGraftSynthesizer", grafted, llm, problems[0]),
+            ("KVGraftSynthesizer", grafted, llm, problems[1])]
+    right = []
+    for label, engine, used, problem in runs:
         query = problem.rewordings[0]
         t0 = time.perf_counter()
         response = engine.query(query)
-        rep = llm.last_answer.report
+        rep = used.last_answer.report
+        ok = extract_answer(response.response) == problem.answer
+        right.append(ok)
         print(f"\n[{label}] {query}")
-        print(f"  answer: {response.response.strip()!r} (verified answer {problem.answer})")
+        print(f"  answer: {response.response.strip()!r}")
+        print(f"  verified answer {problem.answer}: {'✓' if ok else '✗'}")
+        if used is writer:
+            # What the model wrote around its answer is not the verified solution: check it as one.
+            steps = ArithmeticVerifier()(query, response.response, None)
+            print(f"  the steps it wrote, re-checked by the arithmetic verifier: {steps.detail}")
         if response.source_nodes:
             md = response.source_nodes[0].node.metadata
             print(f"  from entry {md['entry_id']} (score {md['score']:.3f}, verified {md['verified']}, "
@@ -96,22 +119,34 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  tokens grafted {rep.tokens_grafted}, computed {rep.tokens_computed}, decoded {rep.tokens_decoded} "
               f"({time.perf_counter() - t0:.1f} s)")
 
-    # 3. A LlamaIndex Memory whose block brings in the verified solution for the user's question.
+    # 3. A LlamaIndex Memory whose block brings in the verified solution for the user's question. The
+    #    reply is decoded after "The answer is": the chat is rendered with the model's chat template,
+    #    the assistant's turn opened by the prefix, and continued as it is (`formatted=True`).
     tok = mem.engine.tokenizer
     chat_memory = Memory.from_defaults(session_id="example", token_limit=4000,
                                        memory_blocks=[KVMemoryBlock(memory=mem, similarity_top_k=1)],
                                        tokenizer_fn=lambda text: tok(text, add_special_tokens=False)["input_ids"])
-    question = problems[2].rewordings[0]
+    problem = problems[2]
+    question = problem.rewordings[0]
     chat_memory.put(ChatMessage(role="user", content=question))
     messages = chat_memory.get()
-    reply = llm.chat(messages, route=False)
+    turns = [{"role": m.role.value, "content": m.content or ""} for m in messages]
+    prompt = tok.apply_chat_template(turns, tokenize=False, add_generation_prompt=True) + ANSWER_PREFIX
+    t0 = time.perf_counter()
+    reply = llm.complete(prompt, formatted=True, max_new_tokens=8, stop=["\n"])
+    text = f"{ANSWER_PREFIX} {reply.text.strip()}"
+    ok = extract_answer(text) == problem.answer
+    right.append(ok)
     print(f"\n[memory block] {question}")
-    print(f"  system message holds the verified solution: {problems[2].solution in (messages[0].content or '')}")
-    print(f"  reply: {reply.message.content!r} (expected answer {problems[2].answer})")
+    print(f"  system message holds the verified solution: {problem.solution in (messages[0].content or '')}")
+    print(f"  reply: {text!r}")
+    print(f"  verified answer {problem.answer}: {'✓' if ok else '✗'} "
+          f"(decoded {reply.additional_kwargs['tokens_decoded']} tokens, {time.perf_counter() - t0:.1f} s)")
 
+    print(f"\n{sum(right)}/{len(right)} answers right")
     if tmp is not None:
         tmp.cleanup()
-    return 0
+    return 0 if all(right) else 1
 
 
 if __name__ == "__main__":

@@ -266,9 +266,13 @@ def cmd_demo(args) -> int:
     _quiet_transformers()
     from kvmemory.bench.demo import run_demo
 
-    result = run_demo(model=args.model, store=args.store, chunk=args.chunk, progress=not args.json)
-    _emit(args, result, result.pop("table", "") if not args.json else "")
-    return 0 if result["verify"]["bit_identical"] == result["verify"]["checked"] else 1
+    # Progress bars go to stderr (with --json too): stdout holds only the report or the JSON.
+    result = run_demo(model=args.model, store=args.store, chunk=args.chunk, answer_mode=args.answer_mode,
+                      base_budget=args.base_budget)
+    table = result.pop("table", "")
+    _emit(args, result, table)
+    # Success means what the demo claims: every answer right and every entry bit-identical.
+    return 0 if result["ok"] and result["all_right"] else 1
 
 
 def cmd_kernels(args) -> int:
@@ -384,7 +388,12 @@ def build_parser() -> argparse.ArgumentParser:
     fk.add_argument("--repair", action="store_true", help="quarantine damage, remove orphans, rebuild the router")
     fk.set_defaults(func=cmd_fsck)
 
-    d = sub.add_parser("demo", parents=[common], help="remember, ask with grafts, verify, in a temporary store")
+    d = sub.add_parser("demo", parents=[common], help="the model alone vs with verified solutions remembered "
+                       "(grafted), side by side with recomputing, then verify; in a temporary store")
+    d.add_argument("--answer-mode", choices=["choices", "free"], default="choices",
+                   help="how answers with memory are given. choices (default, reliable): the model picks, by "
+                        "log-likelihood, among the numbers of the routed verified solution; free: greedy decoding")
+    d.add_argument("--base-budget", type=_count(), default=128, help="tokens the model alone may decode (default 128)")
     d.set_defaults(func=cmd_demo)
 
     kn = sub.add_parser("kernels", help="the native CPU kernels: the build each runs here, or why none")
