@@ -64,18 +64,18 @@ def import_kvgraft():
 
 
 def import_graft_op():
-    """kvmemory.kernels.graft_copy, or the same file loaded by path if the kvmemory package cannot be
+    """kvmemory.kernels.graft_op, or the same file loaded by path if the kvmemory package cannot be
     imported here (graft_op depends on torch only)."""
     try:
-        from kvmemory.kernels import graft_copy
+        from kvmemory.kernels import graft_op
         return graft_op
     except Exception:
         sys.path.insert(0, str(ROOT))
         try:
-            from kvmemory.kernels import graft_copy
+            from kvmemory.kernels import graft_op
             return graft_op
         except Exception:
-            spec = importlib.util.spec_from_file_location("kvmemory_graft_op", ROOT / "kvmemory" / "graft_copy.py")
+            spec = importlib.util.spec_from_file_location("kvmemory_graft_op", ROOT / "kvmemory" / "kernels" / "graft_op.py")
             mod = importlib.util.module_from_spec(spec)
             sys.modules["kvmemory_graft_op"] = mod
             spec.loader.exec_module(mod)
@@ -217,7 +217,7 @@ def section_environment(rec, args, kvmemory_cuda_graft):
 
 def section_build(rec, args, kvmemory_cuda_graft, graft_op, state):
     if args.dry_run:
-        state["kernel"] = graft_copy.twin_graft_copy  # the twin stands in on CPU, built or not
+        state["kernel"] = graft_op.twin_graft_copy  # the twin stands in on CPU, built or not
     arch = kvmemory_cuda_graft.default_arch_list()
     if torch.cuda.is_available():
         cap = torch.cuda.get_device_capability()
@@ -239,18 +239,18 @@ def section_build(rec, args, kvmemory_cuda_graft, graft_op, state):
     rec["cuda_runtime_linked"], rec["cuda_driver"] = rt, drv
     st = kvmemory_cuda_graft.status(arch)
     rec["kvgraft_status"] = {"available": st.available, "reason": st.reason}
-    rec["graft_op_impl_at_import"] = graft_copy.IMPL
-    rec["graft_op_impl_reason"] = graft_copy.IMPL_REASON
+    rec["graft_op_impl_at_import"] = graft_op.IMPL
+    rec["graft_op_impl_reason"] = graft_op.IMPL_REASON
     print(f"  library {lib.path}, runtime {rt}, driver {drv}, status {st.reason}")
-    print(f"  graft_copy.IMPL at import: {graft_copy.IMPL} ({graft_copy.IMPL_REASON})")
+    print(f"  graft_op.IMPL at import: {graft_op.IMPL} ({graft_op.IMPL_REASON})")
     if args.dry_run:
         rec["note"] = "dry run: compiled, but the twin stands in for the kernel"
         return
     if not st.available:
         raise RuntimeError(f"kvmemory_cuda_graft cannot run here: {st.reason}")
-    if graft_copy._kernel is None:  # e.g. KVMEMORY_GRAFT_OP=twin in the environment
-        graft_copy._kernel, graft_copy._kernel_arch = lib, st.arch_list
-    state["kernel"] = graft_copy.cuda_graft_copy
+    if graft_op._kernel is None:  # e.g. KVMEMORY_GRAFT_OP=twin in the environment
+        graft_op._kernel, graft_op._kernel_arch = lib, st.arch_list
+    state["kernel"] = graft_op.cuda_graft_copy
 
 
 def _grid_case(kernel, twin, dtype, head_dim, T, kind, stream, device, seed):
@@ -291,7 +291,7 @@ def _grid_case(kernel, twin, dtype, head_dim, T, kind, stream, device, seed):
 
 
 def section_equality(rec, args, graft_op, state, device):
-    kernel, twin = state["kernel"], graft_copy.twin_graft_copy
+    kernel, twin = state["kernel"], graft_op.twin_graft_copy
     dtypes = [torch.float32, torch.bfloat16, torch.float16]
     head_dims = [64, 128, 256] if args.quick or args.dry_run else [64, 80, 96, 128, 192, 256]
     tokens = [1, 7, 63] if args.dry_run else [1, 7, 16, 63, 64]
@@ -340,13 +340,13 @@ def section_equality(rec, args, graft_op, state, device):
     if device.type == "cuda":
         dtype, shapes, T = torch.bfloat16, [(8, 4096, 128)] * 4, 4096
         nbytes = T * sum(2 * h * d * 2 for h, _, d in shapes)
-        buf = graft_copy.pinned_staging(nbytes, slot=7)
+        buf = graft_op.pinned_staging(nbytes, slot=7)
         gen = torch.Generator().manual_seed(5)
         first = random_staging(nbytes, dtype, gen)
         buf.copy_(first)
         k1, v1 = sentinel_cache(shapes, dtype, device), sentinel_cache(shapes, dtype, device)
         kernel(buf, [0], [0], [T], k1, v1)
-        again = graft_copy.pinned_staging(nbytes, slot=7)  # must block until the kernel is done
+        again = graft_op.pinned_staging(nbytes, slot=7)  # must block until the kernel is done
         again.fill_(0)
         k2, v2 = sentinel_cache(shapes, dtype, device), sentinel_cache(shapes, dtype, device)
         twin(first, [0], [0], [T], k2, v2)
@@ -409,9 +409,9 @@ def _e2e_case(dtype, graft_op, kernel, device) -> tuple[dict, str]:
     # Serialise the first k chunks' KV in the payload layout into pinned staging, with digests.
     keys = [layer.keys for layer in ref_cache.layers]
     values = [layer.values for layer in ref_cache.layers]
-    payloads = [graft_copy.pack_payload(keys, values, i * C, C) for i in range(k_chunks)]
+    payloads = [graft_op.pack_payload(keys, values, i * C, C) for i in range(k_chunks)]
     nbytes = sum(p.numel() for p in payloads)
-    staging = (graft_copy.pinned_staging(nbytes, slot=3) if device.type == "cuda"
+    staging = (graft_op.pinned_staging(nbytes, slot=3) if device.type == "cuda"
                else torch.empty(nbytes, dtype=torch.uint8))
     offsets, o = [], 0
     for p in payloads:
@@ -467,7 +467,7 @@ def section_e2e(rec, args, graft_op, state, device):
 
 
 def section_bandwidth(rec, args, graft_op, state, device):
-    kernel, twin = state["kernel"], graft_copy.twin_graft_copy
+    kernel, twin = state["kernel"], graft_op.twin_graft_copy
     cuda = device.type == "cuda"
     if cuda:
         # A 7B-class layout (Llama-2-7B-like KV with GQA 8): 32 layers, 8 KV heads, D=128, bf16, C=64.

@@ -1,4 +1,4 @@
-"""Tests of kvmemory.kernels.graft_copy: the pure-PyTorch twin against a byte-walking reference, the argument
+"""Tests of kvmemory.kernels.graft_op: the pure-PyTorch twin against a byte-walking reference, the argument
 validation, the helpers, and the import-time dispatch. Exact byte equality only, never tolerances.
 
 The reference below walks the payload with a cursor, token row by token row, in plain Python bytes:
@@ -16,8 +16,8 @@ import zlib
 import pytest
 import torch
 
-from kvmemory.kernels import graft_copy
-from kvmemory.kernels.graft_copy import (GraftOpUnavailable, graft_copy, pack_payload, payload_nbytes, pinned_staging, twin_graft_copy)
+from kvmemory.kernels import graft_op
+from kvmemory.kernels.graft_op import (GraftOpUnavailable, graft_copy, pack_payload, payload_nbytes, pinned_staging, twin_graft_copy)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 SENTINEL = 0xA5
@@ -311,35 +311,35 @@ def test_validation_errors_before_copying(op, match, make):
 
 
 def test_impl_chosen_once_at_import():
-    assert graft_copy.IMPL in ("cuda", "twin")
-    assert isinstance(graft_copy.IMPL_REASON, str) and graft_copy.IMPL_REASON
+    assert graft_op.IMPL in ("cuda", "twin")
+    assert isinstance(graft_op.IMPL_REASON, str) and graft_op.IMPL_REASON
     if not torch.cuda.is_available():
-        assert graft_copy.IMPL == "twin"
+        assert graft_op.IMPL == "twin"
 
 
 def test_select_override_values():
-    assert graft_copy._select("twin")[:2] == ("twin", True)
+    assert graft_op._select("twin")[:2] == ("twin", True)
     with pytest.raises(ValueError, match="KVMEMORY_GRAFT_OP"):
-        graft_copy._select("gpu")
+        graft_op._select("gpu")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA refusal")
 def test_forced_cuda_without_cuda_raises_clearly():
     with pytest.raises(GraftOpUnavailable, match="KVMEMORY_GRAFT_OP=cuda"):
-        graft_copy._select("cuda")
+        graft_op._select("cuda")
     with pytest.raises(GraftOpUnavailable, match="not loaded"):
-        graft_copy.cuda_graft_copy(**_valid_args())
+        graft_op.cuda_graft_copy(**_valid_args())
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA refusal")
 def test_forced_cuda_env_fails_at_import():
     env = dict(os.environ, KVMEMORY_GRAFT_OP="cuda")
-    proc = subprocess.run([sys.executable, "-c", "import kvmemory.kernels.graft_copy"], env=env,
+    proc = subprocess.run([sys.executable, "-c", "import kvmemory.kernels.graft_op"], env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
     assert "GraftOpUnavailable" in proc.stderr and "KVMEMORY_GRAFT_OP=cuda" in proc.stderr
     env["KVMEMORY_GRAFT_OP"] = "twin"
-    proc = subprocess.run([sys.executable, "-c", "import kvmemory.kernels.graft_copy as g; print(g.IMPL)"],
+    proc = subprocess.run([sys.executable, "-c", "import kvmemory.kernels.graft_op as g; print(g.IMPL)"],
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip() == "twin", proc.stderr
 

@@ -19,7 +19,7 @@ import torch
 try:
     import kvmemory_cuda_graft
 except ImportError:  # not pip-installed: use the checkout (the tests must still compile the kernel)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels" / "kvmemory_cuda_graft"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels" / "cuda_graft"))
     import kvmemory_cuda_graft
 from kvmemory_cuda_graft import _build
 
@@ -134,7 +134,7 @@ def test_kernel_code_emulated_on_cpu_matches_twin(built_lib, seed):
     by the library's emulation hook, gives the twin's bytes exactly."""
     import random
 
-    from kvmemory.kernels import graft_copy
+    from kvmemory.kernels import graft_op
 
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
@@ -156,10 +156,10 @@ def test_kernel_code_emulated_on_cpu_matches_twin(built_lib, seed):
     staging = torch.randint(0, 256, (offsets[-1] + T * per_tok + 5,), dtype=torch.uint8, generator=gen)
     k1, v1 = _sentinel(shapes, dtype), _sentinel(v_shapes, dtype)
     k2, v2 = _sentinel(shapes, dtype), _sentinel(v_shapes, dtype)
-    plan = graft_copy._plan(staging, offsets, positions, [T] * 3, k1, v1, offs)
-    blocks, layers = graft_copy._kernel_tables(plan, k1, v1)
+    plan = graft_op._plan(staging, offsets, positions, [T] * 3, k1, v1, offs)
+    blocks, layers = graft_op._kernel_tables(plan, k1, v1)
     lib.emulate(staging.data_ptr(), blocks, layers, es, threads=rng.choice([1, 7, 32, 256]))
-    graft_copy.twin_graft_copy(staging, offsets, positions, [T] * 3, k2, v2, offs)
+    graft_op.twin_graft_copy(staging, offsets, positions, [T] * 3, k2, v2, offs)
     for a, b in zip(k1 + v1, k2 + v2):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
@@ -191,11 +191,11 @@ def test_gpu_check_script_dry_run(tmp_path):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("kind", ["pinned", "device", "pageable"])
 def test_kernel_matches_twin_on_gpu(dtype, kind):
-    from kvmemory.kernels import graft_copy
+    from kvmemory.kernels import graft_op
 
-    if graft_copy._kernel is None:
-        graft_copy._kernel = kvmemory_cuda_graft.load()
-        graft_copy._kernel_arch = kvmemory_cuda_graft.status().arch_list
+    if graft_op._kernel is None:
+        graft_op._kernel = kvmemory_cuda_graft.load()
+        graft_op._kernel_arch = kvmemory_cuda_graft.status().arch_list
     gen = torch.Generator().manual_seed(5)
     es = torch.empty((), dtype=dtype).element_size()
     shapes = [(2, 40, 64), (4, 40, 128), (1, 12, 256)]
@@ -211,9 +211,9 @@ def test_kernel_matches_twin_on_gpu(dtype, kind):
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())  # sentinel fills and the staging upload come first
     with torch.cuda.stream(side):
-        graft_copy.cuda_graft_copy(staging, offsets, positions, [T] * 3, k1, v1, offs)
+        graft_op.cuda_graft_copy(staging, offsets, positions, [T] * 3, k1, v1, offs)
     side.synchronize()
-    graft_copy.twin_graft_copy(staging, offsets, positions, [T] * 3, k2, v2, offs)
+    graft_op.twin_graft_copy(staging, offsets, positions, [T] * 3, k2, v2, offs)
     torch.cuda.synchronize()
     for a, b in zip(k1 + v1, k2 + v2):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))

@@ -111,7 +111,7 @@ class LoadedChain:
 def _staging(nbytes: int, device: torch.device) -> torch.Tensor:
     """Host staging for the payloads: pinned when they go to a GPU (the kernel reads it in place)."""
     if device.type == "cuda":
-        from kvmemory.kernels.graft_copy import pinned_staging
+        from kvmemory.kernels.graft_op import pinned_staging
 
         return pinned_staging(nbytes)
     return torch.empty(nbytes, dtype=torch.uint8)
@@ -358,7 +358,7 @@ def _allocate(runner, m0: BlockMeta, end: int, capacity: int = 0, room=None) -> 
 
 
 def _copy_blocks(staging: torch.Tensor, offsets: Sequence[int], metas: Sequence[BlockMeta], dst: _Dest) -> None:
-    from kvmemory.kernels.graft_copy import graft_copy
+    from kvmemory.kernels.graft_op import graft_copy
 
     graft_copy(staging, list(offsets), [m.position for m in metas], [m.n_tokens for m in metas],
                dst.keys, dst.values, dst.offsets)

@@ -11,7 +11,7 @@ is False and `status()` says why. The library is built at install time when nvcc
 setup.py), otherwise lazily by `load()` / `build()` into a cache folder ($KVMEMORY_CUDA_GRAFT_CACHE, default
 ~/.cache/kvmemory-cuda-graft), or explicitly with `python -m kvmemory_cuda_graft build`. $KVMEMORY_CUDA_GRAFT_LIB names a prebuilt
 library to use instead. The torch-level op with validation (and its pure-PyTorch twin) is
-`kvmemory.kernels.graft_copy.graft_copy`; this package is the raw binding.
+`kvmemory.kernels.graft_op.graft_copy`; this package is the raw binding.
 """
 
 from __future__ import annotations
