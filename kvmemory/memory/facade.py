@@ -431,6 +431,17 @@ class KVMemory:
         query = _check_text("query", query)
         hits = self.recall(query, k, namespace=namespace, threshold=threshold,
                            number_check=self.number_check) if use_memory else []
+        return self.answer_from(query, hits, max_new_tokens=max_new_tokens, sampling=sampling, stop=stop,
+                                on_text=on_text, answer_prefix=answer_prefix, choices=choices,
+                                choice_end=choice_end, contrast=contrast)
+
+    def answer_from(self, query: str, hits: Sequence[Recalled], *, max_new_tokens: int = 256,
+                    sampling: Sampling = GREEDY, stop: Sequence[str] = (), on_text=None,
+                    answer_prefix: str | None = None, choices: str | Sequence[str] | None = None,
+                    choice_end: str = ".", contrast: float = DEFAULT_CONTRAST) -> Answer:
+        """`answer` after routing: answer `query` from these routed entries (e.g. the ones a framework's
+        retriever returned), the first one's KV grafted; the options are `answer`'s."""
+        query = _check_text("query", query)
         entries = [h.entry for h in hits]
         for e in entries:
             self.engine.require_profile(e.profile_id, f"entry {e.id}'s blocks")

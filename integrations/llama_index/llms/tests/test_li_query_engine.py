@@ -75,6 +75,24 @@ def test_kvgraft_synthesizer_grafts_the_retrieved_entry(li_memory, li_llm, li_re
     assert str(engine.query("What is the tallest mountain on Mars?")) == "Empty Response"
 
 
+def test_kvgraft_synthesizer_choices_gives_the_verified_answers(li_memory, li_llm, li_recurring):
+    """choices="numbers": the model picks among the numbers of the grafted solution, for every
+    reworded question of five problems (and streamed, the same text)."""
+    retriever = KVMemoryRetriever(li_memory, similarity_top_k=1, namespace=li_recurring.namespace)
+    synth = KVGraftSynthesizer(li_llm, answer_prefix="The answer is", choices="numbers")
+    engine = RetrieverQueryEngine.from_args(retriever, llm=li_llm, response_synthesizer=synth)
+    for i in range(5):
+        problem = li_recurring.problems[i]
+        response = engine.query(problem.rewordings[0])
+        assert response.response == f"The answer is {problem.answer}.", (i, response.response)
+        report = response.metadata[REPORT_METADATA_KEY]
+        assert report["entries"] == [li_recurring.entry_for(i)] and report["tokens_grafted"] > 0
+    streaming = KVGraftSynthesizer(li_llm, answer_prefix="The answer is", choices="numbers", streaming=True)
+    streamed = RetrieverQueryEngine.from_args(retriever, llm=li_llm, response_synthesizer=streaming).query(
+        li_recurring.problems[0].rewordings[0])
+    assert "".join(streamed.response_gen) == f"The answer is {li_recurring.problems[0].answer}."
+
+
 def test_kvgraft_synthesizer_refuses_foreign_nodes(li_llm):
     synth = KVGraftSynthesizer(li_llm)
     with pytest.raises(ValueError, match="not a kvmemory entry"):

@@ -20,7 +20,8 @@ from collections.abc import Sequence
 from contextlib import aclosing, closing
 from typing import Any
 
-from kvmemory import (DEFAULT_MODEL, Answer, EntryRecord, InvalidInput, KVMemory, Message, Sampling, StreamChunk,
+from kvmemory import (DEFAULT_MODEL, Answer, EntryRecord, InvalidInput, KVMemory, Message, Recalled, Sampling,
+                      StreamChunk,
                       astream_text, memory_lock, shared_memory, stream_text, to_turns)
 from llama_index.core.base.llms.types import (
     ChatMessage,
@@ -178,26 +179,24 @@ class KVGraftLLM(LLM):
         return ans
 
     def answer_entries(self, question: str, entries: Sequence[EntryRecord], *, scores: Sequence[float] = (),
-                       answer_prefix: str | None = None, on_text=None, **kwargs: Any) -> Answer:
+                       answer_prefix: str | None = None, choices: str | Sequence[str] | None = None,
+                       on_text=None, **kwargs: Any) -> Answer:
         """Answer `question` after the given entries (e.g. the nodes a retriever returned), without
         routing: the first entry's stored KV is grafted, the rest and the question computed.
-        `answer_prefix` (e.g. "The answer is") starts the assistant's turn."""
+        `answer_prefix` (e.g. "The answer is") starts the assistant's turn; `choices` ("numbers", or a
+        list of strings) makes the model pick its answer by likelihood instead of decoding it
+        (`KVMemory.answer`'s reliable mode for a small model)."""
         opts = self._options(kwargs)
         mem = self._memory
         if not isinstance(question, str) or not question.strip():
             raise InvalidInput("empty question: ask something about the entries")
         if not entries:
             raise InvalidInput("no entries to answer from")
-        for e in entries:
-            mem.engine.require_profile(e.profile_id, f"entry {e.id}'s blocks")
+        scores = list(scores) + [0.0] * (len(entries) - len(scores))
+        hits = [Recalled(e, float(s), e.problem) for e, s in zip(entries, scores)]
         with memory_lock(mem):
-            ids = mem.followup_ids(list(entries), question)
-            if answer_prefix:
-                ids = ids + mem.engine.encode(answer_prefix)
-            ans = mem.generate(ids, max_new_tokens=opts["max_new_tokens"], sampling=opts["sampling"],
-                               stop=opts["stop"], entries=list(entries), scores=list(scores), on_text=on_text)
-        if answer_prefix:
-            ans.text = f"{answer_prefix.strip()} {ans.text}".strip()
+            ans = mem.answer_from(question, hits, max_new_tokens=opts["max_new_tokens"], sampling=opts["sampling"],
+                                  stop=opts["stop"], on_text=on_text, answer_prefix=answer_prefix, choices=choices)
         self._last = ans
         return ans
 

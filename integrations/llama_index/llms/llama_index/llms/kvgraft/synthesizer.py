@@ -43,11 +43,15 @@ class KVGraftSynthesizer(BaseSynthesizer):
         llm: the `KVGraftLLM` whose memory the nodes came from.
         max_entries: at most this many of the retrieved entries are put before the question.
         answer_prefix: text that starts the assistant's turn (e.g. "The answer is").
+        choices: "numbers" (the numbers the entries' verified solutions write) or a list of strings:
+            the model picks its answer among them by likelihood instead of decoding it, the reliable
+            mode for a small model (`KVMemory.answer`'s `choices`); None decodes freely.
         streaming: return a `StreamingResponse`.
     """
 
     def __init__(self, llm: KVGraftLLM, *, max_entries: int = 1, answer_prefix: str | None = None,
-                 streaming: bool = False, callback_manager: CallbackManager | None = None) -> None:
+                 choices: str | Sequence[str] | None = None, streaming: bool = False,
+                 callback_manager: CallbackManager | None = None) -> None:
         if not isinstance(llm, KVGraftLLM):
             raise TypeError(f"KVGraftSynthesizer needs a KVGraftLLM, got {type(llm).__name__}")
         if max_entries < 1:
@@ -56,6 +60,7 @@ class KVGraftSynthesizer(BaseSynthesizer):
         self._kv_llm = llm
         self.max_entries = max_entries
         self.answer_prefix = answer_prefix
+        self.choices = choices
 
     def _get_prompts(self) -> PromptDictType:
         return {}  # no prompt template: the entries are placed as stored, the question as a user turn
@@ -78,7 +83,7 @@ class KVGraftSynthesizer(BaseSynthesizer):
     def _answer(self, query_str: str, nodes: Sequence[NodeWithScore], on_text=None, **kwargs: Any) -> Answer:
         entries, scores = self._entries(nodes)
         return self._kv_llm.answer_entries(query_str, entries, scores=scores, answer_prefix=self.answer_prefix,
-                                           on_text=on_text, **kwargs)
+                                           choices=self.choices, on_text=on_text, **kwargs)
 
     def _stream(self, query_str: str, nodes: Sequence[NodeWithScore], **kwargs: Any) -> Generator[str, None, None]:
         prefix = (self.answer_prefix or "").strip()
