@@ -83,7 +83,7 @@ def tiny_model(arch: str, dtype: torch.dtype = torch.float32, seed: int = 0, att
     model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation=attn)
     model.eval().requires_grad_(False)
     if pack:
-        packed_linear.pack_linears(model)  # as models.load_model does on the CPU
+        packed_linear.pack_linears(model)  # as models.loading.load_model does on the CPU
     return model
 
 

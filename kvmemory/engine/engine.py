@@ -107,8 +107,8 @@ class Engine:
              device: str = "cpu", threads: int | None = None, attn_implementation: str = "sdpa",
              max_positions: int | None = None, linears: str = "auto", kv_dtype: str = "auto") -> "Engine":
         """Load `model` and open `store`. `linears`: what computes the linear layers on the CPU
-        (models.LINEARS; each is its own profile): "auto" = from the embedded model's GGUF blocks
-        where the kernel runs (gguf_linear.py), else oneDNN-packed (linear.py); "plain" keeps
+        (loading.LINEARS; each is its own profile): "auto" = from the embedded model's GGUF blocks
+        where the kernel runs (gguf_linear.py), else oneDNN-packed (packed_linear.py); "plain" keeps
         torch's (slower, no second copy of the weights in memory).
         `kv_dtype`: the dtype the cache keeps K/V in. "auto": bfloat16 under a float32 model on the
         CPU where kvmemory's attention runs and every layer attends fully (runner.resolve_kv_dtype:

@@ -1,6 +1,6 @@
 """Grafting: find the longest stored chain for a token sequence, load and verify it, place it in a cache.
 
-The chain is looked up by chain hash (blocks.py), so only blocks computed after exactly the same
+The chain is looked up by chain hash (store/blocks.py), so only blocks computed after exactly the same
 tokens, under the same profile, at the same positions can be found. Blocks are read in parallel,
 each hashed where it was read (SHA-256 against the catalogue) and only then copied to its positions
 of the cache (`load_chain` says how, per device). A damaged block is quarantined by the store and the

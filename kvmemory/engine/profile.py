@@ -129,7 +129,7 @@ class ExecutionProfile:
             hint = ""
             if "kv_dtype" in d:  # the fields a user picks when opening (Engine.open / --kv-dtype, --linears)
                 hint = f" (or open with kv_dtype={d['kv_dtype'][1]!r}, --kv-dtype {d['kv_dtype'][1]} on the command line)"
-            linears = {gguf_linear.NAME: "gguf", packed_linear.NAME: "packed", packed_linear.PLAIN: "plain"}  # models.LINEARS
+            linears = {gguf_linear.NAME: "gguf", packed_linear.NAME: "packed", packed_linear.PLAIN: "plain"}  # loading.LINEARS
             if "linear_impl" in d and d["linear_impl"][1] in linears:
                 choice = linears[d["linear_impl"][1]]
                 hint += f" (or open with linears={choice!r}, --linears {choice} on the command line)"

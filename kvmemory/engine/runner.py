@@ -12,11 +12,11 @@ the default model is then 64 x 30 layers x 2 x 3 heads x 64 dims x 4 bytes = 2.9
 per-block costs (a file, a catalogue row, a hash call) are amortised, and CPU prefill in 64-token
 chunks costs about the same per token as longer chunks (measured on SmolLM2: `kvmemory bench graft`).
 
-Kernels: on the CPU the model runs `kvmemory_sdpa` (attention.py), SDPA reading grouped K/V heads in
+Kernels: on the CPU the model runs `kvmemory_sdpa` (models/attention.py), SDPA reading grouped K/V heads in
 place instead of expanding them per chunk, or on AVX-512 and AVX2 CPUs `kvmemory_fewq`, which also gives the
 steps with few query rows (a graft's tail, decoding) kvmemory's own attention kernel
-(cpu_attention.py); its linears compute from the GGUF's own blocks for the embedded model
-(gguf_linear.py) or with oneDNN-packed weights (linear.py); all are chosen at load and recorded in
+(kernels/few_query_attention.py); its linears compute from the GGUF's own blocks for the embedded model
+(gguf_linear.py) or with oneDNN-packed weights (packed_linear.py); all are chosen at load and recorded in
 the profile.
 
 Logits are computed for every position of every prefill chunk: the lm_head GEMM shape then depends

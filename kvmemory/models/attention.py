@@ -16,7 +16,7 @@ in the last bits, which is why the two are different names (and so different exe
 Both read a cache kept in bfloat16 under float32 queries (cache.py's `kv_dtype`): SDPA over K/V widened
 to float32 (exact: every bfloat16 is a float32), the kernel widening the rows itself.
 
-Chosen once, at load (`models.load_model`): on the CPU `sdpa` becomes `kvmemory_fewq` where the kernel's
+Chosen once, at load (`models.loading.load_model`): on the CPU `sdpa` becomes `kvmemory_fewq` where the kernel's
 library (built into the package at install time) runs here (AVX-512 or AVX2), `kvmemory_sdpa` otherwise
 (with one warning saying why: kernels/native.py); on a GPU SDPA with a mask and `enable_gqa` would fall
 back to the math kernel, so `sdpa` stays.
@@ -49,7 +49,7 @@ def _causal_keys(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor
 
 
 def _widened(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """K/V in the queries' dtype: a bfloat16 cache under float32 queries is widened, exactly (cache.py)."""
+    """K/V in the queries' dtype: a bfloat16 cache under float32 queries is widened, exactly (engine/cache.py)."""
     if key.dtype == query.dtype:
         return key, value
     return key.to(query.dtype), value.to(query.dtype)

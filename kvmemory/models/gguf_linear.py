@@ -17,7 +17,7 @@ a row's bits depend on nothing else: not the number of rows, the thread count, n
 That order is not sgemm's or oneDNN's, so the implementation is part of the execution profile
 (`linear_impl` = `gguf-blocks`, read by `loading.linear_implementation`).
 
-Chosen at load (`models.load_model`) for the embedded model on an AVX-512 or AVX2 CPU; elsewhere,
+Chosen at load (`models.loading.load_model`) for the embedded model on an AVX-512 or AVX2 CPU; elsewhere,
 and for any model not read from a GGUF file, linears are packed for oneDNN (packed_linear.py). The float32
 `weight` stays (state_dict, tied embeddings and the weights fingerprint are untouched; no packed copy).
 The kernel is a plain C library built into the package at install time (kernels/build.py: AVX-512 and

@@ -17,7 +17,7 @@ linears are refused under packed ones, with the field named. For one shape it is
 Cost: each packed weight is a second copy next to the original (`weight` stays, so `state_dict`,
 tied embeddings and the weights fingerprint are untouched): +540 MB for the float32 default model.
 
-Chosen once, at load (`models.load_model`), on the CPU for float32 and bfloat16, when this torch
+Chosen once, at load (`models.loading.load_model`), on the CPU for float32 and bfloat16, when this torch
 has the ops, for every model but the embedded one where its GGUF blocks compute instead
 (gguf_linear.py: a fifth of the bytes per step); otherwise the model keeps its plain linears and
 the profile says `aten`.

@@ -80,7 +80,7 @@ DEFAULT_THRESHOLD = 0.83
 #     flat p50 ms   0.129  0.302  0.659  1.196  2.193  2.805  3.702
 #     HNSW p50 ms   0.270  0.602  0.680  1.103  1.330  1.226  1.267
 # Flat is exact and at least as fast up to ~12k; from 16k HNSW is faster and the gap keeps widening
-# (the full benchmark run recorded in bench_router.py measured the same crossover independently).
+# (the full benchmark run recorded in bench/router.py measured the same crossover independently).
 HNSW_THRESHOLD = 16_000
 
 # From here on a namespace uses IVF instead of HNSW. HNSW insertion slows as the graph grows (measured
