@@ -152,7 +152,7 @@ def test_engine_runs_the_kernel_and_stays_exact(dtype, store_dir, monkeypatch):
 
 def test_asking_for_the_kernel_where_it_cannot_run_is_an_error(monkeypatch):
     monkeypatch.setattr(few_query_attention, "load", lambda: None)
-    monkeypatch.setattr(few_query_attention, "_why", "the CPU does not run AVX-512 (test)")
+    monkeypatch.setattr(few_query_attention, "why_unavailable", lambda: "the CPU does not run AVX-512 (test)")
     with pytest.raises(UnsupportedArchitecture, match="AVX-512"):
         attention.for_device(attention.FEWQ, "cpu")
     assert attention.for_device("sdpa", "cpu") == attention.NAME  # the default falls back, by name

@@ -14,7 +14,7 @@ import torch
 from tiny_models import assert_graft_equals_recompute
 
 from kvmemory.errors import InvalidInput, KVMemoryError
-from kvmemory.kernels import build, cpu, native
+from kvmemory.kernels import build, cpu, native, quantized_linear
 from kvmemory.models import gguf_linear
 from kvmemory.models.loading import linear_implementation
 
@@ -42,7 +42,7 @@ def _layer(kind: str, n: int, k: int, seed: int = 0) -> gguf_linear.GGUFLinear:
 
 @needs_kernel
 def test_kernel_builds():
-    assert gguf_linear.load() is not None, gguf_linear.why_unavailable()
+    assert quantized_linear.load() is not None, quantized_linear.why_unavailable()
 
 
 @needs_kernel
@@ -90,7 +90,7 @@ def test_same_bytes_whatever_the_thread_count():
 def test_the_avx2_build_gives_the_avx512_builds_bytes():
     """The sum's order is fixed (k ascending, one FMA per lane), not the vector width: both builds
     give the same bits, so a store is not tied to one of the two kinds of CPU by its linears."""
-    other = gguf_linear.load_variant("avx2")
+    other = quantized_linear.load_variant("avx2")
     assert other is not None, native.load("qlinear", "avx2")[1]
     assert native.choose("qlinear")[0] == "avx512"
     for kind in ("Q4_1", "Q8_0"):
@@ -98,8 +98,8 @@ def test_the_avx2_build_gives_the_avx512_builds_bytes():
         x = torch.randn(40, 192, generator=torch.Generator().manual_seed(4))
         with torch.inference_mode():
             mine = layer(x)
-        assert torch.equal(gguf_linear.linear(x, layer.q, layer.d, layer.m, layer.kind, lib=other), mine)
-        assert torch.equal(gguf_linear.dequantize(layer.q, layer.d, layer.m, layer.kind, lib=other),
+        assert torch.equal(quantized_linear.linear(x, layer.q, layer.d, layer.m, layer.kind, lib=other), mine)
+        assert torch.equal(quantized_linear.dequantize(layer.q, layer.d, layer.m, layer.kind, lib=other),
                            layer.dequantized())
 
 
@@ -121,13 +121,13 @@ def test_the_other_build_compiles(variant, tmp_path):
 def test_bad_panels_are_refused_before_the_kernel_runs():
     layer = _layer("Q4_1", 32, 64)
     with pytest.raises(ValueError, match="x must be"):
-        gguf_linear.linear(torch.randn(3, 65), layer.q, layer.d, layer.m, layer.kind)
+        quantized_linear.linear(torch.randn(3, 65), layer.q, layer.d, layer.m, layer.kind)
     with pytest.raises(ValueError, match="wrong dtype"):
-        gguf_linear.linear(torch.randn(3, 64), layer.q.view(torch.int8), layer.d, layer.m, layer.kind)
+        quantized_linear.linear(torch.randn(3, 64), layer.q.view(torch.int8), layer.d, layer.m, layer.kind)
     with pytest.raises(ValueError, match="d must be"):
-        gguf_linear.dequantize(layer.q, layer.d[:1], layer.m, layer.kind)
+        quantized_linear.dequantize(layer.q, layer.d[:1], layer.m, layer.kind)
     with pytest.raises(ValueError, match="m must be"):
-        gguf_linear.dequantize(layer.q, layer.d, layer.m[:, :1], layer.kind)
+        quantized_linear.dequantize(layer.q, layer.d, layer.m[:, :1], layer.kind)
 
 
 def test_q_and_k_rows_are_unpermuted_as_transformers_does():

@@ -117,7 +117,7 @@ def test_no_build_for_the_cpu_falls_back_with_one_warning_each():
     """Where torch runs neither AVX-512 nor AVX2 (ATEN_CPU_CAPABILITY=default stands in for such a
     CPU), each kernel says once why it does not run and what runs instead."""
     code = ("import logging; from kvmemory.kernels import few_query_attention as f, sha256_lanes as s\n"
-            "from kvmemory.models import gguf_linear as g\n"
+            "from kvmemory.kernels import quantized_linear as g\n"
             "assert f.load() is None and f.load() is None and g.load() is None and g.load() is None\n"
             "print('OK', f.build_info(), g.build_info())\n")
     env = dict(os.environ, ATEN_CPU_CAPABILITY="default")
@@ -146,7 +146,7 @@ def test_the_kernels_share_torchs_openmp_runtime():
     """The libraries link libgomp.so.1 and get torch's, already loaded: one OpenMP runtime and one pool
     of threads in the process, not two competing for the cores."""
     code = ("import torch\n"
-            "from kvmemory.kernels import few_query_attention as f\nfrom kvmemory.models import gguf_linear as g\n"
+            "from kvmemory.kernels import few_query_attention as f\nfrom kvmemory.kernels import quantized_linear as g\n"
             "assert f.load() is not None and g.load() is not None\n"
             "q = torch.randn(1, 9, 16, 64); k = torch.randn(1, 3, 600, 64)\n"
             "assert f.attend(q, k, k, None, 0.125, True) is not None\n"

@@ -76,12 +76,13 @@ def test_each_build_this_cpu_runs_passes_the_hash_and_reader_tests(tmp_path, bui
 
 def test_a_build_the_cpu_cannot_run_is_refused(monkeypatch):
     monkeypatch.setenv("KVMEMORY_SHA256_LANES", "neon")
-    sha256_lanes.kind.cache_clear()
+    sha256_lanes.KERNEL_LIB.forget()
     try:
-        assert sha256_lanes.kind() is None and "none of avx512, sha-ni, off" in sha256_lanes._why
+        assert sha256_lanes.kind() is None and "none of avx512, sha-ni, off" in sha256_lanes.why_unavailable()
+        assert sha256_lanes.load() is None
     finally:
         monkeypatch.delenv("KVMEMORY_SHA256_LANES")
-        sha256_lanes.kind.cache_clear()
+        sha256_lanes.KERNEL_LIB.forget()
     assert sha256_lanes.kind() is not None
 
 

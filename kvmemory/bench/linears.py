@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from kvmemory.kernels import cpu
+from kvmemory.kernels import cpu, quantized_linear
 from kvmemory.models import gguf_linear, packed_linear
 from kvmemory.models.loading import embedded_gguf_path, load_model
 
@@ -26,8 +26,8 @@ def _timed(layers: dict, rows: int, repeats: int = 7) -> float:
 
 
 def main() -> None:
-    if gguf_linear.load() is None:
-        raise SystemExit(f"unavailable: {gguf_linear.why_unavailable()}")
+    if quantized_linear.load() is None:
+        raise SystemExit(f"unavailable: {quantized_linear.why_unavailable()}")
     loaded = load_model(linears="plain")
     plain = {n: m for n, m in loaded.model.named_modules() if type(m) is torch.nn.Linear}
     packed = {n: packed_linear.PackedLinear.from_linear(m) for n, m in plain.items()} if packed_linear.AVAILABLE else {}
@@ -36,7 +36,7 @@ def main() -> None:
     block_mb = sum(t.numel() * t.element_size() for m in blocks.values() for t in (m.q, m.d, m.m)) / 1e6
     print(f"{len(blocks)} linears, {block_mb:.0f} MB of blocks vs "
           f"{sum(m.weight.numel() * 4 for m in blocks.values()) / 1e6:.0f} MB float32; "
-          f"{torch.get_num_threads()} threads, {cpu.isa()}, the kernel's {gguf_linear.build_info()['variant']} build")
+          f"{torch.get_num_threads()} threads, {cpu.isa()}, the kernel's {quantized_linear.build_info()['variant']} build")
     for rows in (1, 16, 64):
         ours = _timed(blocks, rows)
         line = f"{rows:>3} rows: GGUF blocks {ours * 1e3:7.1f} ms"

@@ -25,7 +25,6 @@ one thread, so neither the thread count nor scheduling changes a bit.
 from __future__ import annotations
 
 import ctypes
-import functools
 import sys
 
 import torch
@@ -38,43 +37,17 @@ BUILDS = {b.isa: list(b.flags) for b in build.builds(KERNEL)}  # ISA -> the flag
 MAX_ROWS = 64  # query heads per K/V head x new tokens the kernel takes (its kMaxRowBlocks x 16)
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the C entry point's dtype codes
 
-_why: str | None = None
 
-
-@functools.cache
-def load() -> ctypes.CDLL | None:
-    """The kernel library, or None where it cannot run here (see `why_unavailable`; logged once)."""
-    global _why
-    lib, _why = native.load(KERNEL)
-    if lib is None:
-        native.warn_fallback(KERNEL, _why)
-        return None
-    return _declare(lib)
-
-
-def load_variant(variant: str) -> ctypes.CDLL | None:
-    """Another build than the CPU's own ("avx512", "avx2"), for tests and benches; None where it
-    cannot run here."""
-    lib, _ = native.load(KERNEL, variant)
-    return _declare(lib) if lib is not None else None
-
-
-def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+def _declare(lib: ctypes.CDLL) -> None:
     i64, vp = ctypes.c_int64, ctypes.c_void_p
     lib.kvm_fewq_attention.argtypes = ([ctypes.c_int, ctypes.c_int, vp, vp, vp, vp, vp] + [i64] * 12
                                        + [ctypes.c_float, ctypes.c_int, ctypes.c_int])
     lib.kvm_fewq_attention.restype = ctypes.c_int
-    return lib
 
 
-def why_unavailable() -> str | None:
-    load()
-    return _why
-
-
-def build_info() -> dict | None:
-    """The identity of the build that runs here (native.build_info), or None."""
-    return native.build_info(KERNEL) if load() is not None else None
+KERNEL_LIB = native.Kernel(KERNEL, _declare)
+load, load_variant = KERNEL_LIB.load, KERNEL_LIB.load_variant  # the library (None: see why_unavailable)
+why_unavailable, build_info = KERNEL_LIB.why_unavailable, KERNEL_LIB.build_info
 
 
 def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scale: float,

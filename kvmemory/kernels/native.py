@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import torch  # noqa: F401  (first: a kernel library's libgomp.so.1 must resolve to torch's, already loaded)
@@ -54,6 +55,8 @@ FALLBACKS = {"fewq": "attention runs on SDPA (kvmemory_sdpa)",
 
 _warned: set[str] = set()
 _lock = threading.Lock()
+_KERNELS: list["Kernel"] = []
+_UNCHOSEN = object()  # every wrapper's Kernel, so that clear() resets them too
 
 
 def checkout_root() -> Path | None:
@@ -190,6 +193,66 @@ def warn_fallback(kernel: str, why: str) -> None:
     log.log(level, "kvmemory: the %s is unavailable (%s); %s instead", TITLES[kernel], why, FALLBACKS[kernel])
 
 
+class Kernel:
+    """One native kernel as its Python wrapper sees it: the build chosen for this CPU, loaded and its
+    entry points declared once (`declare(lib)` sets their ctypes signatures), or why none runs.
+
+        ATTENTION = native.Kernel("fewq", _declare)
+        lib = ATTENTION.load()            # None where it cannot run here (logged once, with the fallback)
+        ATTENTION.why_unavailable(), ATTENTION.build_info(), ATTENTION.load_variant("avx2")
+    """
+
+    def __init__(self, kernel: str, declare: Callable[[ctypes.CDLL], None]):
+        self.kernel = kernel
+        self._declare = declare
+        self._lock = threading.Lock()
+        self._loaded = False
+        self._lib: ctypes.CDLL | None = None
+        self._why: str | None = None
+        self._variant: object = _UNCHOSEN
+        _KERNELS.append(self)
+
+    def variant(self) -> str | None:
+        """The build this CPU runs ("avx512", "avx2", "sha-ni"), or None (chosen once)."""
+        if self._variant is _UNCHOSEN:
+            self._variant = choose(self.kernel)[0]
+        return self._variant
+
+    def load(self) -> ctypes.CDLL | None:
+        """The library of this CPU's build, or None where none runs here (see `why_unavailable`)."""
+        if not self._loaded:
+            with self._lock:
+                if not self._loaded:
+                    lib, self._why = load(self.kernel)
+                    if lib is None:
+                        warn_fallback(self.kernel, self._why)
+                    else:
+                        self._declare(lib)
+                    self._lib, self._loaded = lib, True
+        return self._lib
+
+    def load_variant(self, variant: str) -> ctypes.CDLL | None:
+        """Another build than the CPU's own (tests and benches: the AVX2 build also runs on an
+        AVX-512 CPU); None where it cannot run here."""
+        lib, _ = load(self.kernel, variant)
+        if lib is not None:
+            self._declare(lib)
+        return lib
+
+    def why_unavailable(self) -> str | None:
+        self.load()
+        return self._why
+
+    def build_info(self) -> dict | None:
+        """The identity of the build that runs here (`build_info`), or None."""
+        return build_info(self.kernel) if self.load() is not None else None
+
+    def forget(self) -> None:
+        """Choose and load again on next use (tests: after changing the environment)."""
+        with self._lock:
+            self._loaded, self._lib, self._why, self._variant = False, None, None, _UNCHOSEN
+
+
 def status(kernel: str) -> dict:
     """Per kernel, what `kvmemory kernels` reports: available, the build chosen and why, the library's
     path and build identity, or why not."""
@@ -213,3 +276,5 @@ def clear() -> None:
     manifest.cache_clear()
     _open.cache_clear()
     _warned.clear()
+    for k in _KERNELS:
+        k.forget()

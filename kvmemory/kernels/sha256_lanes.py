@@ -25,7 +25,6 @@ on hashlib.
 from __future__ import annotations
 
 import ctypes
-import functools
 import hashlib
 import logging
 import os
@@ -44,39 +43,12 @@ LANES = 16  # messages per call, at most
 # than 10 slower than hashlib on the same bytes; SHA-NI lanes cost nothing idle).
 _FEWEST = {"avx512": 10, "sha-ni": 1}
 
-_why: str | None = None
-
-
 def builds_here() -> dict[str, bool]:
     """Per build, whether this CPU runs it."""
     return {"avx512": isa() == "AVX512", "sha-ni": native.runs("SHA-NI")}
 
 
-@functools.cache
-def kind() -> str | None:
-    """The build this CPU runs: "avx512", "sha-ni", or None (neither). KVMEMORY_SHA256_LANES=sha-ni
-    (or avx512, or off) asks for one; a build the CPU cannot run is refused, with the reason."""
-    global _why
-    found, _why = native.choose(KERNEL)
-    return found
-
-
-def fewest_lanes() -> int:
-    """The fewest blocks worth one call of this CPU's build."""
-    return _FEWEST[kind()] if kind() else LANES
-
-
-@functools.cache
-def load() -> ctypes.CDLL | None:
-    """The library, or None where it cannot run here (see `why_unavailable`; logged once)."""
-    global _why
-    if kind() is None:
-        native.warn_fallback(KERNEL, _why)
-        return None
-    lib, _why = native.load(KERNEL, kind())
-    if lib is None:
-        native.warn_fallback(KERNEL, _why)
-        return None
+def _declare(lib: ctypes.CDLL) -> None:
     u64p, i64p, u8p = (np.ctypeslib.ndpointer(t, flags="C_CONTIGUOUS") for t in (np.uint64, np.int64, np.uint8))
     lib.kvm_sha256_lanes.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, u64p, u8p]
     lib.kvm_sha256_lanes.restype = ctypes.c_int
@@ -84,17 +56,21 @@ def load() -> ctypes.CDLL | None:
                                         ctypes.POINTER(ctypes.c_char_p), ctypes.c_int64, ctypes.c_int64, u64p,
                                         ctypes.c_int64, i64p, u8p]
     lib.kvm_read_hash_lanes.restype = ctypes.c_int
-    return lib
 
 
-def why_unavailable() -> str | None:
-    load()
-    return _why
+KERNEL_LIB = native.Kernel(KERNEL, _declare)
+load, why_unavailable, build_info = KERNEL_LIB.load, KERNEL_LIB.why_unavailable, KERNEL_LIB.build_info
 
 
-def build_info() -> dict | None:
-    """The identity of the build that runs here (native.build_info), or None."""
-    return native.build_info(KERNEL, kind()) if load() is not None else None
+def kind() -> str | None:
+    """The build this CPU runs: "avx512", "sha-ni", or None (neither). KVMEMORY_SHA256_LANES=sha-ni
+    (or avx512, or off) asks for one; a build the CPU cannot run is refused, with the reason."""
+    return KERNEL_LIB.variant()
+
+
+def fewest_lanes() -> int:
+    """The fewest blocks worth one call of this CPU's build."""
+    return _FEWEST[kind()] if kind() else LANES
 
 
 def groups(items: list, threads: int, min_lanes: int | None = None) -> list[list] | None:

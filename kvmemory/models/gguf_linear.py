@@ -20,15 +20,12 @@ That order is not sgemm's or oneDNN's, so the implementation is part of the exec
 Chosen at load (`models.loading.load_model`) for the embedded model on an AVX-512 or AVX2 CPU; elsewhere,
 and for any model not read from a GGUF file, linears are packed for oneDNN (packed_linear.py). The float32
 `weight` stays (state_dict, tied embeddings and the weights fingerprint are untouched; no packed copy).
-The kernel is a plain C library built into the package at install time (kernels/build.py: AVX-512 and
-AVX2 builds, both with -ffp-contract=off), picked and loaded by kernels/native.py; where none runs,
-`load()` says why once and the linears are packed instead.
+The kernel and its panel layout are kernels/quantized_linear.py (a plain C library built into the
+package, AVX-512 and AVX2 builds); where none runs, it says why once and the linears are packed instead.
 """
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import logging
 import os
 from pathlib import Path
@@ -37,114 +34,14 @@ import numpy as np
 import torch
 
 from kvmemory.errors import KVMemoryError
-from kvmemory.kernels import native
+from kvmemory.kernels import quantized_linear as qlinear
+from kvmemory.kernels.quantized_linear import BLOCK, KINDS, PANEL
 from kvmemory.models import cache_files
 
 log = logging.getLogger(__name__)
 
 NAME = "gguf-blocks"
-KERNEL = "qlinear"
-PANEL = 16  # output rows per panel (the kernel's kPanel)
-BLOCK = 32  # weights per Q4_1 / Q8_0 block
-KINDS = {"Q4_1": 0, "Q8_0": 1}  # GGUF block type -> the kernel's `kind`
 _KIND_NAMES = {v: k for k, v in KINDS.items()}
-_Q_DTYPES = {0: torch.uint8, 1: torch.int8}
-
-_why: str | None = None
-_linear_fn = None  # load()'s kvm_qlinear_linear, called by GGUFLinear.forward without a lookup
-
-
-@functools.cache
-def load() -> ctypes.CDLL | None:
-    """The kernel library, or None where it cannot run here (see `why_unavailable`; logged once)."""
-    global _why, _linear_fn
-    lib, _why = native.load(KERNEL)
-    if lib is None:
-        native.warn_fallback(KERNEL, _why)
-        return None
-    lib = _declare(lib)
-    _linear_fn = lib.kvm_qlinear_linear
-    return lib
-
-
-def load_variant(variant: str) -> ctypes.CDLL | None:
-    """Another build than the CPU's own ("avx512", "avx2"), for tests and benches; None where it
-    cannot run here."""
-    lib, _ = native.load(KERNEL, variant)
-    return _declare(lib) if lib is not None else None
-
-
-def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
-    i64, vp, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-    lib.kvm_qlinear_dequantize.argtypes = [c_int, vp, vp, vp, i64, i64, vp, c_int]
-    lib.kvm_qlinear_dequantize.restype = c_int
-    lib.kvm_qlinear_linear.argtypes = [c_int, vp, i64, vp, vp, vp, i64, i64, vp, c_int]
-    lib.kvm_qlinear_linear.restype = c_int
-    return lib
-
-
-def why_unavailable() -> str | None:
-    load()
-    return _why
-
-
-def build_info() -> dict | None:
-    """The identity of the build that runs here (native.build_info), or None."""
-    return native.build_info(KERNEL) if load() is not None else None
-
-
-def _in_features(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, kind: int) -> int:
-    """K, after checking the panels against the kernel's layout (csrc/quantized_linear.cpp); raises
-    ValueError saying what is wrong."""
-    if kind not in _Q_DTYPES:
-        raise ValueError("kind must be 0 (Q4_1) or 1 (Q8_0)")
-    if q.dim() != 3 or q.shape[2] != PANEL or not q.is_contiguous() or q.device.type != "cpu":
-        raise ValueError("q must be [N/16, K/2 or K, 16] contiguous on the CPU")
-    if q.dtype != _Q_DTYPES[kind]:
-        raise ValueError("q has the wrong dtype for its kind")
-    K = q.shape[1] * 2 if kind == KINDS["Q4_1"] else q.shape[1]
-    if K % BLOCK:
-        raise ValueError("K must be a multiple of 32")
-    if (d.dtype != torch.float32 or not d.is_contiguous() or d.dim() != 3 or d.device.type != "cpu"
-            or tuple(d.shape) != (q.shape[0], K // BLOCK, PANEL)):
-        raise ValueError("d must be [N/16, K/32, 16] float32 contiguous")
-    if kind == KINDS["Q4_1"] and (m.shape != d.shape or m.dtype != torch.float32 or not m.is_contiguous()
-                                  or m.device.type != "cpu"):
-        raise ValueError("m must be shaped and typed as d")
-    return K
-
-
-def _call(rc: int) -> None:
-    if rc == -1:
-        raise MemoryError("the GGUF-block linear kernel could not allocate its scratch memory")
-    if rc != 0:
-        raise ValueError(f"the GGUF-block linear kernel refused its arguments ({rc})")
-
-
-def dequantize(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, kind: int,
-               lib: ctypes.CDLL | None = None) -> torch.Tensor:
-    """The float32 weight [N, K] the panels hold, expanded by the kernel's own code (`lib`: another build)."""
-    lib = lib if lib is not None else load()
-    K = _in_features(q, d, m, kind)
-    out = torch.empty((q.shape[0] * PANEL, K), dtype=torch.float32)
-    m_ptr = m.data_ptr() if kind == KINDS["Q4_1"] else None
-    _call(lib.kvm_qlinear_dequantize(kind, q.data_ptr(), d.data_ptr(), m_ptr, q.shape[0], K, out.data_ptr(),
-                                     torch.get_num_threads()))
-    return out
-
-
-def linear(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, kind: int,
-           lib: ctypes.CDLL | None = None) -> torch.Tensor:
-    """y [M, N] = x [M, K] @ W.T with W held as panels (`lib`: another build than the CPU's own)."""
-    lib = lib if lib is not None else load()
-    K = _in_features(q, d, m, kind)
-    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != K or not x.is_contiguous() or x.device.type != "cpu":
-        raise ValueError("x must be [M, K] float32 contiguous on the CPU")
-    y = torch.empty((x.shape[0], q.shape[0] * PANEL), dtype=torch.float32)
-    m_ptr = m.data_ptr() if kind == KINDS["Q4_1"] else None
-    _call(lib.kvm_qlinear_linear(kind, x.data_ptr(), x.shape[0], q.data_ptr(), d.data_ptr(), m_ptr, q.shape[0], K,
-                                 y.data_ptr(), torch.get_num_threads()))
-    return y
 
 
 class GGUFLinear(torch.nn.Linear):
@@ -158,27 +55,28 @@ class GGUFLinear(torch.nn.Linear):
         self.kind, self.q, self.d, self.m = KINDS[kind], q, d, m
         # The panels are checked once here, not per call (a decode step calls 211 of these for one row
         # each, where ~10 us of checks per call would be a tenth of the step); they are never changed.
-        if _in_features(q, d, m, self.kind) != self.in_features or q.shape[0] * PANEL != self.out_features:
-            raise ValueError(f"panels for a {q.shape[0] * PANEL} x {_in_features(q, d, m, self.kind)} weight, "
-                             f"not {self.out_features} x {self.in_features}")
-        load()
+        k = qlinear.in_features(q, d, m, self.kind)
+        if k != self.in_features or q.shape[0] * PANEL != self.out_features:
+            raise ValueError(f"panels for a {q.shape[0] * PANEL} x {k} weight, not {self.out_features} x {self.in_features}")
+        lib = qlinear.load()
+        self._fn = lib.kvm_qlinear_linear if lib is not None else None  # called without a lookup per step
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).contiguous()
-        if rows.dtype is not torch.float32 or not rows.is_cpu or _linear_fn is None:  # says what is wrong
-            return linear(rows, self.q, self.d, self.m, self.kind).view(*x.shape[:-1], self.out_features)
+        if rows.dtype is not torch.float32 or not rows.is_cpu or self._fn is None:  # says what is wrong
+            return qlinear.linear(rows, self.q, self.d, self.m, self.kind).view(*x.shape[:-1], self.out_features)
         M = rows.shape[0]
         y = torch.empty((M, self.out_features), dtype=torch.float32)
-        rc = _linear_fn(self.kind, rows.data_ptr(), M, self.q.data_ptr(), self.d.data_ptr(),
-                        self.m.data_ptr() if self.kind == 0 else None, self.q.shape[0], self.in_features, y.data_ptr(),
-                        torch.get_num_threads())
+        rc = self._fn(self.kind, rows.data_ptr(), M, self.q.data_ptr(), self.d.data_ptr(),
+                      self.m.data_ptr() if self.kind == 0 else None, self.q.shape[0], self.in_features, y.data_ptr(),
+                      torch.get_num_threads())
         if rc:
-            _call(rc)
+            qlinear.check_rc(rc)
         return y.view(*x.shape[:-1], self.out_features)
 
     def dequantized(self) -> torch.Tensor:
         """The float32 weight the blocks hold, expanded by the kernel's own code."""
-        return dequantize(self.q, self.d, self.m, self.kind)
+        return qlinear.dequantize(self.q, self.d, self.m, self.kind)
 
 
 def panels(kind: str, raw: np.ndarray, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -284,8 +182,8 @@ def gguf_linears(model: torch.nn.Module, gguf_path: str | Path, cache: str | Pat
     import safetensors
     from safetensors.torch import load_file, save_file
 
-    if load() is None:
-        raise KVMemoryError(f"the GGUF-block linear kernel cannot run here: {why_unavailable()}")
+    if qlinear.load() is None:
+        raise KVMemoryError(f"the GGUF-block linear kernel cannot run here: {qlinear.why_unavailable()}")
     param = next(model.parameters())
     if param.device.type != "cpu" or param.dtype != torch.float32:
         raise KVMemoryError("GGUF-block linears compute a float32 model on the CPU")
