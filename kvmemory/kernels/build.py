@@ -90,8 +90,10 @@ def find(kernel: str, variant: str) -> Build:
     raise KeyError(f"no build {variant!r} of kernel {kernel!r}")
 
 
-def source_digests(build: Build, csrc: Path = CSRC) -> dict[str, str]:
-    """SHA-256 of each file the build compiles (the source and every header it includes)."""
+def source_digests(build: Build, csrc: Path | None = None) -> dict[str, str]:
+    """SHA-256 of each file the build compiles (the source and every header it includes), from csrc/
+    (CSRC, read when called)."""
+    csrc = Path(csrc) if csrc is not None else CSRC
     return {name: hashlib.sha256((csrc / name).read_bytes()).hexdigest() for name in build.inputs()}
 
 
@@ -113,11 +115,12 @@ def compiler_version(cxx: str) -> str:
     return out.splitlines()[0].strip() if out else "unknown"
 
 
-def compile_library(build: Build, out_dir: Path, cxx: str | None = None, csrc: Path = CSRC) -> dict:
+def compile_library(build: Build, out_dir: Path, cxx: str | None = None, csrc: Path | None = None) -> dict:
     """Compile `build` into out_dir/<its filename> (through a temporary name and an atomic rename, so no
     reader ever sees half a library); returns its manifest entry. Raises CalledProcessError with the
     compiler's output when it fails."""
     cxx = cxx or compiler()
+    csrc = Path(csrc) if csrc is not None else CSRC
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     digests = source_digests(build, csrc)
