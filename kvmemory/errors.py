@@ -31,6 +31,11 @@ class IntegrityError(KVMemoryError):
     """Stored bytes whose SHA-256 (or structure) does not match what the catalogue recorded."""
 
 
+class BundleError(IntegrityError):
+    """A bundle file (`kvmemory export` / `import`) that is damaged, incomplete or not a kvmemory bundle;
+    it is refused whole, before anything of it is written."""
+
+
 class UnsupportedArchitecture(KVMemoryError):
     """A model whose cache cannot be grafted exactly (refused rather than grafted approximately)."""
 

@@ -13,7 +13,6 @@ entry is stored only with an attestation that says its graft is bit-identical.
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -22,8 +21,8 @@ from kvmemory.errors import InvalidInput, KVMemoryError, UnknownEntry, Verificat
 from kvmemory.engine.graft import GraftReport
 from kvmemory.engine.engine import Engine, VerifyReport
 from kvmemory.models.loading import DEFAULT_MODEL
-from kvmemory.engine.profile import canonical_json
 from kvmemory.memory.verifiers import numbers_in
+from kvmemory.memory.ids import entry_id_for
 from kvmemory.memory.prompts import continuation_ids, entry_messages, render_ids, solution_text
 from kvmemory.engine.runner import GREEDY, Sampling
 from kvmemory.store.local import EntryRecord
@@ -145,11 +144,6 @@ def _check_text(name: str, text: str | None, required: bool = True) -> str | Non
     if "\x00" in text:
         raise InvalidInput(f"{name} contains a NUL character")
     return text
-
-
-def entry_id_for(namespace: str, problem: str, solution: str, answer: str | None, profile_id: str) -> str:
-    body = canonical_json([namespace, problem, solution, answer, profile_id])
-    return "e" + hashlib.sha256(body.encode()).hexdigest()[:15]
 
 
 class KVMemory:
@@ -549,3 +543,24 @@ class KVMemory:
         # Open without the embedder check: a router built by another embedder is what reindex fixes.
         self._router = Router(self.store.path / "router", allow_mismatch=True)
         return self.router.rebuild(route_rows(self.store.list_entries()), progress=progress)
+
+    # ------------------------------------------------------------------ moving entries between machines
+    def export_bundle(self, out, *, entry_ids: Sequence[str] | None = None, namespace: str | None = None,
+                      progress: bool = False):
+        """Write entries (`entry_ids`, else every entry of `namespace`, else all) with every block of
+        their chains, their profiles and attestations to one bundle file (store/bundle.py: an
+        uncompressed tar, every member hashed, the manifest last, written to a temporary file and
+        renamed into place). Returns an `ExportReport` (entries, blocks, bytes, the file's SHA-256)."""
+        from kvmemory.store.bundle import write_bundle
+
+        return write_bundle(self.store, out, entry_ids=entry_ids, namespace=namespace, progress=progress)
+
+    def import_bundle(self, bundle, *, sample: int = 3, verify_all: bool = False, progress: bool = False):
+        """Import a bundle (a path, or a `Bundle` already read): check every hash, refuse another
+        execution profile (`ProfileMismatch` naming the fields), skip entries already here, prove a
+        sample (or all; into a signed store always all) bit-identical on this machine before anything
+        is committed, then commit and route the rest (memory/transfer.py). Returns an `ImportReport`;
+        `report.ok` is False, and nothing was imported, when a proof failed (`report.failed`)."""
+        from kvmemory.memory.transfer import import_bundle
+
+        return import_bundle(self, bundle, sample=sample, verify_all=verify_all, progress=progress)
