@@ -297,6 +297,53 @@ def cmd_kernels(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    """Write chosen entries (or a namespace, or all) with their blocks to one bundle file (no model needed)."""
+    from kvmemory.store.bundle import write_bundle
+    from kvmemory.store.open import is_redis_url, open_store
+
+    # A folder that is not there is a typo, not a store to create: nothing is exported from it.
+    store = open_store(args.store, signing_key=args.signing_key,
+                       **({} if is_redis_url(args.store) else {"create": False}))
+    r = write_bundle(store, args.out, entry_ids=args.entry, namespace=args.namespace, progress=not args.json)
+    text = (f"exported {len(r.entry_ids)} entries ({r.blocks} blocks, {r.payload_bytes / 2**20:.1f} MiB of K/V) "
+            f"to {r.out} ({r.bytes / 2**20:.1f} MiB)\nsha256 {r.sha256}")
+    if r.left_out:
+        text += f"\nleft out {len(r.left_out)} unsigned or forged entries: {', '.join(r.left_out)}"
+    _emit(args, r.to_json(), text)
+    return 0
+
+
+def cmd_import(args) -> int:
+    """Check a bundle whole, refuse another profile, prove entries here, then commit and route them."""
+    from kvmemory.store.bundle import read_bundle
+
+    # A damaged bundle is refused before the model loads or the target store is opened.
+    bundle = read_bundle(args.file, progress=not args.json)
+    mem = _memory(args)
+    r = mem.import_bundle(bundle, sample=args.sample, verify_all=args.verify_all, progress=not args.json)
+    v = r.verify
+    lines = [f"bundle {r.bundle}: {len(r.entry_ids)} entries, {r.blocks} blocks, sha256 {r.sha256}"]
+    if r.failed:
+        lines.append(f"verification FAILED on this machine for {len(r.failed)} entries: {', '.join(r.failed)}; "
+                     "their grafts are not bit-identical to a recompute here, or their logits differ from their "
+                     "attestations. Nothing was imported")
+    else:
+        lines.append(f"imported {len(r.imported)} entries ({r.blocks_new} new blocks); {len(r.skipped)} already "
+                     f"present" + (f": {', '.join(r.skipped)}" if r.skipped else ""))
+    if v.get("checked"):
+        lines.append(f"proved here ({r.proof}): {v['checked']} checked, {v['bit_identical']} bit-identical, KL max "
+                     f"{v['kl_max']}, argmax agreement {v['argmax_agreement']:.4f}, attestation match "
+                     f"{v['attestation_match']}")
+        for e in v["entries"]:
+            lines.append(f"  {e['entry']}: grafted {e['graft_point']} of {e['tokens']} tokens, {e['positions']} logits "
+                         f"compared, bit-identical {e['bit_identical']}, attestation match {e['attestation_match']}")
+    elif r.imported:
+        lines.append("not proved here (--sample 0); `kvmemory verify --all` proves every entry")
+    _emit(args, r.to_json(), "\n".join(lines))
+    return 0 if r.ok else 1
+
+
 # ---------------------------------------------------------------------- parser
 def build_parser() -> argparse.ArgumentParser:
     from kvmemory.models.loading import DEFAULT_MODEL
@@ -395,6 +442,26 @@ def build_parser() -> argparse.ArgumentParser:
                         "log-likelihood, among the numbers of the routed verified solution; free: greedy decoding")
     d.add_argument("--base-budget", type=_count(), default=128, help="tokens the model alone may decode (default 128)")
     d.set_defaults(func=cmd_demo)
+
+    ex = sub.add_parser("export", help="write chosen entries (or a namespace, or all) with their KV blocks, "
+                        "profiles and attestations to one bundle file")
+    ex.add_argument("--out", required=True, help="the bundle file to write (an uncompressed tar; replaced whole)")
+    ex.add_argument("--entry", action="extend", nargs="+", metavar="ID", help="these entries only (repeatable)")
+    ex.add_argument("--namespace", default=None, help="only this namespace's entries (default: every namespace)")
+    ex.add_argument("--store", help="store folder or redis:// URL (default: $KVMEMORY_STORE or a per-user data folder)")
+    ex.add_argument("--signing-key", default=None, help="HMAC key of a signed store (default $KVMEMORY_SIGNING_KEY)")
+    ex.add_argument("--json", action="store_true", help="print JSON")
+    ex.set_defaults(func=cmd_export)
+
+    im = sub.add_parser("import", parents=[common], help="check a bundle, refuse another execution profile, "
+                        "prove its entries bit-identical here, then add them to the store")
+    im.add_argument("file", help="a bundle written by `kvmemory export`")
+    proof = im.add_mutually_exclusive_group()
+    proof.add_argument("--sample", type=_count(0), default=3,
+                       help="entries proved bit-identical here before anything is committed (default 3; 0: none). "
+                            "Into a signed store every entry is proved")
+    proof.add_argument("--verify-all", action="store_true", help="prove every imported entry before committing")
+    im.set_defaults(func=cmd_import)
 
     kn = sub.add_parser("kernels", help="the native CPU kernels: the build each runs here, or why none")
     kn.add_argument("--json", action="store_true", help="print JSON")
