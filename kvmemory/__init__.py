@@ -12,6 +12,7 @@ The public API, everything users and the framework integrations need:
 - the engine underneath: `Engine`, `GraftReport`, `VerifyReport`, `ForwardResult`, `Sampling`,
   `ExecutionProfile`, `load_model`;
 - stores: `open_store` and the `Store` protocol (`LocalStore`, `SignedLocalStore`, `RedisStore`);
+  portable bundles (`KVMemory.export_bundle` / `import_bundle`, `read_bundle`, `ExportReport`, `ImportReport`);
 - verifiers (`verifier_by_name`, `ArithmeticVerifier`, ...) and the typed errors (`KVMemoryError` ...);
 - for framework adapters (kvmemory.adapters, what the LangChain and LlamaIndex integrations share):
   one memory per model and store in a process (`shared_memory`, `borrow_memory`, `memory_lock`),
@@ -77,6 +78,12 @@ _EXPORTS = {
     "SignedLocalStore": "kvmemory.store.signing",
     "Signer": "kvmemory.store.signing",
     "RedisStore": "kvmemory.store.redis_store",
+    # portable bundles (kvmemory export / import)
+    "Bundle": "kvmemory.store.bundle",
+    "ExportReport": "kvmemory.store.bundle",
+    "read_bundle": "kvmemory.store.bundle",
+    "write_bundle": "kvmemory.store.bundle",
+    "ImportReport": "kvmemory.memory.transfer",
     # what the framework adapters share (kvmemory.adapters)
     "shared_memory": "kvmemory.adapters.shared",
     "memory_lock": "kvmemory.adapters.shared",
@@ -116,6 +123,7 @@ _EXPORTS = {
     "ProfileMismatch": "kvmemory.errors",
     "NotOnGrid": "kvmemory.errors",
     "IntegrityError": "kvmemory.errors",
+    "BundleError": "kvmemory.errors",
     "UnsupportedArchitecture": "kvmemory.errors",
     "StoreError": "kvmemory.errors",
     "StoreFormatError": "kvmemory.errors",
@@ -155,15 +163,17 @@ if TYPE_CHECKING:  # what type checkers and IDEs see (py.typed): the same names,
     from kvmemory.engine.graft import GraftReport
     from kvmemory.engine.profile import ExecutionProfile
     from kvmemory.engine.runner import DEFAULT_CHUNK, GREEDY, ForwardResult, Sampling
-    from kvmemory.errors import (IntegrityError, InvalidInput, KVMemoryError, NotOnGrid, ProfileMismatch,
+    from kvmemory.errors import (BundleError, IntegrityError, InvalidInput, KVMemoryError, NotOnGrid, ProfileMismatch,
                                  RouterMismatch, StoreError, StoreFormatError, StoreFull, StoreReadOnly,
                                  UnknownEntry, UnsupportedArchitecture, VerificationFailed)
     from kvmemory.memory.facade import (DEFAULT_NAMESPACE, TEXT_TEMPLATE, Answer, ChatPrompt, KVMemory, Recalled,
                                         VerifySummary)
     from kvmemory.memory.prompts import render_ids, solution_text
+    from kvmemory.memory.transfer import ImportReport
     from kvmemory.memory.verifiers import (VERIFIERS, ArithmeticVerifier, ExactAnswerVerifier, NoneVerifier,
                                            Verifier, VerifierResult, extract_answer, numbers_in, verifier_by_name)
     from kvmemory.models.loading import DEFAULT_MODEL, LoadedModel, load_model
+    from kvmemory.store.bundle import Bundle, ExportReport, read_bundle, write_bundle
     from kvmemory.store.local import EntryRecord, LocalStore, StoreStats
     from kvmemory.store.open import open_store
     from kvmemory.store.protocol import Store
