@@ -376,7 +376,7 @@ def _list_members(fh, path: Path) -> list[tarfile.TarInfo]:
     return out
 
 
-def _scan(fh, members: list[tarfile.TarInfo], file_size: int, keep: set[str], progress: bool):
+def _scan(fh, path: Path, members: list[tarfile.TarInfo], file_size: int, keep: set[str], progress: bool):
     """One sequential pass over the file: the whole file's SHA-256, each member's SHA-256, the bytes
     of the members named in `keep`, and the tail after the last member (it must be zeros)."""
     whole = hashlib.sha256()
@@ -390,7 +390,7 @@ def _scan(fh, members: list[tarfile.TarInfo], file_size: int, keep: set[str], pr
         while n:
             chunk = fh.read(min(_READ, n))
             if not chunk:
-                raise BundleError("the file ends inside a member: it is truncated")
+                raise BundleError(f"{path}: the file ends inside a member: it is truncated")
             whole.update(chunk)
             if member_hash is not None:
                 member_hash.update(chunk)
@@ -403,7 +403,7 @@ def _scan(fh, members: list[tarfile.TarInfo], file_size: int, keep: set[str], pr
     with _bar(progress, total=file_size, desc="check", unit="B", unit_scale=True) as bar:
         for ti in members:
             if ti.offset_data < pos or ti.offset_data + ti.size > file_size:
-                raise BundleError(f"member {ti.name!r} runs past the end of the file: it is truncated")
+                raise BundleError(f"{path}: member {ti.name!r} runs past the end of the file: it is truncated")
             feed(ti.offset_data - pos)
             h = hashlib.sha256()
             sink: list | None = [] if ti.name in keep else None
@@ -427,9 +427,10 @@ def _scan(fh, members: list[tarfile.TarInfo], file_size: int, keep: set[str], pr
     end = members[-1].offset_data + members[-1].size if members else 0
     padded = end + (-end % _TAR_BLOCK)
     if not tail_zero:
-        raise BundleError("there are bytes after the last member that are not the archive's end (data appended)")
+        raise BundleError(f"{path}: there are bytes after the last member that are not the archive's end (data "
+                          "appended)")
     if pos + tail < padded + 2 * _TAR_BLOCK:
-        raise BundleError("the archive's end-of-archive marker is missing: the file is truncated")
+        raise BundleError(f"{path}: the archive's end-of-archive marker is missing: the file is truncated")
     return whole.hexdigest(), digests, kept
 
 
@@ -461,7 +462,7 @@ def read_bundle(path: str | os.PathLike, *, progress: bool = False) -> Bundle:
         for ti in members:
             if ti.name in _JSON_MEMBERS and ti.size > MAX_JSON_BYTES:
                 raise BundleError(f"{ti.name} is {ti.size} bytes; the limit is {MAX_JSON_BYTES}")
-        file_sha, digests, kept = _scan(fh, members, size, set(_JSON_MEMBERS), progress)
+        file_sha, digests, kept = _scan(fh, path, members, size, set(_JSON_MEMBERS), progress)
     manifest = _load_json(MANIFEST_JSON, kept[MANIFEST_JSON])
     _check_manifest(manifest, members[:-1], digests)
     missing = [n for n in _JSON_MEMBERS if n not in kept]
