@@ -7,6 +7,9 @@ import into Redis in another process through the CLI.
 Format tests use a tiny random-init llama (tests/tiny_models.py) and entries made from token ids;
 the round trip that ends in `ask` / `recall`, the foreign KV dtype and the CLI use the embedded model.
 Exactness is byte equality only (`torch.equal` on logits, `==` on payload bytes).
+
+Untested (no GPU was lent when this was written): a CPU export refused by profile on a GPU machine,
+and an export / import between two runs on the GPU machine shown exact.
 """
 
 from __future__ import annotations

@@ -36,6 +36,11 @@ whatever `sample` says (the report says `proof: "all (signed store)"`).
 
 Unsigned stores: entries outside the sample are committed on the strength of the bundle's checks
 and the equal profile; `kvmemory verify --all` (or importing with `--verify-all`) proves every one.
+
+Not tested yet: a bundle exported on the CPU and imported on a GPU machine goes through the same
+profile check (device_type, device_name, dtype, accelerator ... differ) and should be refused by name,
+and an export / import between two runs on one GPU machine should prove exact; no GPU was available
+when this was written, so neither is exercised by tests/test_bundle.py.
 """
 
 from __future__ import annotations
