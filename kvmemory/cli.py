@@ -275,6 +275,24 @@ def cmd_demo(args) -> int:
     return 0 if result["ok"] and result["all_right"] else 1
 
 
+def cmd_serve(args) -> int:
+    """Serve one model and one verified memory over HTTP (OpenAI-compatible, the memory API, MCP at
+    /mcp), or the MCP tools over stdio (--mcp-stdio). Needs the `serve` extra."""
+    try:
+        from kvmemory.server.serve import config_from_args, serve, serve_mcp_stdio
+    except ImportError as exc:
+        raise KVMemoryError(f"kvmemory serve needs the serve extra: pip install 'kvmemory[serve]' ({exc})") from exc
+    config = config_from_args(args)  # a bad keys file fails here, before the model loads
+    from kvmemory.server.auth import build_keyring
+
+    build_keyring(config.api_keys, config.keys_file)
+    mem = _memory(args)
+    if args.mcp_stdio:
+        return serve_mcp_stdio(mem, config)
+    return serve(mem, config, host=args.host, port=args.port, graceful_timeout=args.graceful_timeout,
+                 log_level=args.log_level)
+
+
 def cmd_kernels(args) -> int:
     """Which native CPU kernels run here: per kernel, the build chosen and its library and build
     identity, or why none runs (and so which fallback does)."""
@@ -466,6 +484,26 @@ def build_parser() -> argparse.ArgumentParser:
     kn = sub.add_parser("kernels", help="the native CPU kernels: the build each runs here, or why none")
     kn.add_argument("--json", action="store_true", help="print JSON")
     kn.set_defaults(func=cmd_kernels)
+
+    sv = sub.add_parser("serve", parents=[common], help="serve the model and the memory over HTTP "
+                        "(OpenAI-compatible /v1/chat/completions, the memory API /v1/memory, MCP at /mcp)")
+    sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    sv.add_argument("--port", type=_count(0), default=8765, help="port (default 8765)")
+    sv.add_argument("--api-key", action="append", default=None,
+                    help="an admin API key (every namespace); repeatable; default $KVMEMORY_API_KEY")
+    sv.add_argument("--keys-file", help="a JSON file of tenant keys and the user ids / namespaces each may use")
+    sv.add_argument("--served-model-name", default="kvmemory", help="the model id clients ask for (default kvmemory)")
+    sv.add_argument("--queue-depth", type=_count(0), default=32,
+                    help="requests that may wait for the model before new ones get 429 (default 32)")
+    sv.add_argument("--max-body-bytes", type=_count(), default=1 << 20, help="request body limit (default 1 MiB)")
+    sv.add_argument("--max-tokens-limit", type=_count(), default=2048, help="most tokens one call may decode")
+    sv.add_argument("--max-prompt-tokens", type=_count(), default=8192, help="most prompt tokens one call may send")
+    sv.add_argument("--graceful-timeout", type=float, default=30.0,
+                    help="seconds in-flight requests get to finish on SIGTERM / SIGINT (default 30)")
+    sv.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
+    sv.add_argument("--no-mcp", action="store_true", help="do not mount the MCP endpoint at /mcp")
+    sv.add_argument("--mcp-stdio", action="store_true", help="run the MCP server over stdio instead of HTTP")
+    sv.set_defaults(func=cmd_serve)
     return p
 
 

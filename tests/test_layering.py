@@ -2,7 +2,7 @@
 integrations and examples use the public API alone.
 
 Layers, bottom to top (docs/DESIGN.md): `errors` / `paths` (shared by all), `kernels`, `store`,
-`models`, `engine`, `routing`, `memory`, `adapters`, `bench`, `cli`, then `kvmemory/__init__.py` (the
+`models`, `engine`, `routing`, `memory`, `adapters`, `bench`, `server`, `cli`, then `kvmemory/__init__.py` (the
 public API, which may name anything). A module may import its own layer or the ones below it.
 """
 
@@ -15,7 +15,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "kvmemory"
-LAYERS = ["errors", "paths", "kernels", "store", "models", "engine", "routing", "memory", "adapters", "bench", "cli"]
+LAYERS = ["errors", "paths", "kernels", "store", "models", "engine", "routing", "memory", "adapters", "bench", "server",
+          "cli"]
 RANK = {"errors": 0, "paths": 0, **{name: i for i, name in enumerate(LAYERS) if i >= 2}}
 TOP = len(LAYERS)  # kvmemory/__init__.py
 

@@ -50,6 +50,10 @@ class ChatRequest:
     k: int = 1
     threshold: float | None = None
     cache_prefixes: bool = True
+    # Whether the blocks the first pass computes are stored: None follows the memory's block_policy
+    # and `cache_prefixes`; True / False always / never (a server storing every conversation's blocks,
+    # so that the next turn grafts them, or a request that asks for nothing to be kept).
+    store_blocks: bool | None = None
 
     @property
     def tool_mode(self) -> bool:
@@ -105,8 +109,11 @@ def run_chat(shared: SharedMemory, req: ChatRequest, on_text: Callable[[str], No
         turns = with_instructions(req.turns, tools_prompt(req.tools) if req.tool_mode else "",
                                   schema_prompt(req.response_schema) if req.response_schema is not None else "")
         prompt = mem.chat_prompt(turns, route=req.route, k=req.k, namespace=req.namespace, threshold=req.threshold)
-        store_new = prompt.store_new_blocks or (
-            req.cache_prefixes and turns[0]["role"] == "system" and prefix_missing(mem, turns[0], prompt.ids))
+        if req.store_blocks is not None:
+            store_new = req.store_blocks and not getattr(mem.store, "readonly", False)
+        else:
+            store_new = prompt.store_new_blocks or (
+                req.cache_prefixes and turns[0]["role"] == "system" and prefix_missing(mem, turns[0], prompt.ids))
         dec = Decoder(mem, prompt.ids, req.sampling, [h.entry for h in prompt.hits],
                       [h.score for h in prompt.hits], store_new, on_text)
         out = _decode(req, dec, turns)

@@ -1,0 +1,132 @@
+"""The MCP server (the official `mcp` SDK, 2.x): remember, recall, answer and forget as tools, over
+streamable HTTP (the `/mcp` endpoint of `kvmemory serve`) or stdio (`kvmemory serve --mcp-stdio`).
+
+The tools are the memory API's operations (memory_ops.py) on the same compute worker as the HTTP
+routes, with the same scoping: each takes `user_id` / `agent_id` / `run_id` (or `namespace`), mapped
+onto one namespace and checked against the caller's key (auth.py). Over HTTP the key is the one the
+request carried (the gate authenticated it before the MCP transport saw the request; the principal
+rides on the request's state); over stdio it is `$KVMEMORY_MCP_KEY` when the server has keys (a
+stdio server started without one refuses to start), else the server is open. A refused scope, an
+unknown entry or a refused solution is a tool error with the message, never data of another scope.
+
+Over HTTP the endpoint is stateless (a fresh MCP transport per request, JSON responses), so every
+request is authenticated on its own and nothing outlives it.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from mcp.server.mcpserver import Context, MCPServer
+from mcp.server.mcpserver.exceptions import ToolError
+from mcp.server.transport_security import TransportSecuritySettings
+
+from kvmemory.errors import KVMemoryError
+from kvmemory.server import memory_ops as ops
+from kvmemory.server.auth import AuthError, Forbidden, Principal
+from kvmemory.server.config import is_loopback
+from kvmemory.server.state import ServerState
+from kvmemory.server.worker import QueueClosed, QueueFull
+
+ENV_MCP_KEY = "KVMEMORY_MCP_KEY"
+INSTRUCTIONS = (
+    "kvmemory: verified solutions with their exact KV cache. `remember` stores a problem with a solution that a "
+    "verifier checks (exact-answer when an answer is given); `recall` lists stored entries close to a question; "
+    "`answer` answers a question with the routed entries' KV grafted; `forget` removes entries. Every tool takes "
+    "user_id / agent_id / run_id (or namespace) to choose whose memory it uses."
+)
+
+
+def _principal(ctx: Context, fixed: Principal | None) -> Principal:
+    if fixed is not None:
+        return fixed
+    request = getattr(ctx.request_context, "request", None)
+    principal = getattr(getattr(request, "state", None), "principal", None)
+    if principal is None:  # the gate sets it on every HTTP request; without it nothing is allowed
+        raise ToolError("no authenticated caller for this request")
+    return principal
+
+
+def build_server(st: ServerState, principal: Principal | None = None) -> MCPServer:
+    """The MCP server over `st` (`principal`: the stdio session's; None over HTTP: per request)."""
+    mcp = MCPServer(name="kvmemory", instructions=INSTRUCTIONS, log_level="WARNING")
+    max_tokens_limit = st.config.limits.max_tokens_limit
+
+    async def call(ctx: Context, scope: dict[str, Any], fn):
+        try:
+            ns = _principal(ctx, principal).resolve(scope).to_namespace()
+            return await st.compute(lambda: fn(ns))
+        except (Forbidden, AuthError, QueueFull, QueueClosed, KVMemoryError) as exc:
+            raise ToolError(f"{type(exc).__name__}: {exc}") from exc
+
+    def scope_of(user_id, agent_id, run_id, namespace) -> dict:
+        return {k: v for k, v in {"user_id": user_id, "agent_id": agent_id, "run_id": run_id,
+                                  "namespace": namespace}.items() if v is not None}
+
+    @mcp.tool(description="Store a verified solution (with its exact KV cache) in the caller's scope. The verifier "
+                          "runs first (exact-answer when `answer` is given, else none unless `verifier` is set); a "
+                          "refused solution is an error and nothing is stored.")
+    async def remember(problem: str, solution: str, ctx: Context, answer: str | int | float | None = None,
+                       verifier: str | None = None, metadata: dict[str, Any] | None = None,
+                       user_id: str | None = None, agent_id: str | None = None, run_id: str | None = None,
+                       namespace: str | None = None) -> dict:
+        return await call(ctx, scope_of(user_id, agent_id, run_id, namespace), lambda ns: ops.remember(
+            st.memory, ns, problem=problem, solution=solution, answer=None if answer is None else str(answer),
+            verifier=verifier, metadata=metadata))
+
+    @mcp.tool(description="Stored entries whose problem is close to `query` in the caller's scope, best first, with "
+                          "cosine scores ([] when nothing is close).")
+    async def recall(query: str, ctx: Context, k: int = 5, user_id: str | None = None, agent_id: str | None = None,
+                     run_id: str | None = None, namespace: str | None = None) -> dict:
+        return await call(ctx, scope_of(user_id, agent_id, run_id, namespace),
+                          lambda ns: ops.recall(st.memory, ns, query=query, k=max(1, min(k, 50))))
+
+    @mcp.tool(description="Answer `query` with the best routed entries of the caller's scope grafted (their KV read "
+                          "from the store, not recomputed). choices='numbers' picks the answer among the numbers of "
+                          "the routed verified solution (the reliable mode on a small model).")
+    async def answer(query: str, ctx: Context, k: int = 1, max_tokens: int = 64, answer_prefix: str | None = None,
+                     choices: str | list[str] | None = None, user_id: str | None = None,
+                     agent_id: str | None = None, run_id: str | None = None, namespace: str | None = None) -> dict:
+        if not 1 <= max_tokens <= max_tokens_limit:
+            raise ToolError(f"max_tokens must be between 1 and {max_tokens_limit}")
+        return await call(ctx, scope_of(user_id, agent_id, run_id, namespace), lambda ns: ops.answer(
+            st.memory, ns, query=query, k=max(1, min(k, 8)), max_tokens=max_tokens, answer_prefix=answer_prefix,
+            choices=choices)[0])
+
+    @mcp.tool(description="Remove entries of the caller's scope by id (or every entry of it with all=true).")
+    async def forget(ctx: Context, entry_ids: list[str] | None = None, all: bool = False,
+                     user_id: str | None = None, agent_id: str | None = None, run_id: str | None = None,
+                     namespace: str | None = None) -> dict:
+        return await call(ctx, scope_of(user_id, agent_id, run_id, namespace),
+                          lambda ns: ops.forget(st.memory, ns, entry_ids=entry_ids or [], all_entries=all))
+
+    return mcp
+
+
+def http_route(st: ServerState, host: str):
+    """(the ASGI endpoint for `/mcp`, the context manager that runs its session manager)."""
+    mcp = build_server(st)
+    # Host-header checks (DNS rebinding) when listening on loopback, as the SDK does; beyond it the
+    # API keys are the guard and clients reach the server under names the SDK cannot know.
+    security = None if is_loopback(host) else TransportSecuritySettings(enable_dns_rebinding_protection=False)
+    sub = mcp.streamable_http_app(streamable_http_path="/mcp", stateless_http=True, json_response=True,
+                                  max_request_body_size=st.config.limits.max_body_bytes, transport_security=security,
+                                  host=host)
+    endpoint = next(r for r in sub.routes if getattr(r, "path", None) == "/mcp").app
+    return endpoint, mcp.session_manager.run
+
+
+def stdio_principal(st: ServerState) -> Principal:
+    if st.keys.open:
+        from kvmemory.server.auth import OPEN
+
+        return OPEN
+    key = os.environ.get(ENV_MCP_KEY)
+    if not key:
+        raise AuthError(f"this server has API keys: give the stdio session's key in ${ENV_MCP_KEY}")
+    return st.keys.authenticate(key)
+
+
+def run_stdio(st: ServerState) -> None:
+    build_server(st, stdio_principal(st)).run("stdio")

@@ -1,0 +1,116 @@
+"""The memory operations the HTTP memory API and the MCP tools share, each confined to one namespace.
+
+Every function runs on the compute worker (it reads or writes the model or the store) and takes the
+namespace the caller's key was checked for (auth.py); nothing here reads outside it: an entry id
+from another namespace raises `UnknownEntry` (404), exactly like one that does not exist, and
+lists, stats and verify see the namespace's entries only. Results are plain JSON-ready dicts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from kvmemory.engine.runner import Sampling
+from kvmemory.errors import InvalidInput
+from kvmemory.memory.facade import KVMemory
+from kvmemory.server.auth import scope_of_namespace
+from kvmemory.store.local import EntryRecord
+
+MAX_VERIFY = 32  # entries one verify call recomputes (each is a full recompute from scratch)
+
+
+def entry_json(e: EntryRecord, *, full: bool = True) -> dict:
+    meta = dict(e.meta)
+    aliases = meta.pop("aliases", [])
+    att = e.attestation or {}
+    out = {
+        "id": e.id, "namespace": e.namespace, "scope": scope_of_namespace(e.namespace),
+        "problem": e.problem, "answer": e.answer, "verified": e.verified, "metadata": meta,
+        "attestation_id": att.get("attestation_id"), "created": e.created, "updated": e.updated,
+    }
+    if full:
+        out.update(solution=e.solution, aliases=aliases, verifier=e.verifier, n_tokens=len(e.token_ids),
+                   blocks=len(e.chain), profile_id=e.profile_id,
+                   attestation={k: att.get(k) for k in ("attestation_id", "bit_identical", "graft_point",
+                                                        "logits_sha256", "kl_max", "argmax_agreement")})
+    return out
+
+
+def remember(mem: KVMemory, namespace: str, *, problem: str, solution: str, answer: str | None = None,
+             verifier: str | None = None, allow_unverified: bool = False, metadata: dict | None = None,
+             aliases: Sequence[str] = ()) -> dict:
+    if metadata is not None and not isinstance(metadata, dict):
+        raise InvalidInput("metadata must be an object")
+    if metadata and "aliases" in metadata:
+        raise InvalidInput("metadata may not use the key 'aliases' (give aliases on their own)")
+    e = mem.remember(problem, solution, answer, verifier=verifier, namespace=namespace,
+                     allow_unverified=allow_unverified, meta=metadata, aliases=list(aliases))
+    return {**entry_json(e), "bit_identical": bool(e.attestation.get("bit_identical"))}
+
+
+def recall(mem: KVMemory, namespace: str, *, query: str, k: int = 5, threshold: float | None = None) -> dict:
+    hits = mem.recall(query, k, namespace=namespace, threshold=threshold)
+    return {"namespace": namespace, "query": query,
+            "results": [{**entry_json(h.entry), "score": round(h.score, 4), "matched_text": h.matched_text}
+                        for h in hits]}
+
+
+def answer(mem: KVMemory, namespace: str, *, query: str, k: int = 1, max_tokens: int = 64,
+           answer_prefix: str | None = None, choices: str | list[str] | None = None, memory: bool = True,
+           sampling: Sampling | None = None, threshold: float | None = None) -> tuple[dict, Any]:
+    kw = {"sampling": sampling} if sampling is not None else {}
+    ans = mem.answer(query, k=k, namespace=namespace, threshold=threshold, max_new_tokens=max_tokens,
+                     answer_prefix=answer_prefix, choices=choices, use_memory=memory, **kw)
+    return {"namespace": namespace, **ans.to_json()}, ans
+
+
+def get(mem: KVMemory, namespace: str, entry_id: str) -> dict:
+    return entry_json(mem.entry(entry_id, namespace))
+
+
+def list_entries(mem: KVMemory, namespace: str, *, limit: int, offset: int = 0, verified: bool | None = None,
+                 metadata: dict | None = None) -> dict:
+    entries = sorted(mem.store.list_entries(namespace), key=lambda e: (e.created, e.id))
+    if verified is not None:
+        entries = [e for e in entries if e.verified == verified]
+    if metadata:
+        entries = [e for e in entries if all(e.meta.get(k) == v for k, v in metadata.items())]
+    page = entries[offset: offset + limit]
+    nxt = offset + limit if offset + limit < len(entries) else None
+    return {"namespace": namespace, "total": len(entries), "offset": offset, "next_offset": nxt,
+            "data": [entry_json(e, full=False) for e in page]}
+
+
+def forget(mem: KVMemory, namespace: str, *, entry_ids: Sequence[str] = (), all_entries: bool = False) -> dict:
+    if all_entries == bool(entry_ids):
+        raise InvalidInput("give entry_ids, or all: true to forget every entry of the scope (not both)")
+    if all_entries:
+        n = len(mem.store.entry_ids(namespace))
+        return {"namespace": namespace, "forgotten": n, "blocks_removed": mem.forget_namespace(namespace)}
+    for eid in entry_ids:  # every id checked in the namespace before anything is removed
+        mem.entry(eid, namespace)
+    removed = sum(mem.forget(eid, namespace) for eid in dict.fromkeys(entry_ids))
+    return {"namespace": namespace, "forgotten": len(set(entry_ids)), "blocks_removed": removed}
+
+
+def verify(mem: KVMemory, namespace: str, *, entry_ids: Sequence[str] | None = None) -> dict:
+    ids = list(dict.fromkeys(entry_ids)) if entry_ids else mem.store.entry_ids(namespace)
+    if len(ids) > MAX_VERIFY:
+        raise InvalidInput(f"verify recomputes every entry from scratch: at most {MAX_VERIFY} per call "
+                           f"({len(ids)} asked); pass entry_ids in pages")
+    for eid in ids:
+        mem.entry(eid, namespace)
+    summary = mem.verify(ids, namespace=namespace, single_pass=False).to_json()
+    return {"namespace": namespace, **summary}
+
+
+def stats(mem: KVMemory, namespace: str, *, store_wide: bool) -> dict:
+    entries = mem.store.list_entries(namespace)
+    out = {"namespace": namespace, "entries": len(entries), "verified_entries": sum(e.verified for e in entries),
+           "tokens_referenced": sum(len(e.token_ids) for e in entries),
+           "blocks_referenced": len({h for e in entries for h in e.chain}),
+           "profile_id": mem.engine.profile_id, "chunk": mem.engine.chunk}
+    if store_wide:
+        out["store"] = mem.stats()
+    return out

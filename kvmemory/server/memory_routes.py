@@ -1,0 +1,194 @@
+"""The memory API over HTTP: remember (with the verifier), recall, answer, get, list, forget, verify,
+stats, under `/v1/memory/`.
+
+Every call names its scope (`user_id`, `agent_id`, `run_id`, or `namespace`; in the JSON body of a
+POST, in the query of a GET / DELETE, else in `X-KVMemory-*` headers, else the key's default) and is
+confined to the one namespace it maps to (auth.py, memory_ops.py):
+
+    POST   /v1/memory/remember        {problem, solution, answer?, verifier?, allow_unverified?, metadata?, aliases?}
+    POST   /v1/memory/recall          {query, k?, threshold?}
+    POST   /v1/memory/answer          {query, k?, max_tokens?, answer_prefix?, choices?, memory?, temperature?, top_p?, seed?}
+    GET    /v1/memory/entries         ?limit=&offset=&verified=&metadata={"k": "v"}
+    GET    /v1/memory/entries/{id}
+    DELETE /v1/memory/entries/{id}
+    POST   /v1/memory/forget          {entry_ids: [...]} or {all: true}
+    POST   /v1/memory/verify          {entry_ids?: [...]}: recompute from scratch, compare logits byte for byte
+    GET    /v1/memory/stats           the scope's counts (and the whole store's for an admin key)
+
+A remember that the verifier refuses is a 422 and stores nothing; an entry is written only once its
+graft has been proved bit-identical (KVMemory.remember).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from fastapi import APIRouter, Query, Request
+from pydantic import BaseModel, ConfigDict, Field
+
+from kvmemory.engine.runner import Sampling
+from kvmemory.server import memory_ops as ops
+from kvmemory.server.errors import ApiError
+from kvmemory.server.openai_schema import SCOPE_HEADERS
+from kvmemory.server.state import ServerState
+
+router = APIRouter(prefix="/v1/memory")
+
+
+class Scoped(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    user_id: str | None = None
+    agent_id: str | None = None
+    run_id: str | None = None
+    namespace: str | None = None
+
+
+class RememberBody(Scoped):
+    problem: str
+    solution: str
+    answer: str | int | float | None = None
+    verifier: Literal["exact-answer", "arithmetic", "none"] | None = None
+    allow_unverified: bool = False
+    metadata: dict[str, Any] | None = None
+    aliases: list[str] = Field(default_factory=list, max_length=16)
+
+
+class RecallBody(Scoped):
+    query: str
+    k: int = Field(5, ge=1, le=50)
+    threshold: float | None = Field(None, ge=-1.0, le=1.0)
+
+
+class AnswerBody(Scoped):
+    query: str
+    k: int = Field(1, ge=1, le=8)
+    max_tokens: int = Field(64, ge=1)
+    answer_prefix: str | None = None
+    choices: Literal["numbers"] | list[str] | None = None
+    memory: bool = True
+    threshold: float | None = Field(None, ge=-1.0, le=1.0)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+
+
+class ForgetBody(Scoped):
+    entry_ids: list[str] = Field(default_factory=list, max_length=1000)
+    all: bool = False
+
+
+class VerifyBody(Scoped):
+    entry_ids: list[str] | None = Field(None, max_length=ops.MAX_VERIFY)
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.kv
+
+
+def _namespace(request: Request, fields: dict) -> str:
+    """The namespace of the scope a call names (body or query fields, else X-KVMemory-* headers),
+    checked against the caller's key."""
+    given = {k: v for k, v in fields.items() if k in SCOPE_HEADERS and v is not None}
+    if not given:
+        given = {k: request.headers[h] for k, h in SCOPE_HEADERS.items() if request.headers.get(h)}
+    ns = request.state.principal.resolve(given).to_namespace()
+    request.state.namespace = ns
+    return ns
+
+
+def _query_scope(user_id, agent_id, run_id, namespace) -> dict:
+    return {"user_id": user_id, "agent_id": agent_id, "run_id": run_id, "namespace": namespace}
+
+
+@router.post("/remember")
+async def remember(body: RememberBody, request: Request) -> dict:
+    st, ns = _state(request), _namespace(request, body.model_dump())
+    answer = None if body.answer is None else str(body.answer)
+    return await st.compute(lambda: ops.remember(
+        st.memory, ns, problem=body.problem, solution=body.solution, answer=answer, verifier=body.verifier,
+        allow_unverified=body.allow_unverified, metadata=body.metadata, aliases=body.aliases))
+
+
+@router.post("/recall")
+async def recall(body: RecallBody, request: Request) -> dict:
+    st, ns = _state(request), _namespace(request, body.model_dump())
+    return await st.compute(lambda: ops.recall(st.memory, ns, query=body.query, k=body.k, threshold=body.threshold))
+
+
+@router.post("/answer")
+async def answer(body: AnswerBody, request: Request) -> dict:
+    st, ns = _state(request), _namespace(request, body.model_dump())
+    limit = st.config.limits.max_tokens_limit
+    if body.max_tokens > limit:
+        raise ApiError(400, f"max_tokens is {body.max_tokens}; this server decodes at most {limit} tokens per call",
+                       param="max_tokens", code="max_tokens_exceeded")
+    sampling = Sampling(temperature=body.temperature or 0.0, top_p=body.top_p or 1.0, seed=body.seed or 0)
+
+    def work() -> dict:
+        out, ans = ops.answer(st.memory, ns, query=body.query, k=body.k, max_tokens=body.max_tokens,
+                              answer_prefix=body.answer_prefix, choices=body.choices, memory=body.memory,
+                              sampling=sampling, threshold=body.threshold)
+        r = ans.report
+        st.metrics.model_call(grafted=r.tokens_grafted, computed=r.tokens_computed, decoded=r.tokens_decoded,
+                              entries=len(ans.entries), quarantined=len(r.quarantined))
+        return out
+
+    return await st.compute(work)
+
+
+@router.get("/entries")
+async def list_entries(request: Request, limit: int = Query(20, ge=1), offset: int = Query(0, ge=0),
+                       verified: bool | None = None, metadata: str | None = None, user_id: str | None = None,
+                       agent_id: str | None = None, run_id: str | None = None, namespace: str | None = None) -> dict:
+    st = _state(request)
+    ns = _namespace(request, _query_scope(user_id, agent_id, run_id, namespace))
+    if limit > st.config.limits.page_size_limit:
+        raise ApiError(400, f"limit is at most {st.config.limits.page_size_limit}", param="limit")
+    filters = None
+    if metadata:
+        try:
+            filters = json.loads(metadata)
+        except ValueError:
+            filters = None
+        if not isinstance(filters, dict):
+            raise ApiError(400, 'metadata must be a JSON object, e.g. metadata={"topic": "eggs"}', param="metadata")
+    return await st.compute(lambda: ops.list_entries(st.memory, ns, limit=limit, offset=offset, verified=verified,
+                                                     metadata=filters))
+
+
+@router.get("/entries/{entry_id}")
+async def get_entry(entry_id: str, request: Request, user_id: str | None = None, agent_id: str | None = None,
+                    run_id: str | None = None, namespace: str | None = None) -> dict:
+    st = _state(request)
+    ns = _namespace(request, _query_scope(user_id, agent_id, run_id, namespace))
+    return await st.compute(lambda: ops.get(st.memory, ns, entry_id))
+
+
+@router.delete("/entries/{entry_id}")
+async def delete_entry(entry_id: str, request: Request, user_id: str | None = None, agent_id: str | None = None,
+                       run_id: str | None = None, namespace: str | None = None) -> dict:
+    st = _state(request)
+    ns = _namespace(request, _query_scope(user_id, agent_id, run_id, namespace))
+    return await st.compute(lambda: ops.forget(st.memory, ns, entry_ids=[entry_id]))
+
+
+@router.post("/forget")
+async def forget(body: ForgetBody, request: Request) -> dict:
+    st, ns = _state(request), _namespace(request, body.model_dump())
+    return await st.compute(lambda: ops.forget(st.memory, ns, entry_ids=body.entry_ids, all_entries=body.all))
+
+
+@router.post("/verify")
+async def verify(body: VerifyBody, request: Request) -> dict:
+    st, ns = _state(request), _namespace(request, body.model_dump())
+    return await st.compute(lambda: ops.verify(st.memory, ns, entry_ids=body.entry_ids))
+
+
+@router.get("/stats")
+async def stats(request: Request, user_id: str | None = None, agent_id: str | None = None, run_id: str | None = None,
+                namespace: str | None = None) -> dict:
+    st = _state(request)
+    ns = _namespace(request, _query_scope(user_id, agent_id, run_id, namespace))
+    admin = request.state.principal.admin
+    return await st.compute(lambda: ops.stats(st.memory, ns, store_wide=admin))

@@ -1,0 +1,104 @@
+"""What every route shares: the memory (with its lock), the compute queue, the keys, the metrics and
+the settings; one `ServerState` per application, at `app.state.kv`.
+
+Everything that reads or writes the model or the store runs on the compute queue's worker
+(worker.py), including the store-wide gauges `/metrics` shows, which the worker refreshes after a
+job at most every `GAUGE_REFRESH_S` seconds (a scrape never waits for the model).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from kvmemory.adapters.shared import SharedMemory, memory_lock
+from kvmemory.memory.facade import KVMemory
+from kvmemory.server.auth import KeyRing, build_keyring
+from kvmemory.server.config import ServerConfig
+from kvmemory.server.metrics import Metrics
+from kvmemory.server.worker import ComputeQueue
+
+GAUGE_REFRESH_S = 10.0
+
+
+@dataclass(slots=True)
+class StoreGauges:
+    """The store's counts as last read by the worker."""
+
+    entries: int = 0
+    blocks: int = 0
+    quarantined_blocks: int = 0
+    bytes: int = 0
+    read_at: float = 0.0
+
+    def refresh(self, memory: KVMemory, force: bool = False) -> None:  # on the worker only
+        now = time.monotonic()
+        if not force and now - self.read_at < GAUGE_REFRESH_S:
+            return
+        s = memory.store.stats()
+        self.entries, self.blocks, self.quarantined_blocks, self.bytes = s.entries, s.blocks, s.quarantined_blocks, s.bytes
+        self.read_at = now
+
+
+@dataclass(slots=True)
+class ServerState:
+    memory: KVMemory
+    config: ServerConfig
+    keys: KeyRing
+    metrics: Metrics
+    queue: ComputeQueue
+    gauges: StoreGauges = field(default_factory=StoreGauges)
+    started: float = field(default_factory=time.time)
+
+    @property
+    def shared(self) -> SharedMemory:
+        return SharedMemory(self.memory, memory_lock(self.memory))
+
+    @property
+    def model_names(self) -> set[str]:
+        return {self.config.served_model_name, "kvmemory", *([self.config.model] if self.config.model else [])}
+
+    @classmethod
+    def build(cls, memory: KVMemory, config: ServerConfig) -> "ServerState":
+        gauges = StoreGauges()
+        holder: dict = {}
+
+        metrics = Metrics(gauges={
+            "kvmemory_queue_waiting": ("Requests waiting for the compute worker.", lambda: holder["q"].waiting),
+            "kvmemory_queue_running": ("Requests the compute worker runs now (0 or 1).", lambda: holder["q"].running),
+            "kvmemory_queue_depth_limit": ("Requests that may wait before new ones get 429.", lambda: config.limits.queue_depth),
+            "kvmemory_store_entries": ("Entries in the store (read by the worker, at most every 10 s).", lambda: gauges.entries),
+            "kvmemory_store_blocks": ("Blocks in the store.", lambda: gauges.blocks),
+            "kvmemory_store_quarantined_blocks": ("Blocks quarantined in the store (damaged on disk).",
+                                                  lambda: gauges.quarantined_blocks),
+            "kvmemory_store_bytes": ("Bytes of block files in the store.", lambda: gauges.bytes),
+        })
+        keys = build_keyring(config.api_keys, config.keys_file)  # before the worker starts: a bad file raises
+        queue = holder["q"] = ComputeQueue(config.limits.queue_depth, on_wait=metrics.waited)
+        return cls(memory, config, keys, metrics, queue, gauges)
+
+    def _refresh_gauges(self) -> None:
+        try:
+            self.gauges.refresh(self.memory)
+        except Exception:  # a gauge is never worth failing a request for
+            pass
+
+    async def compute(self, fn):
+        """Run `fn()` on the worker (refreshing the store gauges after it when they are stale)."""
+        def job():
+            try:
+                return fn()
+            finally:
+                self._refresh_gauges()
+
+        return await self.queue.run(job)
+
+    def stream(self, work, visible=None):
+        """Queue `work(on_text)` on the worker and return its `TextStream` (worker.py)."""
+        def job(on_text):
+            try:
+                return work(on_text)
+            finally:
+                self._refresh_gauges()
+
+        return self.queue.stream(job, visible)
