@@ -222,10 +222,26 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def _fidelity(args, mem) -> tuple[dict, str]:
+    """verify --fidelity: the current profile's distance to a stock transformers float32 single pass
+    (engine/fidelity.py). A report, never a substitute for the byte-equality check."""
+    from kvmemory.engine.fidelity import format_fidelity, measure_fidelity, select_texts
+
+    names = [n.strip() for n in (args.fidelity_texts or "").split(",") if n.strip()]
+    report = measure_fidelity(mem.engine, texts=select_texts(names or None))
+    return report, format_fidelity(report)
+
+
 def cmd_verify(args) -> int:
     mem = _memory(args)
+    if args.fidelity_texts and not args.fidelity:
+        raise InvalidInput("--fidelity-texts goes with --fidelity")
+    if args.fidelity and not args.all and not args.entry:
+        report, text = _fidelity(args, mem)
+        _emit(args, report, text)
+        return 0
     if not args.all and not args.entry:
-        raise KVMemoryError("give --all or --entry ID")
+        raise KVMemoryError("give --all or --entry ID (or --fidelity)")
     ids = None if args.all else args.entry
     summary = mem.verify(ids, single_pass=not args.no_diagnostic, progress=not args.json)
     s = summary.to_json()
@@ -237,6 +253,9 @@ def cmd_verify(args) -> int:
         lines.append(f"  {r['entry']}: grafted {r['graft_point']} of {r['tokens']} tokens, {r['positions']} logits "
                      f"compared, bit-identical {r['bit_identical']}, single-pass gap (diagnostic) "
                      f"{r['single_pass_max_abs_diff']}")
+    if args.fidelity:  # reported beside the exactness check; the exit status stays the check's
+        s["fidelity"], text = _fidelity(args, mem)
+        lines += ["", text]
     _emit(args, s, "\n".join(lines))
     return 0 if summary.bit_identical == summary.checked else 1
 
@@ -412,6 +431,14 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--entry", action="append")
     v.add_argument("--details", action="store_true", help="per-entry results in the JSON")
     v.add_argument("--no-diagnostic", action="store_true", help="skip the single-pass gap diagnostic")
+    v.add_argument("--fidelity", action="store_true",
+                   help="also (alone: only) report the current profile's fidelity: max |dlogit|, KL mean / max, "
+                        "argmax agreement of its canonical logits against a stock transformers float32 single pass, "
+                        "over a committed set of texts (every prefill position + 4 greedy decode steps). A distance "
+                        "to another implementation, not the exactness check")
+    v.add_argument("--fidelity-texts", default=None, metavar="NAMES",
+                   help="with --fidelity: only these committed texts, comma separated (prose-short, arithmetic, "
+                        "chat, data-json, code, prose-long; default all)")
     v.set_defaults(func=cmd_verify)
 
     rc = sub.add_parser("recall", parents=[common], help="entries routed to a question, with scores")
