@@ -304,7 +304,11 @@ def cmd_serve(args) -> int:
     config = config_from_args(args)  # a bad keys file fails here, before the model loads
     from kvmemory.server.auth import build_keyring
 
-    build_keyring(config.api_keys, config.keys_file)
+    keys = build_keyring(config.api_keys, config.keys_file)
+    if args.mcp_stdio:
+        from kvmemory.server.mcp_tools import stdio_principal
+
+        stdio_principal(keys)  # a stdio session without its key fails here too
     mem = _memory(args)
     if args.mcp_stdio:
         return serve_mcp_stdio(mem, config)

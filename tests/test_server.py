@@ -309,6 +309,40 @@ def test_mcp_tools_over_http_with_keys(server, entries):
         assert b.get(f"/v1/memory/entries/{bob_entry['id']}").status_code == 200
 
 
+def test_mcp_over_stdio_with_the_sdks_client(tmp_path):
+    """`kvmemory serve --mcp-stdio` started by the SDK's stdio client, acting as Alice
+    ($KVMEMORY_MCP_KEY): her scope works, Bob's is refused; without a key it does not start."""
+    import os
+
+    from mcp import Client, StdioServerParameters
+
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps(KEYS_FILE))
+    cmd = ["-m", "kvmemory.cli", "serve", "--mcp-stdio", "--store", str(tmp_path / "store"), "--keys-file", str(keys)]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    env.pop("KVMEMORY_MCP_KEY", None)
+    p = subprocess.run([sys.executable, *cmd], capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 2 and "KVMEMORY_MCP_KEY" in p.stderr
+
+    async def session():
+        params = StdioServerParameters(command=sys.executable, args=cmd, env={**env, "KVMEMORY_MCP_KEY": ALICE})
+        async with Client(params, read_timeout_seconds=300) as c:
+            names = sorted(t.name for t in (await c.list_tools()).tools)
+            made = await c.call_tool("remember", {"problem": EGGS[0], "solution": EGGS[1], "answer": EGGS[2]})
+            found = await c.call_tool("recall", {"query": EGGS_Q})
+            crossed = await c.call_tool("remember", {"problem": EGGS[0], "solution": EGGS[1], "user_id": "bob"})
+            entry = json.loads(made.content[0].text)
+            gone = await c.call_tool("forget", {"entry_ids": [entry["id"]]})
+            return names, made, found, crossed, gone, entry
+
+    names, made, found, crossed, gone, entry = asyncio.run(session())
+    assert names == ["answer", "forget", "recall", "remember"]
+    assert not made.is_error and entry["namespace"] == "user:alice" and entry["bit_identical"]
+    assert [h["id"] for h in json.loads(found.content[0].text)["results"]] == [entry["id"]]
+    assert crossed.is_error and "Forbidden" in crossed.content[0].text
+    assert not gone.is_error and json.loads(gone.content[0].text)["forgotten"] == 1
+
+
 # ---------------------------------------------------------------------- limits
 def test_limits_give_clear_4xx(server):
     msgs = [{"role": "user", "content": "hi"}]

@@ -24,7 +24,7 @@ from mcp.server.transport_security import TransportSecuritySettings
 
 from kvmemory.errors import KVMemoryError
 from kvmemory.server import memory_ops as ops
-from kvmemory.server.auth import AuthError, Forbidden, Principal
+from kvmemory.server.auth import OPEN, AuthError, Forbidden, KeyRing, Principal
 from kvmemory.server.config import is_loopback
 from kvmemory.server.state import ServerState
 from kvmemory.server.worker import QueueClosed, QueueFull
@@ -117,16 +117,19 @@ def http_route(st: ServerState, host: str):
     return endpoint, mcp.session_manager.run
 
 
-def stdio_principal(st: ServerState) -> Principal:
-    if st.keys.open:
-        from kvmemory.server.auth import OPEN
-
+def stdio_principal(keys: KeyRing) -> Principal:
+    """Who the stdio session acts as: `$KVMEMORY_MCP_KEY`'s principal when the server has keys, else
+    the open server's. Raises KVMemoryError (checked before the model loads)."""
+    if keys.open:
         return OPEN
     key = os.environ.get(ENV_MCP_KEY)
-    if not key:
-        raise AuthError(f"this server has API keys: give the stdio session's key in ${ENV_MCP_KEY}")
-    return st.keys.authenticate(key)
+    try:
+        if not key:
+            raise AuthError(f"this server has API keys: give the stdio session's key in ${ENV_MCP_KEY}")
+        return keys.authenticate(key)
+    except AuthError as exc:
+        raise KVMemoryError(f"MCP over stdio: {exc}") from exc
 
 
 def run_stdio(st: ServerState) -> None:
-    build_server(st, stdio_principal(st)).run("stdio")
+    build_server(st, stdio_principal(st.keys)).run("stdio")
