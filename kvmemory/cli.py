@@ -527,6 +527,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--queue-depth", type=_count(0), default=32,
                     help="requests that may wait for the model before new ones get 429 (default 32)")
     sv.add_argument("--max-body-bytes", type=_count(), default=1 << 20, help="request body limit (default 1 MiB)")
+    sv.add_argument("--max-import-bytes", type=_count(), default=1 << 30,
+                    help="limit of a bundle uploaded to /v1/memory/import (default 1 GiB)")
     sv.add_argument("--max-tokens-limit", type=_count(), default=2048, help="most tokens one call may decode")
     sv.add_argument("--max-prompt-tokens", type=_count(), default=8192, help="most prompt tokens one call may send")
     sv.add_argument("--graceful-timeout", type=float, default=30.0,

@@ -100,6 +100,7 @@ def test_healthz_is_open_and_every_other_route_needs_a_key(server, entries):
               ("GET", "/v1/memory/entries", None), ("GET", f"/v1/memory/entries/{eid}", None),
               ("DELETE", f"/v1/memory/entries/{eid}", None), ("POST", "/v1/memory/forget", {"all": True}),
               ("POST", "/v1/memory/verify", {}), ("GET", "/v1/memory/stats", None),
+              ("GET", "/v1/memory/export", None), ("POST", "/v1/memory/import", None),
               ("POST", "/mcp", {"jsonrpc": "2.0", "id": 1, "method": "tools/list"})]
     for key in (None, "sk-wrong-key-000"):
         headers = {"Authorization": f"Bearer {key}"} if key else {}
@@ -191,6 +192,31 @@ def test_memory_api_answer_get_list_stats_verify(server, entries):
         assert "store" in c.get("/v1/memory/stats", params={"user_id": "alice"}).json()
 
 
+def test_export_and_import_a_bundle_within_the_scope(server, entries):
+    alice_entry = entries[0]
+    with server.client(ALICE) as a, server.client(BOB) as b:
+        r = a.get("/v1/memory/export")
+        assert r.status_code == 200, r.text
+        bundle = r.content
+        assert int(r.headers["x-kvmemory-entries"]) >= 1 and hashlib.sha256(bundle).hexdigest() == \
+            r.headers["x-kvmemory-bundle-sha256"]
+        # Bob cannot plant Alice's entries in his scope, nor anywhere else
+        r = b.post("/v1/memory/import", content=bundle)
+        assert r.status_code == 403 and r.json()["error"]["code"] == "ForeignNamespace"
+        assert b.get(f"/v1/memory/entries/{alice_entry['id']}").status_code == 404
+        # Alice forgets her entry and gets it back from the bundle, proved on import
+        assert a.delete(f"/v1/memory/entries/{alice_entry['id']}").json()["forgotten"] == 1
+        assert a.get(f"/v1/memory/entries/{alice_entry['id']}").status_code == 404
+        r = a.post("/v1/memory/import", content=bundle)
+        assert r.status_code == 200, r.text
+        out = r.json()
+        assert out["ok"] and alice_entry["id"] in out["imported"] and out["verify"]["bit_identical"] >= 1
+        assert a.get(f"/v1/memory/entries/{alice_entry['id']}").json()["attestation_id"] == alice_entry["attestation_id"]
+        r = a.post("/v1/memory/import", content=b"not a bundle")
+        assert r.status_code == 400, r.text
+    assert not list((server.store / "serve-tmp").iterdir())  # nothing left behind in transit
+
+
 def test_a_served_answers_logits_equal_a_recompute_here(server, smollm):
     """The graft a served completion ran, checked byte for byte against this process's own recompute
     from scratch (same profile: same model files, kernels, threads)."""
@@ -242,6 +268,8 @@ def test_a_tenant_cannot_reach_another_tenants_entries_through_any_route(server,
         ("POST", "/v1/memory/verify", as_bob, None),
         ("GET", "/v1/memory/stats?user_id=bob", None, None),
         ("GET", "/v1/memory/stats?namespace=default", None, None),
+        ("GET", "/v1/memory/export?user_id=bob", None, None),
+        ("POST", "/v1/memory/import?user_id=bob", None, None),
         ("POST", "/v1/memory/recall", {"agent_id": "planner", "query": APPLES[0]}, None),  # no user: not alice's
     ]
     with server.client(ALICE) as a:

@@ -36,6 +36,7 @@ from kvmemory.server.state import ServerState
 from kvmemory.server.worker import QueueClosed, QueueFull
 
 OPEN_PATHS = {"/healthz"}
+BULK_PATHS = {"/v1/memory/import"}  # bundles: their own size limit (max_import_bytes)
 
 
 class BodyTooLarge(Exception):
@@ -54,7 +55,8 @@ class Gate:
             return await self.app(scope, receive, send)
         t0 = time.perf_counter()
         st = self.st
-        limit = st.config.limits.max_body_bytes
+        limits = st.config.limits
+        limit = limits.max_import_bytes if scope["path"] in BULK_PATHS else limits.max_body_bytes
         status = {"code": 500, "started": False}
         scope.setdefault("state", {})
 
@@ -95,8 +97,9 @@ class Gate:
         except BodyTooLarge:
             if status["started"]:
                 raise
-            await reply(ApiError(413, f"the request body is larger than {limit} bytes "
-                                      "(kvmemory serve --max-body-bytes)", code="request_too_large"))
+            option = "--max-import-bytes" if scope["path"] in BULK_PATHS else "--max-body-bytes"
+            await reply(ApiError(413, f"the request body is larger than {limit} bytes (kvmemory serve {option})",
+                                 code="request_too_large"))
         finally:
             route = scope.get("route")
             template = getattr(route, "path", None) or "other"

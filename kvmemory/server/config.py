@@ -25,6 +25,7 @@ class Limits:
     default_max_tokens: int = 256  # chat completions when max_tokens is not given (completions: 16, as OpenAI)
     queue_depth: int = 32  # requests waiting for the compute worker, beyond the one it runs
     page_size_limit: int = 100  # entries per page of GET /v1/memory/entries
+    max_import_bytes: int = 1 << 30  # a bundle uploaded to POST /v1/memory/import (blocks are ~1.5 MB each)
 
 
 @dataclass(slots=True, frozen=True)

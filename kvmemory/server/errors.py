@@ -9,7 +9,7 @@ full, 503 shutting down, 500 the server's own fault (logged with its traceback, 
 
 from __future__ import annotations
 
-from kvmemory.errors import (InvalidInput, IntegrityError, KVMemoryError, NotOnGrid, ProfileMismatch, StoreReadOnly,
+from kvmemory.errors import (BundleError, InvalidInput, IntegrityError, KVMemoryError, NotOnGrid, ProfileMismatch, StoreReadOnly,
                              UnknownEntry, VerificationFailed)
 
 
@@ -34,6 +34,9 @@ def from_kvmemory(exc: KVMemoryError) -> ApiError:
     """The HTTP error a library error becomes (its message says what to do)."""
     name = type(exc).__name__
     msg = f"{name}: {exc}"
+    status = getattr(exc, "http_status", None)  # an error class that names its own status
+    if isinstance(status, int):
+        return ApiError(status, msg, "permission_error" if status == 403 else "invalid_request_error", code=name)
     if isinstance(exc, UnknownEntry):
         return ApiError(404, msg, "not_found_error", code="unknown_entry")
     if isinstance(exc, VerificationFailed):
@@ -42,6 +45,8 @@ def from_kvmemory(exc: KVMemoryError) -> ApiError:
         return ApiError(409, msg, "profile_mismatch", code="profile_mismatch")
     if isinstance(exc, StoreReadOnly):
         return ApiError(409, msg, "store_read_only", code="store_read_only")
+    if isinstance(exc, BundleError):  # an uploaded bundle that does not check: the client's file
+        return ApiError(400, msg, "invalid_request_error", code="bad_bundle")
     if isinstance(exc, (InvalidInput, NotOnGrid)):
         return ApiError(400, msg, "invalid_request_error", code=name)
     if isinstance(exc, IntegrityError):

@@ -8,11 +8,14 @@ lists, stats and verify see the namespace's entries only. Results are plain JSON
 
 from __future__ import annotations
 
+import os
+import uuid
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from kvmemory.engine.runner import Sampling
-from kvmemory.errors import InvalidInput
+from kvmemory.errors import InvalidInput, UnknownEntry
 from kvmemory.memory.facade import KVMemory
 from kvmemory.server.auth import scope_of_namespace
 from kvmemory.store.local import EntryRecord
@@ -114,3 +117,60 @@ def stats(mem: KVMemory, namespace: str, *, store_wide: bool) -> dict:
     if store_wide:
         out["store"] = mem.stats()
     return out
+
+
+# ---------------------------------------------------------------------- bundles (store/bundle.py)
+def scratch_dir(mem: KVMemory) -> Path:
+    """Where the server writes bundles in transit: a folder inside the store (no route writes outside it)."""
+    d = Path(mem.store.path) / "serve-tmp"
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def scratch_file(mem: KVMemory, suffix: str) -> Path:
+    return scratch_dir(mem) / f"{uuid.uuid4().hex}{suffix}"
+
+
+def export(mem: KVMemory, namespace: str, *, entry_ids: Sequence[str] | None = None) -> tuple[Path, dict]:
+    """A bundle of the namespace's entries (or of these ids, each checked in the namespace), written to
+    a scratch file the caller streams back and removes."""
+    if entry_ids:
+        for eid in entry_ids:
+            mem.entry(eid, namespace)
+    elif not mem.store.entry_ids(namespace):
+        raise UnknownEntry(f"nothing to export: namespace {namespace!r} holds no entries")
+    out = scratch_file(mem, ".kvmb")
+    try:
+        report = mem.export_bundle(out, entry_ids=list(entry_ids) if entry_ids else None,
+                                   namespace=None if entry_ids else namespace)
+    except BaseException:
+        out.unlink(missing_ok=True)
+        raise
+    return out, report.to_json() if hasattr(report, "to_json") else {}
+
+
+class ForeignNamespace(InvalidInput):
+    """A bundle holding entries of another namespace than the caller's scope (HTTP 403)."""
+
+    http_status = 403
+
+
+def import_(mem: KVMemory, namespace: str, path: Path, *, verify_all: bool = False) -> dict:
+    """Import an uploaded bundle into the caller's namespace: every entry in it must belong to that
+    namespace (a bundle cannot plant entries in another scope), then `KVMemory.import_bundle` checks
+    every hash, refuses another profile and proves entries bit-identical before it commits."""
+    from kvmemory.store.bundle import read_bundle
+
+    try:
+        bundle = read_bundle(path)
+        foreign = sorted({e.namespace for e in bundle.entries} - {namespace})
+        if foreign:
+            raise ForeignNamespace(f"the bundle holds entries of namespace(s) {foreign}; this call imports into "
+                                   f"{namespace!r} only (export them from that scope, import them into it)")
+        report = mem.import_bundle(bundle, verify_all=verify_all)
+        return {"namespace": namespace, **report.to_json()}
+    finally:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass

@@ -14,17 +14,24 @@ confined to the one namespace it maps to (auth.py, memory_ops.py):
     POST   /v1/memory/forget          {entry_ids: [...]} or {all: true}
     POST   /v1/memory/verify          {entry_ids?: [...]}: recompute from scratch, compare logits byte for byte
     GET    /v1/memory/stats           the scope's counts (and the whole store's for an admin key)
+    GET    /v1/memory/export          ?entry_ids=a,b: a bundle (store/bundle.py) of the scope's entries
+    POST   /v1/memory/import          the bundle's bytes as the body, ?verify_all=true: into the scope only
 
 A remember that the verifier refuses is a 422 and stores nothing; an entry is written only once its
-graft has been proved bit-identical (KVMemory.remember).
+graft has been proved bit-identical (KVMemory.remember). An import is refused (403) when the bundle
+holds entries of any other namespace than the caller's scope, and (422) when the proof of its
+entries fails on this machine; bundles in transit live in `<store>/serve-tmp/` and are removed after.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any, Literal
 
 from fastapi import APIRouter, Query, Request
+from fastapi.responses import FileResponse
+from starlette.background import BackgroundTask
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvmemory.engine.runner import Sampling
@@ -192,3 +199,40 @@ async def stats(request: Request, user_id: str | None = None, agent_id: str | No
     ns = _namespace(request, _query_scope(user_id, agent_id, run_id, namespace))
     admin = request.state.principal.admin
     return await st.compute(lambda: ops.stats(st.memory, ns, store_wide=admin))
+
+
+@router.get("/export")
+async def export(request: Request, entry_ids: str | None = None, user_id: str | None = None,
+                 agent_id: str | None = None, run_id: str | None = None, namespace: str | None = None):
+    st = _state(request)
+    ns = _namespace(request, _query_scope(user_id, agent_id, run_id, namespace))
+    ids = [x.strip() for x in (entry_ids or "").split(",") if x.strip()]
+    path, report = await st.compute(lambda: ops.export(st.memory, ns, entry_ids=ids or None))
+    return FileResponse(path, media_type="application/x-tar", filename=f"kvmemory-{ns.replace(':', '-').replace('/', '_')}.kvmb",
+                        headers={"X-KVMemory-Bundle-SHA256": str(report.get("sha256", "")),
+                                 "X-KVMemory-Entries": str(report.get("entries", ""))},
+                        background=BackgroundTask(path.unlink, missing_ok=True))
+
+
+@router.post("/import")
+async def import_bundle(request: Request, verify_all: bool = False, user_id: str | None = None,
+                        agent_id: str | None = None, run_id: str | None = None, namespace: str | None = None) -> dict:
+    st = _state(request)
+    ns = _namespace(request, _query_scope(user_id, agent_id, run_id, namespace))
+    path = await asyncio.to_thread(ops.scratch_file, st.memory, ".kvmb")
+    try:
+        with open(path, "wb") as fh:
+            async for chunk in request.stream():
+                if chunk:
+                    await asyncio.to_thread(fh.write, chunk)
+    except BaseException:
+        path.unlink(missing_ok=True)
+        raise
+    if path.stat().st_size == 0:
+        path.unlink(missing_ok=True)
+        raise ApiError(400, "send the bundle's bytes as the request body (kvmemory export --out FILE writes one)")
+    out = await st.compute(lambda: ops.import_(st.memory, ns, path, verify_all=verify_all))
+    if not out.get("ok", True):
+        raise ApiError(422, f"the bundle's entries {out.get('failed')} are not bit-identical on this machine; "
+                       "nothing was imported", "verification_error", code="import_proof_failed")
+    return out
