@@ -67,3 +67,17 @@ def test_llamaindex_query_engine_answers_right():
     # the grafted answers read the stored KV: at least one block grafted each
     grafted = [int(g) for g in re.findall(r"\[KVGraftSynthesizer\].*?tokens grafted (\d+)", out, re.S)]
     assert len(grafted) == 2 and all(g > 0 for g in grafted), out
+
+
+def test_openai_agent_server_answers_right():
+    """The example starts `kvmemory serve` itself and talks to it with the openai client only."""
+    from kvmemory import extract_answer
+
+    out = run_example("openai_agent_server.py")
+    answers = re.findall(r"^  answer : (.*), expected (\d+): ([✓✗])$", out, re.M)
+    assert len(answers) == 2, out
+    for text, expected, _ in answers:
+        assert int(expected) == 1234 * 56
+        assert extract_answer(text) == 1234 * 56, out
+    assert _marks(out) == (2, 0), out
+    assert "calls calculator(" in out and "2/2 answers right" in out and "prompt tokens grafted: yes" in out
