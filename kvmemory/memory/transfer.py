@@ -164,10 +164,11 @@ def import_bundle(mem, bundle: Bundle | str | os.PathLike, *, sample: int = DEFA
     if report.failed:
         return report  # nothing committed
 
-    held = store.known_blocks(list(bundle.blocks)) if new else {}
-    report.blocks_new = len({h for e in new for h in e.chain} - set(held))
-    for pid, prof in bundle.profiles.items():
-        store.put_profile(pid, prof)
+    if new:
+        held = store.known_blocks(list(bundle.blocks))
+        report.blocks_new = len({h for e in new for h in e.chain} - set(held))
+        for pid, prof in bundle.profiles.items():
+            store.put_profile(pid, prof)  # this engine's own (checked above); stored for readers of the store
     for e in _bar(progress, new, desc="import", unit="entry"):
         store.commit_entry(e, bundle.blocks_of(e))
         report.imported.append(e.id)
