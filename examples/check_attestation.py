@@ -244,12 +244,33 @@ def weights_sha256(model) -> str:
     return h.hexdigest()
 
 
+_LOADED: dict = {}  # (folder, gguf file, attention) -> model: several attestations of one model load it once
+
+
+def load(model_info: dict, given: str | None, attn_implementation: str):
+    """The attested model, checked against its SHA-256 and loaded by transformers in float32 with the
+    profile's attention implementation, its weights in fresh memory (`in_fresh_memory`)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    folder, gguf = locate_model(model_info, given)
+    key = (str(folder), gguf, attn_implementation)
+    if key not in _LOADED:
+        hf_logging.set_verbosity_error()  # the verdict, not load progress, is the output
+        hf_logging.disable_progress_bar()
+        kw = {"gguf_file": gguf} if gguf else {}
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
+                                                     attn_implementation=attn_implementation, **kw)
+        _LOADED[key] = in_fresh_memory(model.eval().requires_grad_(False))
+    return _LOADED[key]
+
+
 # ---------------------------------------------------------------------- the check
 def check(att: dict, model_path: str | None = None, model=None) -> tuple[bool, dict]:
     """Re-derive the attested logits' hash. Returns (match, details); raises Unusable. `model`: an
-    already loaded transformers model to use instead of loading the attested file (tests)."""
-    import torch
-
+    already loaded transformers model to use instead of loading the attested file (tests). What can be
+    refused or found wrong without computing is, before torch is imported."""
     if att.get("version", 1) < 2 or not isinstance(att.get("profile"), dict):
         raise Unusable(f"attestation version {att.get('version', 1)} carries no profile JSON, token ids or "
                        "model file: only kvmemory can re-check it (kvmemory verify)")
@@ -270,13 +291,9 @@ def check(att: dict, model_path: str | None = None, model=None) -> tuple[bool, d
     if int(hashed.get("from_position", g)) != g or int(hashed.get("prefill_rows", len(ids) - g)) != len(ids) - g:
         raise Unusable("the attestation's `hashed` rows do not follow from its graft point and token ids")
     if model is None:
-        from transformers import AutoModelForCausalLM
+        model = load(att.get("model"), model_path, profile["attn_implementation"])
+    import torch
 
-        folder, gguf = locate_model(att.get("model"), model_path)
-        kw = {"gguf_file": gguf} if gguf else {}
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
-                                                     attn_implementation=profile["attn_implementation"], **kw)
-        in_fresh_memory(model.eval().requires_grad_(False))
     details["environment_differences"] = environment_differences(profile)
     with pinned_settings(profile):
         details["weights_match_profile"] = weights_sha256(model) == profile.get("model_sha256")
