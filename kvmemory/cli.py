@@ -42,6 +42,14 @@ def _memory(args):
     return KVMemory(model=args.model, store=store, namespace=args.namespace, **kw)
 
 
+def _no_stock(command: str, args) -> None:
+    """The benches and the demo measure and show the default profile: refuse --profile stock rather
+    than ignore it."""
+    if getattr(args, "profile", "default") != "default":
+        raise InvalidInput(f"{command} runs the default profile; --profile {args.profile} is for remember, "
+                           "ask, recall, verify, forget and reindex")
+
+
 def _count(minimum: int = 1):
     """An argparse type: an integer >= `minimum` (a bad value is a usage error, not a traceback)."""
     def parse(text: str) -> int:
@@ -182,6 +190,7 @@ def cmd_reindex(args) -> int:
 
 
 def cmd_bench(args) -> int:
+    _no_stock("kvmemory bench", args)
     _quiet_transformers()
     if args.which == "recurring":
         from kvmemory.bench.recurring import format_table, run_recurring_bench
@@ -285,6 +294,7 @@ def cmd_fsck(args) -> int:
 
 
 def cmd_demo(args) -> int:
+    _no_stock("kvmemory demo", args)
     _quiet_transformers()
     from kvmemory.bench.demo import run_demo
 

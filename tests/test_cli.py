@@ -44,6 +44,11 @@ def test_remember_reports_json(filled_store):
     _, first, more = filled_store
     (e,) = first["remembered"]
     assert e["verified"] and e["bit_identical"] and e["tokens"] > 64 and e["blocks"] >= 1
+    # the stored entry with its attestation (examples/check_attestation.py reads this output as is)
+    att = e["entry"]["attestation"]
+    assert e["entry"]["id"] == e["id"] and att["attestation_id"] == e["attestation_id"] and att["version"] == 2
+    assert att["profile_id"] == e["entry"]["profile_id"] and att["profile"]["chunk"] == 64
+    assert len(att["token_ids"]) == e["tokens"] and att["model"]["format"] == "gguf"
     assert len(more["remembered"]) == 2 and more["refused"] == []
 
 
@@ -98,3 +103,12 @@ def test_demo_runs_and_verifies(tmp_path):
     out = json.loads(p.stdout)
     assert out["verify"]["checked"] == 3 and out["verify"]["bit_identical"] == 3
     assert all(q["grafted"] > 0 for q in out["questions"])
+
+
+def test_profile_switch_is_shown_and_contradictions_are_refused(tmp_path):
+    help_text = kvm("remember", "--help").stdout
+    assert "--profile {default,stock}" in help_text and "stock:" in help_text
+    for extra, named in ((["--kv-dtype", "bfloat16"], "kv_dtype='bfloat16'"), (["--linears", "gguf"], "linears='gguf'")):
+        p = kvm("recall", "anything", "--profile", "stock", *extra, "--json", store=tmp_path / "s", check=False)
+        assert p.returncode == 2 and json.loads(p.stdout.splitlines()[0])["error"] == "InvalidInput", p.stderr
+        assert named in p.stderr and "profile='stock'" in p.stderr and "Traceback" not in p.stderr

@@ -81,3 +81,17 @@ def test_openai_agent_server_answers_right():
         assert extract_answer(text) == 1234 * 56, out
     assert _marks(out) == (2, 0), out
     assert "calls calculator(" in out and "2/2 answers right" in out and "prompt tokens grafted: yes" in out
+
+
+def test_check_attestation_needs_an_attestation(tmp_path):
+    """The attestation checker (tests/test_attestation.py runs it on real attestations, without kvmemory):
+    with no argument it prints its usage, with a file that holds no attestation it says so; exit 2."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    p = subprocess.run([sys.executable, str(EXAMPLES / "check_attestation.py")], capture_output=True, text=True,
+                       env=env, timeout=300)
+    assert p.returncode == 2 and "usage: check_attestation.py" in p.stderr, p.stderr
+    empty = tmp_path / "empty.json"
+    empty.write_text("{}")
+    p = subprocess.run([sys.executable, str(EXAMPLES / "check_attestation.py"), str(empty)], capture_output=True,
+                       text=True, env=env, timeout=300)
+    assert p.returncode == 2 and "holds no attestation" in p.stderr, p.stderr

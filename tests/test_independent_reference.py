@@ -152,6 +152,21 @@ def test_stock_profile_is_transformers_own_computation(stock_engine):
     assert stock_engine.runner.kv_dtype == torch.float32
 
 
+def test_stock_profile_refuses_contradicting_options(stock_engine, tmp_path):
+    from kvmemory.errors import InvalidInput
+    from kvmemory.memory.facade import KVMemory
+
+    for kw, named in (({"kv_dtype": "bfloat16"}, "kv_dtype"), ({"linears": "gguf"}, "linears"),
+                      ({"dtype": "bfloat16"}, "dtype"), ({"attn_implementation": "kvmemory_fewq"}, "attn_implementation")):
+        with pytest.raises(InvalidInput, match=f"profile='stock'.*{named}="):
+            Engine.open(store=tmp_path / "s", profile="stock", **kw)
+    with pytest.raises(InvalidInput, match="profile must be one of default, stock"):
+        Engine.open(store=tmp_path / "s", profile="fast")
+    with pytest.raises(InvalidInput, match="chosen when the engine is opened"):
+        KVMemory(stock_engine, profile="stock")
+    assert not (tmp_path / "s").exists()  # refused before the store was opened
+
+
 @pytest.mark.slow
 def test_real_model_runner_and_grafts_equal_the_independent_reference(stock_engine):
     from transformers import AutoModelForCausalLM
