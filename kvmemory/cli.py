@@ -229,6 +229,17 @@ def cmd_bench(args) -> int:
             plot(r, args.plot)
             r["plot"] = args.plot
         _emit(args, r, format_table(r))
+    elif args.which == "serve":
+        from kvmemory.bench.serve import DEFAULT_CLIENTS, format_table, plot, run_serve_bench
+
+        r = run_serve_bench(args.clients or DEFAULT_CLIENTS, per_kind=args.per_kind, repeats=args.repeats,
+                            max_tokens=args.max_tokens, threads=args.threads or 2, seed=args.seed,
+                            check_per_kind=args.check_per_kind, llamacpp=not args.no_llamacpp, progress=not args.json)
+        if args.plot:
+            plot(r, args.plot)
+            r["plot"] = args.plot
+        _emit(args, r, format_table(r))
+        return 0 if r["ok"] else 1  # a failed request or an answer whose logits differ from the recompute
     else:
         raise KVMemoryError(f"unknown benchmark {args.which!r}")
     return 0
@@ -479,13 +490,13 @@ def build_parser() -> argparse.ArgumentParser:
     ri = sub.add_parser("reindex", parents=[common], help="rebuild the router (after changing the embedder)")
     ri.set_defaults(func=cmd_reindex)
 
-    b = sub.add_parser("bench", parents=[common], help="benchmarks: recurring, router, graft, store, capacity")
-    b.add_argument("which", choices=["recurring", "router", "graft", "store", "capacity"])
+    b = sub.add_parser("bench", parents=[common], help="benchmarks: recurring, router, graft, store, capacity, serve")
+    b.add_argument("which", choices=["recurring", "router", "graft", "store", "capacity", "serve"])
     b.add_argument("--lengths", type=_counts, help="graft: stored prefix lengths, comma separated (default 256..16384)")
     b.add_argument("--repeats", type=_count(), default=3)
     b.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                    help="graft: the dtype the model computes (and stores K/V) in; default: the model's (float32)")
-    b.add_argument("--plot", help="graft, capacity: write a PNG plot here")
+    b.add_argument("--plot", help="graft, capacity, serve: write a PNG plot here")
     b.add_argument("--blocks", type=_count(), default=64, help="store: blocks per measurement")
     b.add_argument("--target-tokens", type=_count(), default=3_000_000, help="capacity: tokens to fill the store with")
     b.add_argument("--problems", type=_count(), default=12)
@@ -495,6 +506,13 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--sizes", type=_counts, help="router sizes, comma separated (default 10000,100000,1000000)")
     b.add_argument("--queries", type=_count(), default=1000)
+    b.add_argument("--clients", type=_counts, help="serve: concurrent clients per run, comma separated (default 1,4,16)")
+    b.add_argument("--per-kind", type=_count(), default=3,
+                   help="serve: requests of each kind (recurring, new, conversation turn) per client per run")
+    b.add_argument("--max-tokens", type=_count(), default=32, help="serve: max_tokens of every request (greedy)")
+    b.add_argument("--check-per-kind", type=_count(0), default=1,
+                   help="serve: kvmemory answers per kind and run whose logits are checked against a recompute")
+    b.add_argument("--no-llamacpp", action="store_true", help="serve: leave out llama.cpp's server")
     b.set_defaults(func=cmd_bench)
 
     s = sub.add_parser("stats", parents=[common], help="entries, blocks, bytes, tokens, dedup ratio")
