@@ -17,7 +17,6 @@ set's four shorter ones (the two longest, `code` and `prose-long`, are in BENCHM
 
 from __future__ import annotations
 
-import inspect
 import json
 import math
 
@@ -59,8 +58,6 @@ PROFILES = {
     "stock": ({"profile": "stock"}, {"linear_impl": "aten", "attn_implementation": "sdpa", "kv_dtype": "float32"},
               (7.5e-05, 2.0e-12, 1.9e-10, 0)),
 }
-
-HAS_STOCK = "profile" in inspect.signature(Engine.open).parameters
 
 
 @pytest.fixture(scope="module")
@@ -105,8 +102,6 @@ def reports(engines, reference):
 
 @pytest.mark.parametrize("name", list(PROFILES))
 def test_profile_holds_its_measured_bound(name, engines, reports):
-    if name == "stock" and not HAS_STOCK:
-        pytest.fail("Engine.open(profile='stock') does not exist")
     _, fields, bounds = PROFILES[name]
     engine = engines(name)
     offered = {k: engine.profile.to_dict()[k] for k in fields}

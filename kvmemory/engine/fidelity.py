@@ -18,7 +18,7 @@ run under the engine's torch settings (`engine.determinism.applied()`: same thre
 deterministic switches), so the only differences are the profile's.
 
 What is measured, over a fixed, committed set of texts (`FIDELITY_TEXTS`: prose, code, arithmetic,
-structured data, a chat-templated prompt; 20 to ~700 tokens, so several grid chunks are crossed) and
+structured data, a chat-templated prompt; 14 to 639 tokens, so up to 10 grid chunks are crossed) and
 every position of each: the canonical runner's prefill logits (`Engine.recompute`) and the logits of
 `decode_steps` greedy decode steps, against the single pass over the prompt followed by the tokens
 kvmemory decoded (so every compared row has the same ids before it on both sides). Per position, in
