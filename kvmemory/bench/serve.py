@@ -12,8 +12,9 @@ free port and driven only through the OpenAI chat completions API (streaming):
   model is converted from (`loading.embedded_gguf_path()`), `--n_threads` / `--n_threads_batch` equal to
   kvmemory's threads, its prompt cache on (`--cache true`: a RAM cache of saved states, looked up by
   the longest token prefix, on top of its own reuse of the previous request's KV prefix). It also
-  serves one request at a time (one model behind a lock). Needs the optional `llamacpp` extra; without
-  it the report says the side was not run, and why.
+  serves one request at a time (one model behind a lock); `--interrupt_requests false`, else it cuts a
+  stream short whenever another request waits. Needs the optional `llamacpp` extra; without it the
+  report says the side was not run, and why.
 
 How. For each number of concurrent clients N (default 1, 4, 16) and each repeat, a fixed workload is
 generated from the seed, N and the repeat (problems.py): every client sends, one after another in a
@@ -271,7 +272,10 @@ def llamacpp_server(tmp: Path, gguf: str, threads: int, n_ctx: int) -> Server:
     port = free_port()
     cmd = [sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--model_alias", SERVED_MODEL,
            "--n_threads", str(threads), "--n_threads_batch", str(threads), "--n_ctx", str(n_ctx),
-           "--cache", "true", "--cache_type", "ram", "--verbose", "true", "--host", "127.0.0.1", "--port", str(port)]
+           "--cache", "true", "--cache_type", "ram", "--verbose", "true", "--host", "127.0.0.1", "--port", str(port),
+           # its default ends a stream early (with [DONE], no finish reason) as soon as another request waits:
+           # every request is served in full here, as kvmemory serves them
+           "--interrupt_requests", "false"]
     return Server("llamacpp", cmd, port, tmp / "llamacpp-server.log", "/v1/models")
 
 
