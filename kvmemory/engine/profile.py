@@ -51,10 +51,12 @@ _VOLATILE_CONFIG_KEYS = {"_name_or_path", "transformers_version", "_commit_hash"
 
 # kvmemory's Python files that decide what is computed and how (relative to the package): the runner,
 # its cache, the graft's placement, the attention and linear layers and the kernels' wrappers, the
-# pinned torch settings. Editing one (even a comment: the bytes are hashed, not parsed) is a new profile.
+# pinned torch settings, and loading (it decides where the weights live, and a float32 one-row linear's
+# bits depend on its weight's alignment: loading.own_memory). Editing one (even a comment: the bytes are
+# hashed, not parsed) is a new profile.
 COMPUTE_PATH = (
     "engine/runner.py", "engine/cache.py", "engine/graft.py", "engine/determinism.py",
-    "models/attention.py", "models/gguf_linear.py", "models/packed_linear.py",
+    "models/loading.py", "models/attention.py", "models/gguf_linear.py", "models/packed_linear.py",
     "kernels/few_query_attention.py", "kernels/quantized_linear.py", "kernels/graft_op.py",
 )
 # Which native kernel each attention / linear implementation runs (the profile records their builds).
