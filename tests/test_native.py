@@ -25,17 +25,6 @@ from kvmemory.kernels import build, native
 HERE = {k: native.choose(k)[0] for k in native.TITLES}
 
 
-@pytest.fixture
-def lib_copy(tmp_path, monkeypatch) -> Path:
-    """A copy of the installed libraries and manifest that a test may damage, used by the loader."""
-    lib = tmp_path / "lib"
-    shutil.copytree(native.LIB_DIR, lib)
-    monkeypatch.setattr(native, "LIB_DIR", lib)
-    native.clear()
-    yield lib
-    monkeypatch.undo()
-    native.clear()
-
 
 def _entry(lib: Path, filename: str) -> tuple[dict, dict]:
     data = json.loads((lib / build.MANIFEST).read_text())

@@ -30,18 +30,6 @@ needs_fewq = pytest.mark.skipif(FEWQ_VARIANT is None, reason="the few-query kern
                                 "(neither AVX-512 nor AVX2): there is no kernel identity to change")
 
 
-@pytest.fixture
-def lib_copy(tmp_path, monkeypatch) -> Path:
-    """A copy of the installed libraries and manifest, used by the loader from now on."""
-    lib = tmp_path / "lib"
-    shutil.copytree(native.LIB_DIR, lib)
-    monkeypatch.setattr(native, "LIB_DIR", lib)
-    native.clear()
-    yield lib
-    monkeypatch.undo()
-    native.clear()
-
-
 def _rebuild_fewq(lib: Path, *, extra_flags=(), csrc: Path = build.CSRC) -> dict:
     """Recompile this CPU's build of the few-query kernel into `lib` and record it in the manifest."""
     b = build.find("fewq", FEWQ_VARIANT)
