@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,13 +14,9 @@ from pathlib import Path
 
 import httpx
 
+from kvmemory.bench.serve import free_port  # noqa: F401  (one free-port helper, the bench's)
+
 START_TIMEOUT_S = 300  # the model loads in ~20 s on 2 cores; a cold conversion cache takes longer
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
