@@ -29,6 +29,8 @@ whole forward, cache.py): per layer K and V of shape `[batch=1, H_kv, S, D]` (vi
 
 from __future__ import annotations
 
+import math
+
 import hashlib
 import inspect
 import time
@@ -56,6 +58,19 @@ class Sampling:
     top_p: float = 1.0
     top_k: int = 0
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        # Refused here, once, so every caller (adapters, server, CLI) gets the same typed error rather
+        # than a negative temperature silently decoding greedily.
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
+                or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise InvalidInput(f"temperature must be a finite number >= 0 (0 decodes greedily), got {self.temperature!r}")
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+            raise InvalidInput(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise InvalidInput(f"top_k must be an integer >= 0 (0 = no top-k cut), got {self.top_k!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise InvalidInput(f"seed must be an integer, got {self.seed!r}")
 
     @property
     def greedy(self) -> bool:
