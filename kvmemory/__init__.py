@@ -18,7 +18,8 @@ The public API, everything users and the framework integrations need:
   one memory per model and store in a process (`shared_memory`, `borrow_memory`, `memory_lock`),
   messages as chat-template turns and the tool-call protocol (`Message`, `to_turns`, ...), one chat call
   with guided decoding (`ChatRequest`, `run_chat`, `Decoder`, `JsonGuide`), streaming that stops when its
-  consumer goes away (`stream_text`, `astream_text`).
+  consumer goes away (`stream_text`, `astream_text`); token counts through the model's own tokenizer,
+  without loading the model (`tokenizer_for`, `count_tokens`, `count_chat_tokens`, ...).
 
 Names are imported on first use, so `import kvmemory` (and `kvmemory --help`) stays quick; the
 layers underneath (kvmemory.engine, .store, ...) are internals and may change between versions.
@@ -114,6 +115,11 @@ _EXPORTS = {
     "UnsupportedContent": "kvmemory.adapters.errors",
     "ToolChoiceError": "kvmemory.adapters.errors",
     "GuidedDecodingError": "kvmemory.adapters.errors",
+    "tokenizer_for": "kvmemory.adapters.tokens",
+    "encode_text": "kvmemory.adapters.tokens",
+    "count_tokens": "kvmemory.adapters.tokens",
+    "chat_token_ids": "kvmemory.adapters.tokens",
+    "count_chat_tokens": "kvmemory.adapters.tokens",
     # data for evaluations (seeded word problems with worked solutions, rewordings, unrelated questions)
     "generate_problems": "kvmemory.bench.problems",
     "unrelated_questions": "kvmemory.bench.problems",
@@ -158,6 +164,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see (py.typed): the same names,
                                             parse_tool_calls, render_tool_call, template_role, text_of, to_turns)
     from kvmemory.adapters.shared import SharedMemory, borrow_memory, env_store, memory_lock, shared_memory
     from kvmemory.adapters.streaming import StreamCancelled, StreamChunk, VisibleText, astream_text, stream_text
+    from kvmemory.adapters.tokens import chat_token_ids, count_chat_tokens, count_tokens, encode_text, tokenizer_for
     from kvmemory.bench.problems import generate_problems, unrelated_questions
     from kvmemory.engine.engine import Engine, VerifyReport
     from kvmemory.engine.graft import GraftReport

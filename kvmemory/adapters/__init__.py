@@ -9,6 +9,8 @@ layers over these):
 - `chat`: one chat call with routing, prefix caching, tools and structured output, and what it cost;
 - `streaming`: a decode in a worker thread, its visible text delivered to a sync or async consumer,
   stopped (and the lock released) when the consumer goes away;
+- `tokens`: token counts through the model's own tokenizer (text, and conversations as the model reads them),
+  without loading the model;
 - `options`: checks of a call's options (max_tokens, prompt text, sampling), the same on every integration;
 - `errors`: the adapters' typed errors.
 """
