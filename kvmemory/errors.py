@@ -56,6 +56,11 @@ class StoreFull(StoreError):
     """The disk (or the store's size budget) has no room; nothing was written."""
 
 
+class UnknownModel(KVMemoryError, OSError):
+    """A model that is neither the embedded one, a local folder, nor in the local Hugging Face cache
+    (kvmemory downloads nothing at run time). An OSError too: transformers raised one before."""
+
+
 class UnknownEntry(KVMemoryError, KeyError):
     """No entry with this id (in this namespace)."""
 

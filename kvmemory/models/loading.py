@@ -26,7 +26,7 @@ from kvmemory.models import attention
 from kvmemory.models import cache_files
 from kvmemory.models import gguf_linear
 from kvmemory.models import packed_linear
-from kvmemory.errors import InvalidInput, KVMemoryError
+from kvmemory.errors import InvalidInput, KVMemoryError, UnknownModel
 from kvmemory.paths import cache_dir
 
 DEFAULT_MODEL = "embedded:smollm2-135m-instruct"
@@ -127,7 +127,54 @@ def resolve_model_path(name_or_path: str = DEFAULT_MODEL) -> str:
         if not (target / "config.json").exists():
             _convert_embedded(gguf, target)
         return str(target)
-    return name_or_path
+    if Path(name_or_path).expanduser().is_dir():
+        return name_or_path
+    # A hub id is read from the local hub cache only: kvmemory downloads nothing at run time, and asking
+    # the hub offline costs half a minute of retries before transformers' untyped OSError.
+    snapshot = _cached_snapshot(name_or_path)
+    if snapshot is None:
+        raise UnknownModel(_unknown_model_message(name_or_path))
+    return snapshot
+
+
+def _cached_snapshot(repo_id: str) -> str | None:
+    """The local hub cache's snapshot folder of `repo_id` (its default revision), or None; never the network."""
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        found = try_to_load_from_cache(repo_id, "config.json")
+    except ValueError:  # not a valid hub id (HFValidationError), e.g. a path that is not there
+        return None
+    return str(Path(found).parent) if isinstance(found, str) else None
+
+
+def _local_models() -> list[str]:
+    """Models this machine can load without a network: the embedded one (when installed) and the hub
+    ids in the local hub cache."""
+    from huggingface_hub import constants
+
+    names = []
+    try:
+        embedded_gguf_path()
+        names.append(f"{DEFAULT_MODEL} (the default)")
+    except KVMemoryError:
+        pass
+    cache = Path(constants.HF_HUB_CACHE)
+    if cache.is_dir():
+        names += sorted(d.name[len("models--"):].replace("--", "/") for d in cache.iterdir()
+                        if d.name.startswith("models--") and (d / "snapshots").is_dir())
+    return names
+
+
+def _unknown_model_message(name: str) -> str:
+    from huggingface_hub import constants
+
+    what = "a file, not a model folder" if Path(name).expanduser().exists() else "not a folder"
+    here = _local_models()
+    listing = ", ".join(here[:20]) + (f" and {len(here) - 20} more" if len(here) > 20 else "") if here else "none"
+    return (f"unknown model {name!r}: {what}, and not in the local Hugging Face cache ({constants.HF_HUB_CACHE}); "
+            f"kvmemory downloads nothing at run time. Models available here: {listing}. Give a folder with "
+            "config.json and the weights, or a hub id downloaded beforehand (huggingface-cli download ID)")
 
 
 # The weights files a model folder's identity covers (model_identity): its config and every weights file.
