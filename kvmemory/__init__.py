@@ -136,6 +136,7 @@ _EXPORTS = {
     "StoreReadOnly": "kvmemory.errors",
     "StoreFull": "kvmemory.errors",
     "UnknownEntry": "kvmemory.errors",
+    "UnknownModel": "kvmemory.errors",
     "VerificationFailed": "kvmemory.errors",
     "RouterMismatch": "kvmemory.errors",
 }
