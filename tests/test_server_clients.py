@@ -125,6 +125,25 @@ def test_openai_json_schema_through_the_guided_decoder(client):
     assert Person.model_validate_json(raw.choices[0].message.content) == person
 
 
+JAPANESE_Q = "How do you say thank you in Japanese? Answer in Japanese only."
+
+
+def test_a_streamed_japanese_answer_equals_the_plain_one(client):
+    # The embedded model's byte-level tokenizer splits many Japanese characters across two tokens; a
+    # stream must hold the first half back rather than send U+FFFD it can never take back.
+    msgs = [{"role": "user", "content": JAPANESE_Q}]
+    text = client.chat.completions.create(model="kvmemory", messages=msgs, max_tokens=24).choices[0].message.content
+    assert any(ord(ch) > 0x3000 for ch in text)
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model="kvmemory", messages=msgs, max_tokens=24, stream=True) if c.choices)
+    assert streamed == text
+    prompt = "Thank you in Japanese is"
+    plain = client.completions.create(model="kvmemory", prompt=prompt, max_tokens=16).choices[0].text
+    raw = "".join(ch.choices[0].text for ch in client.completions.create(
+        model="kvmemory", prompt=prompt, max_tokens=16, stream=True))
+    assert raw == plain
+
+
 def test_openai_completions_models_and_errors(client, server):
     import openai
 

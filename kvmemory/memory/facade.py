@@ -23,6 +23,7 @@ from kvmemory.engine.engine import Engine, VerifyReport
 from kvmemory.models.loading import DEFAULT_MODEL
 from kvmemory.memory.verifiers import numbers_in
 from kvmemory.memory.ids import entry_id_for
+from kvmemory.memory.token_text import TokenText
 from kvmemory.memory.prompts import continuation_ids, entry_messages, render_ids, solution_text
 from kvmemory.engine.runner import GREEDY, Sampling
 from kvmemory.store.local import EntryRecord
@@ -285,20 +286,19 @@ class KVMemory:
         """Decode from `ids` with the longest stored chain grafted; stop at EOS or any `stop` string."""
         eng = self.engine
         t0 = time.perf_counter()
-        generated: list[int] = []
-        emitted = [""]
+        decoded = TokenText(eng.decode, skip=eng.eos_token_ids)
 
         def on_token(tok: int) -> bool:
-            generated.append(tok)
-            text = eng.decode(generated)
-            if on_text is not None and len(text) > len(emitted[0]):
-                on_text(text[len(emitted[0]):])
-                emitted[0] = text
-            return any(s and s in text for s in stop)
+            delta = decoded.add(tok)
+            if on_text is not None and delta:
+                on_text(delta)
+            return any(s and s in decoded.text for s in stop)
 
         result, report = eng.forward(ids, max_new_tokens=max_new_tokens, sampling=sampling,
                                      store_new_blocks=store_new_blocks, entries_used=[e.id for e in entries],
                                      on_token=on_token)
+        if on_text is not None and (held := decoded.rest()):
+            on_text(held)
         text = eng.decode([t for t in result.generated if t not in eng.eos_token_ids])
         for s in stop:
             if s and s in text:

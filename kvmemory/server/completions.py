@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from kvmemory.engine.graft import GraftReport
 from kvmemory.engine.runner import Sampling
 from kvmemory.memory.facade import KVMemory
+from kvmemory.memory.token_text import TokenText
 
 _FINISH = {"stop_token": "stop", "stop": "stop", "length": "length"}
 
@@ -84,21 +85,20 @@ def complete(memory: KVMemory, prompt: str, *, max_tokens: int, sampling: Sampli
     """Continue `prompt` (see the module docstring); `on_text` gets raw text deltas (streaming)."""
     eng = memory.engine
     ids = prompt_ids(memory, prompt)
-    generated: list[int] = []
-    shown = [""]
     eos = set(eng.eos_token_ids)
+    decoded = TokenText(eng.decode, skip=eos)
 
     def on_token(tok: int) -> bool:
-        generated.append(tok)
-        text = eng.decode([t for t in generated if t not in eos])
+        delta = decoded.add(tok)
         if on_text is not None:
-            on_text(text[len(shown[0]):] if text.startswith(shown[0]) else "")
-            shown[0] = text
-        return any(s in text for s in stop)
+            on_text(delta)  # "" too: a stream's callback checks at every token whether its client left
+        return any(s in decoded.text for s in stop)
 
     result, report = eng.forward(ids, max_new_tokens=max_tokens, sampling=sampling,
                                  store_new_blocks=store_blocks and not getattr(memory.store, "readonly", False),
                                  on_token=on_token)
+    if on_text is not None and (held := decoded.rest()):
+        on_text(held)
     text = eng.decode([t for t in result.generated if t not in eos])
     for s in stop:
         if s in text:
