@@ -115,6 +115,10 @@ _EXPORTS = {
     "UnsupportedContent": "kvmemory.adapters.errors",
     "ToolChoiceError": "kvmemory.adapters.errors",
     "GuidedDecodingError": "kvmemory.adapters.errors",
+    "UnknownOption": "kvmemory.adapters.errors",
+    "max_tokens_option": "kvmemory.adapters.options",
+    "prompt_text": "kvmemory.adapters.options",
+    "sampling_option": "kvmemory.adapters.options",
     "tokenizer_for": "kvmemory.adapters.tokens",
     "encode_text": "kvmemory.adapters.tokens",
     "count_tokens": "kvmemory.adapters.tokens",
@@ -159,7 +163,8 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # what type checkers and IDEs see (py.typed): the same names, imported eagerly
     from kvmemory.adapters.chat import ChatOutcome, ChatRequest, run_chat
-    from kvmemory.adapters.errors import GuidedDecodingError, ToolChoiceError, UnsupportedContent
+    from kvmemory.adapters.errors import GuidedDecodingError, ToolChoiceError, UnknownOption, UnsupportedContent
+    from kvmemory.adapters.options import max_tokens_option, prompt_text, sampling_option
     from kvmemory.adapters.guided import DecodeStats, Decoder, JsonGuide, call_tool
     from kvmemory.adapters.messages import (TOOL_CALL_CLOSE, TOOL_CALL_OPEN, Message, normalize_tool_choice,
                                             parse_tool_calls, render_tool_call, template_role, text_of, to_turns)

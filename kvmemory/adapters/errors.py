@@ -18,3 +18,9 @@ class ToolChoiceError(InvalidInput):
 
 class GuidedDecodingError(KVMemoryError):
     """The model's output for a schema-guided value could not be read as that value's type."""
+
+
+class UnknownOption(InvalidInput, TypeError):
+    """An option (a constructor field or a call's keyword argument) the adapter does not know: refused
+    rather than ignored, so a misspelt option is an error. A TypeError too, as Python's own for an
+    unexpected keyword argument."""
