@@ -57,6 +57,7 @@ _EXPORTS = {
     "VERIFIERS": "kvmemory.memory.verifiers",
     "verifier_by_name": "kvmemory.memory.verifiers",
     "extract_answer": "kvmemory.memory.verifiers",
+    "extract_value": "kvmemory.memory.verifiers",
     "numbers_in": "kvmemory.memory.verifiers",
     # the engine
     "Engine": "kvmemory.engine.engine",
@@ -184,7 +185,8 @@ if TYPE_CHECKING:  # what type checkers and IDEs see (py.typed): the same names,
     from kvmemory.memory.prompts import render_ids, solution_text
     from kvmemory.memory.transfer import ImportReport
     from kvmemory.memory.verifiers import (VERIFIERS, ArithmeticVerifier, ExactAnswerVerifier, NoneVerifier,
-                                           Verifier, VerifierResult, extract_answer, numbers_in, verifier_by_name)
+                                           Verifier, VerifierResult, extract_answer, extract_value, numbers_in,
+                                           verifier_by_name)
     from kvmemory.models.loading import DEFAULT_MODEL, LoadedModel, load_model
     from kvmemory.store.bundle import Bundle, ExportReport, read_bundle, write_bundle
     from kvmemory.store.local import EntryRecord, LocalStore, StoreStats

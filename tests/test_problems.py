@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import re
+from fractions import Fraction
 from collections import Counter
 
 import pytest
 
 from kvmemory.errors import InvalidInput
 from kvmemory.bench.problems import Problem, generate_problems, reword, unrelated_questions
-from kvmemory.memory.verifiers import ArithmeticVerifier, ExactAnswerVerifier, NoneVerifier, Verifier, extract_answer, find_equations, verifier_by_name
+from kvmemory.memory.verifiers import (ArithmeticVerifier, ExactAnswerVerifier, NoneVerifier, Verifier, extract_answer,
+                                       extract_value, find_equations, verifier_by_name)
 from kvmemory.bench import problems as P
 
 
@@ -140,6 +142,43 @@ def test_unrelated_questions(probs):
 ])
 def test_extract_answer(text, expected):
     assert extract_answer(text) == expected
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("Half of 3807 is 1903.5. The answer is 1903.5.", Fraction(3807, 2)),
+    ("The answer is $1,903.50.", Fraction(3807, 2)),
+    ("Each child gets 3/4 of a pie. The answer is 3/4.", Fraction(3, 4)),
+    ("answer: -7 / 2", Fraction(-7, 2)),
+    ("\\boxed{0.125}", Fraction(1, 8)),
+    ("12 / 4 = 3. The answer is 3.", Fraction(3)),
+    ("The answer is 1/0.", None),
+    ("It costs 2.5 dollars, so 2.5", Fraction(5, 2)),
+])
+def test_extract_value_reads_decimals_and_fractions_exactly(text, expected):
+    assert extract_value(text) == expected
+    integral = expected is not None and expected.denominator == 1
+    assert extract_answer(text) == (int(expected) if integral else None)
+
+
+def test_verifiers_accept_decimal_and_fractional_answers():
+    exact, arith = ExactAnswerVerifier(), ArithmeticVerifier()
+    solution = "The car uses 3807 / 2 = 1903.5 litres. The answer is 1903.5."
+    for given in ("1903.5", "1903.50", "$1,903.5", "3807/2", 1903.5, Fraction(3807, 2)):
+        assert exact("q", solution, given).ok, given
+        assert arith("q", solution, given).ok, given
+    assert arith("q", solution, None).ok
+    wrong = exact("q", solution, "1903.4")
+    assert not wrong.ok and "1903.5 != expected 1903.4" in wrong.detail
+    assert exact("q", "Each gets 3/4 of a pie. The answer is 3/4.", "0.75").ok
+    assert not exact("q", solution, "about half").ok
+
+
+def test_remember_stores_and_verifies_a_decimal_answer(real_memory):
+    e = real_memory.remember("A tank holds 3807 litres and half of it is drained. How many litres are drained?",
+                             "Half of 3807 is 3807 / 2 = 1903.5. The answer is 1903.5.", "1903.5",
+                             verifier="arithmetic")
+    assert e.verified and e.verifier["ok"] and e.answer == "1903.5"
+    assert real_memory.verify_entry(e.id).bit_identical
 
 
 def test_find_equations_forms():

@@ -4,7 +4,9 @@
 ends with the given answer, `arithmetic` also re-checks every equation the solution writes (exact
 rational arithmetic), `none` accepts anything (the entry is then marked unverified unless a verifier
 said yes). `extract_answer` reads the final number out of model output; `numbers_in` lists the
-numbers a text writes (the facade's number check and its `choices="numbers"` use it).
+numbers a text writes (the facade's number check and its `choices="numbers"` use it). Answers are
+compared as exact rationals (`extract_value`): "1903.5", "$1,903.50", "3/4" and "0.75" are values, not
+refusals; `extract_answer` keeps returning integers only (a non-integral answer gives None there).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from kvmemory.errors import InvalidInput
 
 __all__ = [
     "extract_answer",
+    "extract_value",
     "numbers_in",
     "VerifierResult",
     "Verifier",
@@ -37,35 +40,50 @@ __all__ = [
 _NUM = r"(?<![\w.])-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|(?<=\w)(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?"
 _NUM_RE = re.compile(_NUM)
 _MONEY = r"\$?\s*"
+# An answer's value: a number, or a fraction of two ("3/4", "-7 / 2"); "12/4 = 3" reads as its result.
+_VALUE = r"((?:" + _NUM + r")(?:\s*/\s*\d+(?!\d|\.\d))?)"
+_WHOLE_VALUE = re.compile(_MONEY + _VALUE)
 _ANSWER_PATTERNS = [
-    re.compile(r"answer\s*(?:is|:|=|was)\s*[:=]?\s*(?:\*\*)?\s*" + _MONEY + r"(" + _NUM + r")", re.IGNORECASE),
-    re.compile(r"\\boxed\{\s*" + _MONEY + r"(" + _NUM + r")\s*\}"),
-    re.compile(r"####\s*" + _MONEY + r"(" + _NUM + r")"),
-    re.compile(r"\*\*\s*" + _MONEY + r"(" + _NUM + r")\s*\*\*"),
-    re.compile(r"=\s*" + _MONEY + r"(" + _NUM + r")"),
+    re.compile(r"answer\s*(?:is|:|=|was)\s*[:=]?\s*(?:\*\*)?\s*" + _MONEY + _VALUE, re.IGNORECASE),
+    re.compile(r"\\boxed\{\s*" + _MONEY + _VALUE + r"\s*\}"),
+    re.compile(r"####\s*" + _MONEY + _VALUE),
+    re.compile(r"\*\*\s*" + _MONEY + _VALUE + r"\s*\*\*"),
+    re.compile(r"=\s*" + _MONEY + _VALUE),
 ]
 
 
-def _to_int(s: str) -> int | None:
-    f = Fraction(s.replace(",", ""))
-    return int(f) if f.denominator == 1 else None
+def _to_value(s: str) -> Fraction | None:
+    num, _, den = s.replace(",", "").replace(" ", "").partition("/")
+    value = Fraction(num)
+    if den:
+        if Fraction(den) == 0:
+            return None
+        value /= Fraction(den)
+    return value
 
 
-def extract_answer(text: str) -> int | None:
-    """The final integer answer in model output, or None.
+def extract_value(text: str) -> Fraction | None:
+    """The final answer in model output as an exact rational, or None.
 
     Tried in order, last occurrence wins within a rule: "The answer is N" / "Answer: N", "\\boxed{N}",
-    "#### N", "**N**", "= N", then the last number in the text. Commas and a leading "$" are accepted;
-    a non-integral final number (3.5) gives None rather than a wrong integer.
+    "#### N", "**N**", "= N", then the last number in the text. N may be an integer, a decimal (1903.5)
+    or a fraction (3/4); commas and a leading "$" are accepted.
     """
     if not isinstance(text, str) or not text:
         return None
     for pat in _ANSWER_PATTERNS:
         hits = pat.findall(text)
         if hits:
-            return _to_int(hits[-1])
+            return _to_value(hits[-1])
     nums = _NUM_RE.findall(text)
-    return _to_int(nums[-1]) if nums else None
+    return _to_value(nums[-1]) if nums else None
+
+
+def extract_answer(text: str) -> int | None:
+    """The final integer answer in model output, or None (see `extract_value`); a non-integral final
+    answer (3.5, 3/4) gives None rather than a wrong integer."""
+    value = extract_value(text)
+    return int(value) if value is not None and value.denominator == 1 else None
 
 
 def numbers_in(text: str) -> list[str]:
@@ -225,32 +243,39 @@ class Verifier(Protocol):
     def __call__(self, problem: str, solution: str, answer: str | None) -> VerifierResult: ...
 
 
-def _parse_given_answer(answer: str | int | None) -> int | None:
+def _parse_given_answer(answer: str | int | float | Fraction | None) -> Fraction | None:
     if answer is None:
         return None
-    if isinstance(answer, int) and not isinstance(answer, bool):
-        return answer
-    return extract_answer(str(answer))
+    if isinstance(answer, (int, Fraction)) and not isinstance(answer, bool):
+        return Fraction(answer)
+    text = str(answer).strip()  # a float through its shortest repr: 1903.5, not its binary value
+    whole = _WHOLE_VALUE.fullmatch(text)
+    return _to_value(whole.group(1)) if whole else extract_value(text)
+
+
+def _fmt_value(x: Fraction) -> str:
+    return str(x.numerator) if x.denominator == 1 else str(x) if len(str(float(x))) > 12 else f"{float(x):g}"
 
 
 class ExactAnswerVerifier:
-    """OK when the final number of the solution equals the expected answer (which must be given)."""
+    """OK when the final answer of the solution equals the expected answer (which must be given), as
+    exact rationals: 1903.5 = 1903.50 = 3807/2."""
 
     name = "exact-answer"
-    version = "1"
+    version = "2"  # 1 compared integers only and refused decimal / fractional answers
 
     def __call__(self, problem: str, solution: str, answer: str | None) -> VerifierResult:
         if answer is None or (isinstance(answer, str) and not answer.strip()):
             return VerifierResult(False, "exact-answer verifier needs the expected answer; none was given")
         want = _parse_given_answer(answer)
         if want is None:
-            return VerifierResult(False, f"expected answer {answer!r} is not an integer")
-        got = extract_answer(solution)
+            return VerifierResult(False, f"expected answer {answer!r} is not a number")
+        got = extract_value(solution)
         if got is None:
             return VerifierResult(False, "no final number found in the solution")
         if got != want:
-            return VerifierResult(False, f"solution's final answer {got} != expected {want}")
-        return VerifierResult(True, f"final answer {got} matches")
+            return VerifierResult(False, f"solution's final answer {_fmt_value(got)} != expected {_fmt_value(want)}")
+        return VerifierResult(True, f"final answer {_fmt_value(got)} matches")
 
 
 class ArithmeticVerifier:
@@ -261,7 +286,7 @@ class ArithmeticVerifier:
     """
 
     name = "arithmetic"
-    version = "1"
+    version = "2"  # 1 read integer final answers only
 
     def __call__(self, problem: str, solution: str, answer: str | None) -> VerifierResult:
         eqs = find_equations(solution or "")
@@ -271,17 +296,17 @@ class ArithmeticVerifier:
             if not e.correct:
                 return VerifierResult(False, f"wrong arithmetic: {e.expression} = {_fmt(e.stated)}"
                                              f" (it is {_fmt(e.actual)})")
-        final = extract_answer(solution)
+        final = extract_value(solution)
         last = eqs[-1].stated
         if final is None:
             return VerifierResult(False, "no final answer found in the solution")
-        if Fraction(final) != last:
-            return VerifierResult(False, f"final answer {final} is not the last result {_fmt(last)}")
+        if final != last:
+            return VerifierResult(False, f"final answer {_fmt_value(final)} is not the last result {_fmt(last)}")
         if answer is not None and (not isinstance(answer, str) or answer.strip()):
             want = _parse_given_answer(answer)
             if want != final:
-                return VerifierResult(False, f"final answer {final} != expected {answer}")
-        return VerifierResult(True, f"{len(eqs)} equations correct; final answer {final}")
+                return VerifierResult(False, f"final answer {_fmt_value(final)} != expected {answer}")
+        return VerifierResult(True, f"{len(eqs)} equations correct; final answer {_fmt_value(final)}")
 
 
 class NoneVerifier:
