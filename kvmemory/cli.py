@@ -303,10 +303,17 @@ def cmd_verify(args) -> int:
     return 0 if summary.bit_identical == summary.checked else 1
 
 
-def cmd_stats(args) -> int:
-    from kvmemory.store.open import open_store
+def _existing_store(args):
+    """The store of a command that only reads or checks it: a folder that is not there is a typo, not
+    a store to create (stats, fsck, export, list)."""
+    from kvmemory.store.open import is_redis_url, open_store
 
-    store = open_store(args.store, signing_key=args.signing_key)
+    return open_store(args.store, signing_key=args.signing_key,
+                      **({} if is_redis_url(args.store) else {"create": False}))
+
+
+def cmd_stats(args) -> int:
+    store = _existing_store(args)
     s = store.stats().to_json()
     s["store"] = str(getattr(store, "url", None) or store.path)
     _emit(args, s, "\n".join(f"{k:>20}: {v}" for k, v in s.items()))
@@ -316,9 +323,8 @@ def cmd_stats(args) -> int:
 def cmd_fsck(args) -> int:
     from kvmemory.routing.router import router_rebuilder
     from kvmemory.store.fsck import run_fsck
-    from kvmemory.store.open import open_store
 
-    store = open_store(args.store, signing_key=args.signing_key)
+    store = _existing_store(args)
     report = run_fsck(store, repair=args.repair, router_rebuild=router_rebuilder(store) if args.repair else None)
     _emit(args, report.to_json(), report.summary())
     return report.exit_code
@@ -385,11 +391,8 @@ def cmd_kernels(args) -> int:
 def cmd_export(args) -> int:
     """Write chosen entries (or a namespace, or all) with their blocks to one bundle file (no model needed)."""
     from kvmemory.store.bundle import write_bundle
-    from kvmemory.store.open import is_redis_url, open_store
 
-    # A folder that is not there is a typo, not a store to create: nothing is exported from it.
-    store = open_store(args.store, signing_key=args.signing_key,
-                       **({} if is_redis_url(args.store) else {"create": False}))
+    store = _existing_store(args)
     r = write_bundle(store, args.out, entry_ids=args.entry, namespace=args.namespace, progress=not args.json)
     text = (f"exported {len(r.entry_ids)} entries ({r.blocks} blocks, {r.payload_bytes / 2**20:.1f} MiB of K/V) "
             f"to {r.out} ({r.bytes / 2**20:.1f} MiB)\nsha256 {r.sha256}")
