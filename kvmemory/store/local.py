@@ -778,6 +778,11 @@ class LocalStore:
             args = (namespace,)
         return [self._entry_from_row(r) for r in self._q(q + " ORDER BY created, id", args)]
 
+    def namespace_counts(self) -> dict[str, int]:
+        """Every namespace that holds entries, with how many (sorted by name)."""
+        return {str(ns): int(n) for ns, n in self._q(
+            "SELECT namespace, COUNT(*) FROM entries GROUP BY namespace ORDER BY namespace")}
+
     def entry_ids(self, namespace: str | None = None) -> list[str]:
         if namespace is None:
             return [r[0] for r in self._q("SELECT id FROM entries ORDER BY created, id")]

@@ -917,6 +917,32 @@ class RedisStore:
         self.rejected = rejected
         return out
 
+    def namespace_counts(self) -> dict[str, int]:
+        """Every namespace that holds entries (this store's one, when it is scoped), with how many."""
+        if self.signer is not None:  # count only what a reader may see (signed entries)
+            counts: dict[str, int] = {}
+            for e in self.list_entries(None):
+                counts[e.namespace] = counts.get(e.namespace, 0) + 1
+            return dict(sorted(counts.items()))
+        ids = self._ids(self.namespace)
+        if ids is None:
+            return self._tier.namespace_counts()
+
+        def fetch():
+            p = self._r.pipeline(transaction=False)
+            for eid in ids:
+                p.hget(self.k_entry(eid), "namespace")
+            return p.execute()
+
+        got = self._read(fetch, "counting entries") if ids else ([],)
+        if got is None:
+            return self._tier.namespace_counts()
+        counts = {}
+        for ns in got[0]:
+            if ns is not None:
+                counts[ns.decode()] = counts.get(ns.decode(), 0) + 1
+        return dict(sorted(counts.items()))
+
     def entry_ids(self, namespace: str | None = None) -> list[str]:
         if self.signer is not None:
             return [e.id for e in self.list_entries(namespace)]

@@ -381,6 +381,13 @@ class SignedLocalStore(LocalStore):
     def entry_ids(self, namespace: str | None = None) -> list[str]:
         return [e.id for e in self.list_entries(namespace)]
 
+    def namespace_counts(self) -> dict[str, int]:
+        """Namespaces with their signed entries (what this store lets a reader see), by name."""
+        counts: dict[str, int] = {}
+        for e in self.list_entries(None):
+            counts[e.namespace] = counts.get(e.namespace, 0) + 1
+        return dict(sorted(counts.items()))
+
     def update_attestation(self, entry_id: str, attestation: dict, verified: bool) -> None:
         """Re-sign with the new attestation, in the same transaction as the update."""
         entry = self.get_entry(entry_id)
