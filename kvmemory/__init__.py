@@ -8,7 +8,9 @@ The public API, everything users and the framework integrations need:
     ans = mem.answer("a reworded question ...", answer_prefix="The answer is", choices="numbers")
     mem.verify()                                       # graft vs recompute: SHA-256, KL = 0, argmax 100 %
 
-- the facade: `KVMemory` and its results (`Answer`, `Recalled`, `VerifySummary`, `EntryRecord`);
+- the facade: `KVMemory` and its results (`Answer`, `Recalled`, `VerifySummary`, `EntryRecord`), listing
+  and history (`EntryPage`, `EntryVersion`), metadata filters (`matches`, `check_where`), deferred writes
+  (`PendingWrite`);
 - the engine underneath: `Engine`, `GraftReport`, `VerifyReport`, `ForwardResult`, `Sampling`,
   `ExecutionProfile`, `load_model`;
 - stores: `open_store` and the `Store` protocol (`LocalStore`, `SignedLocalStore`, `RedisStore`);
@@ -46,6 +48,12 @@ _EXPORTS = {
     "VerifySummary": "kvmemory.memory.facade",
     "TEXT_TEMPLATE": "kvmemory.memory.facade",
     "DEFAULT_NAMESPACE": "kvmemory.memory.facade",
+    "KEEP": "kvmemory.memory.facade",
+    "EntryPage": "kvmemory.memory.listing",
+    "EntryVersion": "kvmemory.memory.listing",
+    "PendingWrite": "kvmemory.memory.background",
+    "matches": "kvmemory.memory.filters",
+    "check_where": "kvmemory.memory.filters",
     "render_ids": "kvmemory.memory.prompts",
     "solution_text": "kvmemory.memory.prompts",
     # verifiers
@@ -108,6 +116,7 @@ _EXPORTS = {
     "ChatRequest": "kvmemory.adapters.chat",
     "ChatOutcome": "kvmemory.adapters.chat",
     "run_chat": "kvmemory.adapters.chat",
+    "TOOL_POLICIES": "kvmemory.adapters.chat",
     "stream_text": "kvmemory.adapters.streaming",
     "astream_text": "kvmemory.adapters.streaming",
     "StreamChunk": "kvmemory.adapters.streaming",
@@ -163,7 +172,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # what type checkers and IDEs see (py.typed): the same names, imported eagerly
-    from kvmemory.adapters.chat import ChatOutcome, ChatRequest, run_chat
+    from kvmemory.adapters.chat import TOOL_POLICIES, ChatOutcome, ChatRequest, run_chat
     from kvmemory.adapters.errors import GuidedDecodingError, ToolChoiceError, UnknownOption, UnsupportedContent
     from kvmemory.adapters.options import max_tokens_option, prompt_text, sampling_option
     from kvmemory.adapters.guided import DecodeStats, Decoder, JsonGuide, call_tool
@@ -180,7 +189,10 @@ if TYPE_CHECKING:  # what type checkers and IDEs see (py.typed): the same names,
     from kvmemory.errors import (BundleError, IntegrityError, InvalidInput, KVMemoryError, NotOnGrid, ProfileMismatch,
                                  RouterMismatch, StoreError, StoreFormatError, StoreFull, StoreReadOnly,
                                  UnknownEntry, UnsupportedArchitecture, VerificationFailed)
-    from kvmemory.memory.facade import (DEFAULT_NAMESPACE, TEXT_TEMPLATE, Answer, ChatPrompt, KVMemory, Recalled,
+    from kvmemory.memory.background import PendingWrite
+    from kvmemory.memory.filters import check_where, matches
+    from kvmemory.memory.listing import EntryPage, EntryVersion
+    from kvmemory.memory.facade import (KEEP, DEFAULT_NAMESPACE, TEXT_TEMPLATE, Answer, ChatPrompt, KVMemory, Recalled,
                                         VerifySummary)
     from kvmemory.memory.prompts import render_ids, solution_text
     from kvmemory.memory.transfer import ImportReport

@@ -47,12 +47,30 @@ class PendingWrite:
         self.value: Any = None
         self._state_lock = threading.Lock()
         self._finished = threading.Event()
+        self._callbacks: list[Callable[[PendingWrite], None]] = []
 
     def __repr__(self) -> str:
         return f"PendingWrite({self.what}, {self.state})"
 
     def done(self) -> bool:
         return self.state in (DONE, CANCELLED)
+
+    def add_done_callback(self, fn: Callable[[PendingWrite], None]) -> None:
+        """Call `fn(job)` once the job has run (at once if it has), in the thread that ran it."""
+        with self._state_lock:
+            if self.state != DONE:
+                self._callbacks.append(fn)
+                return
+        fn(self)
+
+    def _call_back(self) -> None:
+        with self._state_lock:
+            callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            try:
+                fn(self)
+            except Exception as exc:  # noqa: BLE001 - a callback must not take the writer down
+                _log.warning("a callback of %s failed: %s", self.what, exc)
 
     def cancel(self) -> bool:
         """Drop the job if nobody has started it; True when it will never run."""
@@ -79,6 +97,7 @@ class PendingWrite:
                 finally:
                     with self._state_lock:
                         self.state = DONE
+                    self._call_back()
                     self._finished.set()
                 return True
         # Claimed by another runner: under a shared lock it has finished already; without one, wait.

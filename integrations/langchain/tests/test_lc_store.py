@@ -26,6 +26,7 @@ def store(path) -> KVMemoryStore:
     s.put(("notes", "alice"), "pet", {"text": "Alice has a grey cat called Miso.", "n": 2})
     s.put(("notes", "bob"), "food", {"text": "Bob only eats vegetarian pizza.", "n": 3})
     s.put(("notes", "bob"), "raw", {"text": "an unrouted note", "n": 4}, index=False)
+    s.flush()  # the entries' KV, computed by the writer thread
     return s
 
 
@@ -47,11 +48,23 @@ def test_items_are_entries_with_their_kv(store, path):
 
 
 def test_search_by_meaning_within_a_prefix(store):
-    hits = store.search(("notes",), query="what pet does she have?", limit=2)
+    # The router's threshold applies: only the item the query rewords is scored and returned; the
+    # unrouted item (index=False) has no score and fills the page after it, as in LangGraph's stores.
+    hits = store.search(("notes",), query="Alice has a gray cat named Miso.", limit=5)
+    assert [(h.namespace, h.key) for h in hits] == [(("notes", "alice"), "pet"), (("notes", "bob"), "raw")]
+    assert hits[0].score >= 0.83 and hits[1].score is None
+    only_bob = store.search(("notes", "bob"), query="Bob eats only vegetarian pizza.", limit=5)
+    assert [h.key for h in only_bob] == ["food", "raw"] and only_bob[0].score > 0.83 and only_bob[1].score is None
+    unrelated = store.search(("notes",), query="What is the capital of France?", limit=5)
+    assert [(h.key, h.score) for h in unrelated] == [("raw", None)]
+
+
+def test_search_threshold_can_be_lowered(store, path):
+    every = KVMemoryStore(store=path, index_fields=["text"], threshold=-1.0)
+    hits = every.search(("notes",), query="what pet does she have?", limit=4)
     assert [(h.namespace, h.key) for h in hits][0] == (("notes", "alice"), "pet")
-    assert hits[0].score >= hits[1].score
-    only_bob = store.search(("notes", "bob"), query="pizza", limit=5)
-    assert [h.key for h in only_bob] == ["food", "raw"] and only_bob[1].score is None
+    assert [h.score is None for h in hits] == [False, False, False, True]
+    assert hits[0].score >= hits[1].score >= hits[2].score
 
 
 def test_search_filters_and_pages(store):
@@ -73,9 +86,12 @@ def test_overwrite_and_delete_release_entries(path):
     first = s.entry_id(("tmp",), "k")
     s.put(("tmp",), "k", {"text": "second version of the note"})
     second = s.entry_id(("tmp",), "k")
+    s.flush()
     assert first != second and mem.store.entry_ids("tmp") == [second]
     s.delete(("tmp",), "k")
-    assert s.get(("tmp",), "k") is None and mem.store.entry_ids("tmp") == []
+    assert s.get(("tmp",), "k") is None
+    s.flush()
+    assert mem.store.entry_ids("tmp") == []
     assert mem.recall("second version of the note", namespace="tmp", threshold=-1.0) == []
 
 
@@ -83,6 +99,7 @@ def test_solution_items_are_verified_and_graftable(path):
     s = KVMemoryStore(store=path, verifier="arithmetic")
     p = PROBLEMS[3]
     s.put(("solutions",), "p3", {"problem": p.text, "solution": p.solution, "answer": p.answer})
+    s.flush()
     entry = shared_memory(None, path).entry(s.entry_id(("solutions",), "p3"), "solutions")
     assert entry.verified is True
     msg = ChatKVGraft(store=path, namespace="solutions", max_tokens=4).invoke(p.rewordings[0])
@@ -91,13 +108,14 @@ def test_solution_items_are_verified_and_graftable(path):
 
 
 def test_async_api(path):
-    s = KVMemoryStore(store=path)
+    s = KVMemoryStore(store=path, index_fields=["text"])
 
     async def go():
         await s.aput(("async",), "a", {"text": "asynchronous note about tea"})
         got = await s.aget(("async",), "a")
-        hits = await s.asearch(("async",), query="tea")
+        hits = await s.asearch(("async",), query="an asynchronous note about tea")
         await s.adelete(("async",), "a")
+        await s.aflush()
         return got, hits, await s.aget(("async",), "a")
 
     got, hits, gone = asyncio.run(go())
