@@ -136,11 +136,17 @@ class Decoder:
         """The index of the option the model finds most likely after the prompt and `assistant_text`."""
         if len(options) == 1:
             return 0
+        scores = self.loglik(assistant_text, options)
+        return max(range(len(options)), key=lambda i: (scores[i], -i))  # the first of equal scores
+
+    def loglik(self, assistant_text: str, options: Sequence[str]) -> list[float]:
+        """The model's log-likelihood of each option (the sum over its tokens) after the prompt and
+        `assistant_text`: one forward per option, the prompt's stored chain grafted."""
         t0 = time.perf_counter()
         eng = self.memory.engine
         base = self.prompt_ids + self.encode(assistant_text)
-        best, best_score = 0, float("-inf")
-        for i, opt in enumerate(options):
+        out = []
+        for opt in options:
             self._watch()
             tail = self.encode(opt)
             ids = base + tail
@@ -151,11 +157,21 @@ class Decoder:
             self._account(report, 0)
             rows = res.prefill_logits[len(base) - 1 - res.start: len(ids) - 1 - res.start].float()
             logp = torch.log_softmax(rows, -1)
-            score = float(sum(logp[j, t] for j, t in enumerate(tail)))
-            if score > best_score:
-                best, best_score = i, score
+            out.append(float(sum(logp[j, t] for j, t in enumerate(tail))))
         self.stats.seconds += time.perf_counter() - t0
-        return best
+        return out
+
+    def add_stats(self, other: DecodeStats) -> None:
+        """Count another decoder's passes (over another prompt, e.g. a calibration) in this call's cost."""
+        s = self.stats
+        s.passes += other.passes
+        s.tokens_grafted += other.tokens_grafted
+        s.tokens_computed += other.tokens_computed
+        s.tokens_decoded += other.tokens_decoded
+        s.tokens_forced += other.tokens_forced
+        s.bytes_read += other.bytes_read
+        s.blocks_stored += other.blocks_stored
+        s.seconds += other.seconds
 
     def force(self, text: str) -> str:
         """Count `text` as written for the model (not decoded); returns it for chaining."""

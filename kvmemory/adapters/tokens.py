@@ -16,6 +16,7 @@ function takes either.
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -53,17 +54,38 @@ def tokenizer_for(model: ModelOrTokenizer = None) -> Tokenizer:
 
 
 def _load(name: str, path: str) -> Tokenizer:
-    from transformers import AutoTokenizer
-
     # `local_files_only`: an id not in the local hub cache fails at once, instead of retrying the hub
     # offline for half a minute; kvmemory downloads nothing at run time.
     local = Path(path).expanduser()
     try:
+        generic = _generic_class(local)
+        if generic is not None:
+            return generic.from_pretrained(str(local), local_files_only=True)
+        from transformers import AutoTokenizer
+
         return AutoTokenizer.from_pretrained(str(local) if local.is_dir() else path, local_files_only=True)
     except (OSError, ValueError) as exc:
         raise InvalidInput(f"no tokenizer for model {name!r} in the local files ({exc.__class__.__name__}: "
                            f"{str(exc).splitlines()[0] if str(exc) else ''}); give a local model folder, "
                            "or an HF id already in the hub cache") from exc
+
+
+def _generic_class(folder: Path) -> Any:
+    """transformers' generic tokenizers-backed class when the folder's tokenizer_config names it (the
+    embedded model's does), else None (AutoTokenizer then picks the class). Loading it directly gives
+    the class AutoTokenizer gives, without AutoTokenizer reading the model's config, which imports the
+    model's modeling code: seconds, on a cold process, for nothing a tokenizer needs."""
+    try:
+        cls_name = json.loads((folder / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError):
+        return None
+    if cls_name != "TokenizersBackend":
+        return None
+    try:
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:  # an older transformers without it: AutoTokenizer
+        return None
+    return TokenizersBackend
 
 
 def encode_text(model: ModelOrTokenizer, text: str) -> list[int]:

@@ -10,8 +10,10 @@ and the tokens grafted / computed / decoded / forced over every pass.
 Tools (`bind_tools`) are described in the system turn, and a tool call is written in the assistant
 turn as `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`. When a call is required
 (`tool_choice="any"` or a tool's name, or `tool_policy="user_turn"` on a user turn), the model picks
-the tool by its own likelihood and decodes every argument value under the tool's JSON schema;
-otherwise its free output is read for a tool call. Structured output (`with_structured_output`) uses
+the tool by its own likelihood and decodes every argument value under the tool's JSON schema; with
+`tool_choice="auto"` (the default) the model's likelihoods first decide whether a user message calls a
+tool at all (`tool_policy="scored"`); otherwise its free output is read for a tool call. Token counts
+(`get_num_tokens*`, `trim_messages(token_counter=llm)`) use the model's own tokenizer, offline. Structured output (`with_structured_output`) uses
 the same schema guidance.
 
 This module only translates between LangChain and kvmemory: the call itself (routing, prefix caching,
@@ -38,16 +40,20 @@ from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
 from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
 from langchain_core.utils.pydantic import is_basemodel_subclass
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import AliasChoices, ConfigDict, Field, SecretStr, ValidationError, model_validator
 
-from kvmemory import (DEFAULT_MODEL, ChatOutcome, ChatRequest, KVMemory, Message, Sampling, SharedMemory,
-                      StreamChunk, UnsupportedContent, astream_text, borrow_memory, env_store, normalize_tool_choice,
-                      run_chat, stream_text, to_turns)
+from kvmemory import (DEFAULT_MODEL, TOOL_POLICIES, ChatOutcome, ChatRequest, InvalidInput, KVMemory, Message, SharedMemory,
+                      StreamChunk, UnknownOption, prompt_text, UnsupportedContent, astream_text, borrow_memory, count_chat_tokens,
+                      encode_text, env_store, max_tokens_option, normalize_tool_choice, run_chat, sampling_option,
+                      stream_text, text_of, to_turns, tokenizer_for)
 
 # Keyword arguments a call may carry besides the standard ones; anything else is refused, so that a
 # misspelt option is an error instead of being silently ignored.
 _CALL_KWARGS = {"tools", "tool_choice", "response_format", "model", "temperature", "top_p", "top_k", "seed",
                 "max_tokens", "namespace", "k", "route", "score_threshold", "tool_policy"}
+# Other spellings of max_tokens a call may use (ChatOpenAI's, and Hugging Face's generate's).
+_MAX_TOKENS_ALIASES = ("max_completion_tokens", "max_new_tokens")
+_DEFAULT_MAX_TOKENS = 256
 # LangChain's message classes onto chat-template roles (chunks are subclasses of these).
 _ROLES = ((SystemMessage, "system"), (HumanMessage, "user"), (AIMessage, "assistant"), (ToolMessage, "tool"),
           (FunctionMessage, "tool"))
@@ -104,7 +110,8 @@ class ChatKVGraft(BaseChatModel):
         ```
     """
 
-    model_config = ConfigDict(populate_by_name=True, arbitrary_types_allowed=True)
+    # extra="forbid": an unknown field (a misspelt option) is refused, not silently ignored.
+    model_config = ConfigDict(populate_by_name=True, arbitrary_types_allowed=True, extra="forbid")
 
     model_name: str = Field(default=DEFAULT_MODEL, alias="model")
     """HF model id, local folder, or the embedded default (`embedded:smollm2-135m-instruct`)."""
@@ -121,15 +128,19 @@ class ChatKVGraft(BaseChatModel):
     top_p: float = 1.0
     top_k: int = 0
     seed: int = 0
-    max_tokens: int | None = 256
-    """Most tokens the model decodes in one call (None = 256)."""
+    max_tokens: int | None = Field(default=_DEFAULT_MAX_TOKENS,
+                                   validation_alias=AliasChoices("max_tokens", *_MAX_TOKENS_ALIASES))
+    """Most tokens the model decodes in one call (None = 256); `max_completion_tokens` (ChatOpenAI's
+    spelling) and `max_new_tokens` (Hugging Face's) are the same option. A positive integer."""
     stop: list[str] | None = Field(default=None, alias="stop_sequences")
     streaming: bool = False
-    tool_policy: Literal["model", "user_turn"] = "model"
-    """What an unforced call (`tool_choice` None / "auto") with tools does: "model" lets the model's
-    own output decide (a tiny model seldom calls a tool by itself); "user_turn" answers a user message
-    with a tool call (tool and arguments chosen by the model) and decodes every other turn (after a
-    tool result) as "model" does, so the model answers unless its own output starts another call."""
+    tool_policy: Literal["scored", "model", "user_turn"] = "scored"
+    """What an unforced call (`tool_choice` None / "auto") with tools bound does on a user message:
+    "scored" (default) lets the model's own likelihoods decide between calling a tool (which one, and
+    its arguments decoded under the tool's schema) and answering in text (`kvmemory.adapters.chat.
+    wants_tool`); "model" decodes freely and reads a call the model wrote by itself (a model this small
+    seldom writes one); "user_turn" always answers a user message with a tool call. After a tool result
+    every policy answers in text unless the model's own output starts another call."""
     cache_prefixes: bool = True
     """Store the blocks of a system turn (with its tool descriptions) the first time it is computed,
     so later calls graft it."""
@@ -137,8 +148,19 @@ class ChatKVGraft(BaseChatModel):
     """Accepted for the standard interface; the model is local, there is no request to time out."""
     max_retries: int = 0
     """Accepted for the standard interface; a local forward has nothing to retry."""
+    api_key: SecretStr | None = Field(default=None, exclude=True, repr=False)
+    """Accepted for the standard interface (LangChain's suites pass one); a local model needs no key,
+    and it is never serialised."""
     memory: KVMemory | None = Field(default=None, exclude=True, repr=False)
     """An existing KVMemory to use instead of the process-wide one for (model, store)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        # pydantic wraps a validator's error in its ValidationError; a bad option is refused with
+        # kvmemory's typed error instead (an InvalidInput, a ValueError as ValidationError is).
+        try:
+            super().__init__(**kwargs)
+        except ValidationError as exc:
+            raise _typed_error(exc, type(self)) from exc
 
     @model_validator(mode="before")
     @classmethod
@@ -148,6 +170,23 @@ class ChatKVGraft(BaseChatModel):
             if env:
                 values = {**values, "store": env}
         return values
+
+    @model_validator(mode="after")
+    def _check_options(self) -> "ChatKVGraft":
+        _check_values(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                      seed=self.seed, k=self.k, score_threshold=self.score_threshold)
+        return self
+
+    # ------------------------------------------------------------------ serialisation
+    @classmethod
+    def is_lc_serializable(cls) -> bool:
+        """`langchain_core.load.dumps` writes the settings (never `memory`, a live object); `loads`
+        rebuilds the model from them with `valid_namespaces=["langchain_kvmemory"]`."""
+        return True
+
+    @classmethod
+    def get_lc_namespace(cls) -> list[str]:
+        return ["langchain_kvmemory", "chat_models"]
 
     @property
     def _llm_type(self) -> str:
@@ -215,39 +254,77 @@ class ChatKVGraft(BaseChatModel):
         return llm | parser
 
     # ------------------------------------------------------------------ one call
+    def bind(self, **kwargs: Any) -> Runnable[LanguageModelInput, AIMessage]:
+        """As `Runnable.bind`, refusing a bad or unknown option now rather than at the first call."""
+        _call_options(kwargs, bound=True)
+        return super().bind(**kwargs)
+
+    def _convert_input(self, model_input: LanguageModelInput) -> Any:
+        # LangChain refuses an input that is not a string, a prompt value or a list of messages with a
+        # bare ValueError; the same refusal as kvmemory's typed error.
+        try:
+            return super()._convert_input(model_input)
+        except InvalidInput:
+            raise
+        except (ValueError, TypeError, NotImplementedError) as exc:
+            raise InvalidInput(f"cannot read the input as a conversation: {exc}") from exc
+
     def _prepare(self, messages: list[BaseMessage], stop: list[str] | None,
                  kwargs: dict[str, Any]) -> tuple[SharedMemory, str, ChatRequest]:
         """The memory to use, the model's name and the call's request, from the fields and `kwargs`."""
-        unknown = set(kwargs) - _CALL_KWARGS
-        if unknown:
-            raise TypeError(f"ChatKVGraft got unsupported call arguments {sorted(unknown)}")
-        tools = list(kwargs.get("tools") or [])
-        choice = normalize_tool_choice(kwargs.get("tool_choice"), [t["function"]["name"] for t in tools]) \
+        opts = _call_options(kwargs)
+        tools = list(opts.get("tools") or [])
+        choice = normalize_tool_choice(opts.get("tool_choice"), [t["function"]["name"] for t in tools]) \
             if tools else "auto"
         schema = None
-        rf = kwargs.get("response_format")
+        rf = opts.get("response_format")
         if rf is not None:
             if not (isinstance(rf, dict) and rf.get("type") == "json_schema" and isinstance(rf.get("json_schema"), dict)):
-                raise ValueError("response_format must be {'type': 'json_schema', 'json_schema': {'schema': {...}}}: "
-                                 "JSON output is decoded under a schema's guidance (with_structured_output builds it)")
+                raise InvalidInput("response_format must be {'type': 'json_schema', 'json_schema': {'schema': {...}}}: "
+                                   "JSON output is decoded under a schema's guidance (with_structured_output builds it)")
             schema = rf["json_schema"].get("schema") or {}
-        max_tokens = kwargs.get("max_tokens", self.max_tokens)
-        model_name = kwargs.get("model") or self.model_name
+        model_name = opts.get("model") or self.model_name
         turns = to_chat(messages)
-        if not turns:
-            raise ValueError("empty conversation: give at least one message")
+        _check_conversation(messages, turns)
+        max_tokens = _pick(opts, "max_tokens", self.max_tokens)
         request = ChatRequest(
-            turns=turns, tools=tools, tool_choice=choice, tool_policy=kwargs.get("tool_policy", self.tool_policy),
+            turns=turns, tools=tools, tool_choice=choice, tool_policy=_pick(opts, "tool_policy", self.tool_policy),
             response_schema=schema, stop=list(stop if stop is not None else (self.stop or [])),
-            max_tokens=int(max_tokens) if max_tokens is not None else 256,
-            sampling=Sampling(temperature=float(kwargs.get("temperature", self.temperature) or 0.0),
-                              top_p=float(kwargs.get("top_p", self.top_p)), top_k=int(kwargs.get("top_k", self.top_k)),
-                              seed=int(kwargs.get("seed", self.seed))),
-            namespace=kwargs.get("namespace", self.namespace), route=bool(kwargs.get("route", self.route)),
-            k=int(kwargs.get("k", self.k)), threshold=kwargs.get("score_threshold", self.score_threshold),
+            max_tokens=_DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
+            sampling=sampling_option(_pick(opts, "temperature", self.temperature), _pick(opts, "top_p", self.top_p),
+                                     _pick(opts, "top_k", self.top_k), _pick(opts, "seed", self.seed)),
+            namespace=_pick(opts, "namespace", self.namespace), route=_pick(opts, "route", self.route),
+            k=_pick(opts, "k", self.k), threshold=opts.get("score_threshold", self.score_threshold),
             cache_prefixes=self.cache_prefixes,
         )
         return self.shared(model_name), model_name, request
+
+    # ------------------------------------------------------------------ token counting
+    def _tokenizer(self) -> Any:
+        """The model's tokenizer: the engine's when this model holds one, else read on its own from the
+        model's local files (no weights loaded; kvmemory.tokenizer_for, cached per model)."""
+        if self.memory is not None:
+            return self.memory.engine.tokenizer
+        return tokenizer_for(self.model_name)
+
+    def get_token_ids(self, text: str) -> list[int]:
+        """The model's own token ids for `text` (as the engine encodes text: no special tokens)."""
+        if self.custom_get_token_ids is not None:
+            return self.custom_get_token_ids(text)
+        return encode_text(self._tokenizer(), text)
+
+    def get_num_tokens(self, text: str) -> int:
+        return len(self.get_token_ids(text))
+
+    def get_num_tokens_from_messages(self, messages: list[BaseMessage], tools: Sequence[Any] | None = None) -> int:
+        """How many tokens the model reads for `messages` (and `tools`, described in the system turn as a
+        call with them bound describes them): the conversation rendered with the model's chat template,
+        the assistant turn opened; a call that routes nothing reports the same `input_tokens`. Entries
+        a call routes to are placed before the conversation and are not counted here."""
+        if self.custom_get_token_ids is not None:
+            return super().get_num_tokens_from_messages(messages, tools)
+        formatted = [convert_to_openai_tool(t) for t in tools or []]
+        return count_chat_tokens(self._tokenizer(), to_chat(messages), tools=formatted)
 
     @staticmethod
     def _usage(out: ChatOutcome) -> dict:
@@ -308,3 +385,86 @@ class ChatKVGraft(BaseChatModel):
                 if run_manager and chunk.delta:
                     await run_manager.on_llm_new_token(chunk.delta, chunk=out)
                 yield out
+
+
+# ---------------------------------------------------------------------- option checks
+def _pick(opts: dict[str, Any], name: str, default: Any) -> Any:
+    """A call's option, else the model's field (None passed for an option means the field's value)."""
+    value = opts.get(name)
+    return default if value is None else value
+
+
+def _check_values(*, max_tokens: Any = None, temperature: Any = None, top_p: Any = None, top_k: Any = None,
+                  seed: Any = None, k: Any = None, score_threshold: Any = None, route: Any = None,
+                  tool_policy: Any = None, namespace: Any = None) -> None:
+    """The rules every integration applies (kvmemory.adapters.options), plus this model's own options;
+    None is "not given"."""
+    if max_tokens is not None:
+        max_tokens_option(max_tokens)
+    sampling_option(temperature, top_p, top_k, seed)
+    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+        raise InvalidInput(f"k must be a positive integer, got {k!r}")
+    if score_threshold is not None and (isinstance(score_threshold, bool)
+                                        or not isinstance(score_threshold, (int, float))
+                                        or not -1.0 <= score_threshold <= 1.0):
+        raise InvalidInput(f"score_threshold must be a cosine in [-1, 1] (or None for the router's), "
+                           f"got {score_threshold!r}")
+    if route is not None and not isinstance(route, bool):
+        raise InvalidInput(f"route must be True or False, got {route!r}")
+    if tool_policy is not None and tool_policy not in TOOL_POLICIES:
+        raise InvalidInput(f"tool_policy must be one of {', '.join(TOOL_POLICIES)}, got {tool_policy!r}")
+    if namespace is not None and (not isinstance(namespace, str) or not namespace.strip()):
+        raise InvalidInput(f"namespace must be a non-empty string, got {namespace!r}")
+
+
+def _call_options(kwargs: dict[str, Any], bound: bool = False) -> dict[str, Any]:
+    """A call's keyword arguments checked, with max_tokens under its one name. `bound`: arguments given
+    to `bind`, where `stop` (and LangChain's own structured-output marker) may be bound too."""
+    allowed = _CALL_KWARGS | set(_MAX_TOKENS_ALIASES) | ({"stop", "ls_structured_output_format"} if bound else set())
+    unknown = set(kwargs) - allowed
+    if unknown:
+        raise UnknownOption(f"ChatKVGraft got unsupported call arguments {sorted(unknown)}; "
+                            f"it takes {sorted(_CALL_KWARGS)}")
+    opts = dict(kwargs)
+    given = {n: opts.pop(n) for n in ("max_tokens", *_MAX_TOKENS_ALIASES) if opts.get(n) is not None}
+    if len(set(map(repr, given.values()))) > 1:
+        raise InvalidInput(f"conflicting token budgets {given}: give one of max_tokens / max_completion_tokens / "
+                           "max_new_tokens")
+    if given:
+        opts["max_tokens"] = max_tokens_option(next(iter(given.values())), next(iter(given)))
+    _check_values(**{n: opts.get(n) for n in ("temperature", "top_p", "top_k", "seed", "k", "score_threshold",
+                                              "route", "tool_policy", "namespace")})
+    if bound and opts.get("stop") is not None and not (
+            isinstance(opts["stop"], list) and all(isinstance(x, str) for x in opts["stop"])):
+        raise InvalidInput(f"stop must be a list of strings, got {opts['stop']!r}")
+    return opts
+
+
+def _check_conversation(messages: Sequence[BaseMessage], turns: list[dict[str, str]]) -> None:
+    """Refuse a conversation the model cannot answer: no message, or a user message with no text (there
+    is nothing to answer, or to route on)."""
+    if not turns:
+        raise InvalidInput("empty conversation: give at least one message with text")
+    for i, m in enumerate(messages):
+        if isinstance(m, HumanMessage) and not text_of(m.content).strip():
+            raise InvalidInput(f"message {i} (human) has no text: give the question or instruction to answer")
+    for t in turns:
+        prompt_text(t["content"], f"a {t['role']} message")
+
+
+def _typed_error(exc: ValidationError, cls: type) -> InvalidInput:
+    """The kvmemory error behind a construction's ValidationError: the check's own InvalidInput, an
+    UnknownOption for fields the class does not have, else an InvalidInput with pydantic's reason."""
+    errors = exc.errors()
+    for e in errors:
+        err = (e.get("ctx") or {}).get("error")
+        if isinstance(err, InvalidInput):
+            return err
+    unknown = [".".join(map(str, e["loc"])) for e in errors if e.get("type") == "extra_forbidden"]
+    if unknown:
+        fields = sorted(n for n in cls.model_fields if not n.startswith("_"))
+        return UnknownOption(f"{cls.__name__} got unknown options {unknown}; its options are {fields} "
+                             f"(max_tokens also as {' / '.join(_MAX_TOKENS_ALIASES)})")
+    first = errors[0]
+    where = ".".join(map(str, first["loc"])) or cls.__name__
+    return InvalidInput(f"{cls.__name__}: {where}: {first['msg']} (got {first.get('input')!r})")

@@ -1,15 +1,21 @@
-"""LangChain's published chat-model unit suite on ChatKVGraft (no model is loaded by these tests)."""
+"""LangChain's published chat-model unit suite on ChatKVGraft (no model is loaded by these tests).
+
+The store folders are fixed paths that are never created (no test opens a store): the serialised
+model (`test_serdes`, compared with the committed snapshot in __snapshots__/) names its store, so the
+path must not depend on the machine's temporary folder."""
 
 from __future__ import annotations
 
-import tempfile
-from pathlib import Path
+import os
+from unittest import mock
 
+import pytest
+from langchain_core.load import dumpd, dumps, load, loads
 from langchain_tests.unit_tests import ChatModelUnitTests
 
 from langchain_kvmemory import ChatKVGraft
 
-_ENV_STORE = str(Path(tempfile.gettempdir()) / "kvmemory-env-store-never-created")
+_ENV_STORE = "/nonexistent/kvmemory-env-store-never-created"
 
 
 class TestChatKVGraftUnit(ChatModelUnitTests):
@@ -19,7 +25,7 @@ class TestChatKVGraftUnit(ChatModelUnitTests):
 
     @property
     def chat_model_params(self) -> dict:
-        return {"store": str(Path(tempfile.gettempdir()) / "kvmemory-unit-store-never-created")}
+        return {"store": "/nonexistent/kvmemory-unit-store-never-created"}
 
     @property
     def supports_json_mode(self) -> bool:
@@ -29,3 +35,29 @@ class TestChatKVGraftUnit(ChatModelUnitTests):
     def init_from_env_params(self) -> tuple[dict, dict, dict]:
         # The store folder comes from $KVMEMORY_STORE when not given, as everywhere in kvmemory.
         return {"KVMEMORY_STORE": _ENV_STORE}, {}, {"store": _ENV_STORE}
+
+    @pytest.mark.xfail(strict=True, reason="langchain-core's load(allowed_objects='all') admits only the classes in "
+                       "its own serialisation mapping (LangChain's partner packages), never a third-party class; "
+                       "test_serdes_round_trip below loads ChatKVGraft with allowed_objects=[ChatKVGraft]")
+    def test_serdes(self, model: ChatKVGraft, snapshot) -> None:
+        super().test_serdes(model, snapshot)
+
+
+def test_serdes_round_trip(snapshot) -> None:
+    """The published test_serdes with the one change a third-party class needs: ChatKVGraft named in
+    `allowed_objects` (and the published form's refusal, so the xfail above stays explained)."""
+    suite = TestChatKVGraftUnit()
+    model = ChatKVGraft(**{**suite.standard_chat_model_params, **suite.chat_model_params})
+    env_params, _, _ = suite.init_from_env_params
+    with mock.patch.dict(os.environ, env_params):
+        ser = dumpd(model)
+        assert ser == snapshot(name="serialized")
+        assert ser["kwargs"]["store"] == suite.chat_model_params["store"] and "memory" not in ser["kwargs"]
+        assert "api_key" not in ser["kwargs"]
+        loaded = load(ser, valid_namespaces=["langchain_kvmemory"], allowed_objects=[ChatKVGraft],
+                      secrets_from_env=True)
+        assert type(loaded) is ChatKVGraft and model.dict() == loaded.dict()
+        assert loads(dumps(model), valid_namespaces=["langchain_kvmemory"],
+                     allowed_objects=[ChatKVGraft]).dict() == model.dict()
+        with pytest.raises(ValueError, match="not allowed"):
+            load(ser, valid_namespaces=["langchain_kvmemory"], allowed_objects="all")
