@@ -46,7 +46,8 @@ def _memory(args):
     kw["kv_dtype"] = args.kv_dtype
     kw["linears"] = args.linears
     kw["profile"] = getattr(args, "profile", "default")
-    return KVMemory(model=_model_name(args), store=store, namespace=args.namespace, **kw)
+    return KVMemory(model=_model_name(args), store=store, namespace=args.namespace,
+                    embedder=getattr(args, "embedder", None), **kw)
 
 
 def _count(minimum: int = 1):
@@ -60,6 +61,22 @@ def _count(minimum: int = 1):
             raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
         return value
     return parse
+
+
+def _pair(text: str) -> tuple[str, object]:
+    """An argparse type: KEY=VALUE, the value read as JSON where it is JSON (3, true, {"$gte": 3},
+    "quoted text"), else as the text itself (alice)."""
+    key, eq, value = text.partition("=")
+    if not eq or not key:
+        raise argparse.ArgumentTypeError(f"give KEY=VALUE, not {text!r}")
+    try:
+        return key, json.loads(value)
+    except ValueError:
+        return key, value
+
+
+def _meta(pairs) -> dict | None:
+    return dict(pairs) if pairs else None
 
 
 def _counts(text: str) -> tuple[int, ...]:
@@ -113,10 +130,10 @@ def cmd_remember(args) -> int:
 
     out, failed = [], []
     for d in tqdm(items, desc="remember", unit="entry", disable=len(items) < 2, file=sys.stderr):
-        try:
+        try:  # --meta goes to every --jsonl line that has no "meta" of its own
             e = mem.remember(d.get("problem"), d.get("solution"), d.get("answer"),
                              verifier=d.get("verifier", args.verifier), namespace=d.get("namespace"),
-                             allow_unverified=args.allow_unverified)
+                             allow_unverified=args.allow_unverified, meta=d.get("meta", _meta(args.meta)))
             out.append({"id": e.id, "namespace": e.namespace, "tokens": len(e.token_ids), "blocks": len(e.chain),
                         "verified": e.verified, "attestation_id": e.attestation["attestation_id"],
                         "bit_identical": e.attestation["bit_identical"],
@@ -146,7 +163,7 @@ def cmd_ask(args) -> int:
         if args.choices and args.choice:
             raise InvalidInput("give --choices numbers or --choice values, not both")
         ans = mem.answer(args.question, k=args.k, max_new_tokens=args.max_tokens, answer_prefix=args.answer_prefix,
-                         choices=args.choices or args.choice or None)
+                         choices=args.choices or args.choice or None, where=_meta(args.where))
     if stream is not None:
         print(ans.text)
         r = ans.report
@@ -161,7 +178,7 @@ def cmd_ask(args) -> int:
 
 def cmd_recall(args) -> int:
     mem = _memory(args)
-    hits = mem.recall(args.query, k=args.k, threshold=args.threshold)
+    hits = mem.recall(args.query, k=args.k, threshold=args.threshold, where=_meta(args.where))
     out = {"query": args.query, "namespace": mem.namespace, "hits": [h.to_json() for h in hits]}
     text = "\n".join(f"{h.score:.3f}  {h.entry.id}  {'' if h.entry.verified else '[UNVERIFIED] '}"
                       f"{h.entry.problem[:90]}" for h in hits) or "no entry routes here (all below the threshold)"
@@ -183,8 +200,11 @@ def cmd_forget(args) -> int:
 
 def cmd_reindex(args) -> int:
     mem = _memory(args)
-    n = mem.reindex(progress=not args.json)
-    _emit(args, {"reindexed": n}, f"router rebuilt: {n} texts embedded")
+    # --embedder given: the router is rebuilt with it and the store records it (later opens use it)
+    n = mem.reindex(progress=not args.json, embedder=args.embedder)
+    name = mem.router.embedder.identity.get("name")
+    _emit(args, {"reindexed": n, "embedder": mem.router.embedder.identity},
+          f"router rebuilt with {name}: {n} entries routed")
     return 0
 
 
@@ -310,6 +330,34 @@ def _existing_store(args):
 
     return open_store(args.store, signing_key=args.signing_key,
                       **({} if is_redis_url(args.store) else {"create": False}))
+
+
+class _StoreOnly:
+    """What KVMemory needs of an engine to list entries: its store. Listing reads the catalogue only, so
+    `kvmemory list` loads no model (and takes no execution-profile options)."""
+
+    def __init__(self, store):
+        self.store = store
+
+
+def cmd_list(args) -> int:
+    from kvmemory.memory.facade import KVMemory
+
+    mem = KVMemory(_StoreOnly(_existing_store(args)), namespace=args.namespace)
+    page = mem.list(None if args.all_namespaces else args.namespace, where=_meta(args.where), limit=args.limit,
+                    cursor=args.cursor, all_namespaces=args.all_namespaces)
+    out = page.to_json()
+    lines = [f"{e['id']}  {e['namespace']}  v{e['version']}  {'' if e['verified'] else '[UNVERIFIED] '}"
+             f"{e['problem'][:80]!r}" + (f"  {json.dumps(e['meta'], sort_keys=True)}" if e["meta"] else "")
+             for e in out["entries"]]
+    where = "every namespace" if args.all_namespaces else f"namespace {args.namespace!r}"
+    lines.append(f"{len(page)} of {page.total} entries in {where}" + (" matching --where" if args.where else ""))
+    if page.next_cursor:
+        lines.append(f"next page: --cursor {page.next_cursor}")
+    if not page.total and page.namespaces:  # say where the entries are
+        lines.append("namespaces: " + ", ".join(f"{n} ({c})" for n, c in page.namespaces.items()))
+    _emit(args, out, "\n".join(lines))
+    return 0
 
 
 def cmd_stats(args) -> int:
@@ -472,6 +520,11 @@ def _shared_options() -> dict[str, tuple[str, tuple[str, ...], dict]]:
             "Refused with a --kv-dtype or --linears that contradicts it (default: %(default)s)")),
         "namespace": (_MEMORY, ("--namespace",), dict(
             default="default", help="the namespace (agent / tenant) to work in (default: %(default)s)")),
+        "embedder": (_MEMORY, ("--embedder",), dict(
+            default=None, metavar="NAME_OR_PATH", help="the router's sentence embedder: minilm (English), "
+            "multilingual (needs kvmemory[multilingual]), a sentence-transformers folder, or a hub id in the "
+            "local cache (default: the one the store's router recorded; minilm for a new store). A store "
+            "indexed with another one is refused: `kvmemory reindex --embedder` switches it")),
         "json": ("output", ("--json",), dict(action="store_true", help="print JSON on stdout (progress and "
                                                                           "errors go to stderr)")),
     }
@@ -491,6 +544,8 @@ def _parent(*names: str) -> argparse.ArgumentParser:
 
 
 _STORE_OPTS = ("store", "signing_key")
+_WHERE_HELP = ("only entries whose metadata has KEY equal to VALUE (repeatable: all must hold). VALUE is JSON where "
+               """it is JSON: n=3 is the number 3, n='{"$gte": 3}' a comparison, user=alice the text""")
 _ENGINE_OPTS = ("model", "chunk", "threads", "kv_dtype", "linears")
 
 
@@ -562,7 +617,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "platform and CPU (what a bug report needs), and exit")
     # the parents: a memory (store, execution profile, namespace) and --json
     store, json_opt = _parent(*_STORE_OPTS), _parent("json")
-    memory = _parent(*_STORE_OPTS, *_ENGINE_OPTS, "profile", "namespace")
+    memory = _parent(*_STORE_OPTS, *_ENGINE_OPTS, "profile", "namespace", "embedder")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     r = _command(sub, "remember", "store a verified solution with its KV cache and an attestation",
@@ -578,6 +633,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--verifier", default=None, help="exact-answer (default with --answer), arithmetic, none")
     r.add_argument("--allow-unverified", action="store_true", help="store a solution the verifier refused, marked "
                    "as unverified")
+    r.add_argument("--meta", type=_pair, action="append", metavar="KEY=VALUE",
+                   help="metadata to store with the entry (repeatable; VALUE is read as JSON where it is JSON, "
+                        "else as text); what list / recall / ask --where filter on. A --jsonl line's own "
+                        '"meta" takes precedence')
     r.set_defaults(func=cmd_remember)
 
     a = _command(sub, "ask", "ask a question, grafting the stored solutions it routes to (or a follow-up on one "
@@ -593,6 +652,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="choose the answer among the numbers of the routed solutions (by the model's likelihood)")
     a.add_argument("--choice", action="append", metavar="TEXT", help="a possible answer (repeat); the model picks "
                    "the likeliest")
+    a.add_argument("--where", type=_pair, action="append", metavar="KEY=VALUE", help=_WHERE_HELP)
     a.set_defaults(func=cmd_ask)
 
     v = _command(sub, "verify", "recompute entries from scratch and compare their logits with the grafts' "
@@ -617,6 +677,7 @@ def build_parser() -> argparse.ArgumentParser:
     rc.add_argument("query", help="the question to route")
     rc.add_argument("--k", type=int, default=5, help="most entries to return (default: %(default)s)")
     rc.add_argument("--threshold", type=float, default=None, help="cosine threshold (default: the calibrated one)")
+    rc.add_argument("--where", type=_pair, action="append", metavar="KEY=VALUE", help=_WHERE_HELP)
     rc.set_defaults(func=cmd_recall)
 
     f = _command(sub, "forget", "remove an entry (or a whole namespace) and the blocks nothing else uses",
@@ -625,14 +686,25 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--all-in-namespace", action="store_true", help="remove every entry of --namespace")
     f.set_defaults(func=cmd_forget)
 
-    ri = _command(sub, "reindex", "rebuild the router from the stored entries (after changing the embedder)",
-                  parents=[memory, json_opt])
+    ri = _command(sub, "reindex", "rebuild the router from the stored entries; with --embedder, switch the store "
+                  "to that embedder", parents=[memory, json_opt],
+                  epilog=_examples("kvmemory reindex --embedder multilingual   # French, Chinese, ... route too"))
     ri.set_defaults(func=cmd_reindex)
 
     _bench_parsers(_command(sub, "bench", "benchmarks: graft, recurring, router, store, capacity, serve (each with "
                             "its own options: kvmemory bench BENCH --help)",
                             epilog=_examples("kvmemory bench graft --repeats 5 --plot graft.png --json",
                                              "kvmemory bench serve --clients 1,4 --per-kind 1 --repeats 1")))
+
+    ls = _command(sub, "list", "the entries, a page at a time, oldest first, filtered by namespace and metadata "
+                  "(no model loaded)", parents=[store, _parent("namespace"), json_opt],
+                  epilog=_examples("kvmemory list --namespace alice --where topic=eggs --limit 20",
+                                   "kvmemory list --all-namespaces --json   # then --cursor NEXT_CURSOR"))
+    ls.add_argument("--all-namespaces", action="store_true", help="list every namespace (not only --namespace)")
+    ls.add_argument("--where", type=_pair, action="append", metavar="KEY=VALUE", help=_WHERE_HELP)
+    ls.add_argument("--limit", type=_count(), default=50, help="entries per page, up to 1000 (default: %(default)s)")
+    ls.add_argument("--cursor", help="the next_cursor a previous page printed: the page after it")
+    ls.set_defaults(func=cmd_list)
 
     s = _command(sub, "stats", "count what the store holds: entries, blocks, bytes, tokens, dedup ratio "
                  "(kvmemory list shows the entries)", parents=[store, json_opt])
@@ -734,7 +806,7 @@ def _bench_parsers(bench: argparse.ArgumentParser) -> None:
 
     rc = _command(sub, "recurring", "accuracy and tokens computed on generated recurring problems and their "
                   "rewordings: the model alone vs with its verified solutions remembered",
-                  parents=[_parent(*_STORE_OPTS, *_ENGINE_OPTS, "namespace"), json_opt],
+                  parents=[_parent(*_STORE_OPTS, *_ENGINE_OPTS, "namespace", "embedder"), json_opt],
                   epilog=_examples("kvmemory bench recurring --problems 12 --rewordings 2 --unrelated 60 "
                                    "--base-budget 160 --json"))
     rc.add_argument("--problems", type=_count(), default=12, help="generated problems (default: %(default)s)")

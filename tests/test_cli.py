@@ -276,3 +276,117 @@ def test_unknown_model_in_process_is_quick_and_a_folder_or_cached_id_resolves(tm
         assert time.monotonic() - t < 2
         assert isinstance(exc.value, KVMemoryError) and isinstance(exc.value, OSError)
         assert repr(name) in str(exc.value) and what in str(exc.value) and "someorg/tiny" in str(exc.value)
+
+
+# ---------------------------------------------------------------------- list, metadata, the embedder
+@pytest.fixture(scope="module")
+def tiny_store(tmp_path_factory):
+    """A store filled through the CLI on a tiny random Llama with the real tokenizer (seconds, not minutes):
+    alice's two entries and bob's one, with metadata."""
+    import torch
+    import transformers as T
+
+    from kvmemory.cli import main
+    from kvmemory.models.loading import resolve_model_path
+
+    root = tmp_path_factory.mktemp("cli-list")
+    tok = T.AutoTokenizer.from_pretrained(resolve_model_path())
+    torch.manual_seed(0)
+    cfg = T.LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048, head_dim=16,
+                        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    T.AutoModelForCausalLM.from_config(cfg).save_pretrained(root / "model")
+    tok.save_pretrained(root / "model")
+    lines = root / "in.jsonl"
+    lines.write_text("\n".join(json.dumps(d) for d in [
+        {"problem": "Ana reads 14 pages a day for 9 days. How many pages?", "solution": "14 * 9 = 126. The answer is 126.",
+         "answer": "126", "namespace": "alice", "meta": {"topic": "reading", "n": 1}},
+        {"problem": "A tank holds 450 litres and leaks 35 litres. How much is left?",
+         "solution": "450 - 35 = 415. The answer is 415.", "answer": "415", "namespace": "alice"},
+    ]) + "\n")
+    common = ["--model", str(root / "model"), "--store", str(root / "store")]
+    assert main(["remember", "--jsonl", str(lines), "--meta", "topic=tanks", "--meta", "n=2", *common]) == 0
+    assert main(["remember", "--problem", PROBLEM, "--solution", SOLUTION, "--answer", "157", "--namespace", "bob",
+                 "--meta", "topic=farming", *common]) == 0
+    return root, common
+
+
+def _json_out(capsys, argv) -> dict:
+    from kvmemory.cli import main
+
+    capsys.readouterr()
+    assert main(argv) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_list_pages_and_filters_by_namespace_and_metadata(tiny_store, capsys):
+    from kvmemory.cli import main
+
+    root, common = tiny_store
+    store = ["--store", str(root / "store")]
+    page = _json_out(capsys, ["list", *store, "--namespace", "alice", "--json"])
+    assert page["total"] == 2 and page["next_cursor"] is None and page["namespaces"] == {"alice": 2, "bob": 1}
+    assert [e["meta"] for e in page["entries"]] == [{"topic": "reading", "n": 1}, {"topic": "tanks", "n": 2}]
+    assert all(e["namespace"] == "alice" and e["verified"] and e["version"] == 1 for e in page["entries"])
+    # --where: text, a JSON number, a JSON comparison; all must hold
+    assert [e["meta"]["topic"] for e in _json_out(capsys, ["list", *store, "--namespace", "alice", "--where",
+                                                             "topic=tanks", "--json"])["entries"]] == ["tanks"]
+    assert _json_out(capsys, ["list", *store, "--namespace", "alice", "--where", "n=1", "--json"])["total"] == 1
+    assert _json_out(capsys, ["list", *store, "--namespace", "alice", "--where", 'n={"$gte": 1}', "--where",
+                              "topic=reading", "--json"])["total"] == 1
+    assert _json_out(capsys, ["list", *store, "--namespace", "alice", "--where", "n=3", "--json"])["total"] == 0
+    # paging by cursor visits every entry once, in the listing's order
+    everything = _json_out(capsys, ["list", *store, "--all-namespaces", "--json"])
+    assert everything["total"] == 3 and everything["namespace"] is None
+    seen, cursor = [], None
+    while True:
+        page = _json_out(capsys, ["list", *store, "--all-namespaces", "--limit", "1", "--json",
+                                  *(["--cursor", cursor] if cursor else [])])
+        seen += [e["id"] for e in page["entries"]]
+        cursor = page["next_cursor"]
+        if cursor is None:
+            break
+    assert seen == [e["id"] for e in everything["entries"]]
+    # the text form says how to get the next page, and where the entries are when a namespace is empty
+    assert main(["list", *store, "--namespace", "alice", "--limit", "1"]) == 0
+    text = capsys.readouterr().out
+    assert "1 of 2 entries in namespace 'alice'" in text and "next page: --cursor " in text and "reading" in text
+    assert main(["list", *store, "--namespace", "carol"]) == 0
+    assert "alice (2), bob (1)" in capsys.readouterr().out
+    # listing loads no model and takes no profile options; bad input is one typed line, exit 2
+    with pytest.raises(SystemExit):
+        main(["list", *store, "--model", "x"])
+    assert main(["list", *store, "--limit", "5000", "--json"]) == 2
+    assert json.loads(capsys.readouterr().out)["error"] == "InvalidInput"
+    assert main(["list", *store, "--cursor", "garbage", "--json"]) == 2
+    assert main(["list", "--store", str(root / "no-store"), "--json"]) == 2
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["error"] == "StoreError"
+    with pytest.raises(SystemExit):
+        main(["list", *store, "--where", "no-equals-sign"])
+
+
+def test_recall_where_and_the_embedder_switch(tiny_store, capsys):
+    from kvmemory.cli import main
+
+    root, common = tiny_store
+    q = "Ana reads 14 pages a day for 9 days. How many pages?"
+    ids = {e["meta"]["topic"]: e["id"] for e in _json_out(capsys, ["list", "--store", str(root / "store"),
+                                                                    "--namespace", "alice", "--json"])["entries"]}
+    hits = _json_out(capsys, ["recall", q, "--namespace", "alice", "--json", *common])["hits"]
+    assert hits[0]["id"] == ids["reading"] and hits[0]["score"] > 0.99
+    filtered = _json_out(capsys, ["recall", q, "--namespace", "alice", "--where", "topic=tanks", "--json", *common])
+    assert ids["reading"] not in [h["id"] for h in filtered["hits"]]
+    assert _json_out(capsys, ["recall", q, "--namespace", "alice", "--where", "topic=reading", "--json",
+                              *common])["hits"][0]["id"] == ids["reading"]
+    # an unknown embedder fails at once, one typed line
+    assert main(["recall", q, "--embedder", "no-such-embedder", "--json", *common]) == 2
+    err = json.loads(capsys.readouterr().out)
+    assert err["error"] == "InvalidInput" and "no-such-embedder" in err["message"]
+    # reindex --embedder switches the store; later opens use the recorded one; another one is refused
+    out = _json_out(capsys, ["reindex", "--embedder", "multilingual", "--json", *common])
+    assert out["reindexed"] >= 3 and "multilingual" in json.dumps(out["embedder"]).lower()
+    assert _json_out(capsys, ["recall", q, "--namespace", "alice", "--json", *common])["hits"]
+    assert main(["recall", q, "--namespace", "alice", "--embedder", "minilm", "--json", *common]) == 2
+    assert json.loads(capsys.readouterr().out)["error"] == "RouterMismatch"
+    out = _json_out(capsys, ["reindex", "--embedder", "minilm", "--json", *common])
+    assert "minilm" in json.dumps(out["embedder"]).lower()
