@@ -127,7 +127,10 @@ def resolve_model_path(name_or_path: str = DEFAULT_MODEL) -> str:
         if not (target / "config.json").exists():
             _convert_embedded(gguf, target)
         return str(target)
-    if Path(name_or_path).expanduser().is_dir():
+    folder = Path(name_or_path).expanduser()
+    if folder.is_dir():
+        if not (folder / "config.json").is_file():  # transformers would say "Unrecognized model", untyped
+            raise UnknownModel(_unknown_model_message(name_or_path))
         return name_or_path
     # A hub id is read from the local hub cache only: kvmemory downloads nothing at run time, and asking
     # the hub offline costs half a minute of retries before transformers' untyped OSError.
@@ -169,7 +172,9 @@ def _local_models() -> list[str]:
 def _unknown_model_message(name: str) -> str:
     from huggingface_hub import constants
 
-    what = "a file, not a model folder" if Path(name).expanduser().exists() else "not a folder"
+    path = Path(name).expanduser()
+    what = ("a folder without config.json" if path.is_dir() else "a file, not a model folder" if path.exists()
+            else "not a folder")
     here = _local_models()
     listing = ", ".join(here[:20]) + (f" and {len(here) - 20} more" if len(here) > 20 else "") if here else "none"
     return (f"unknown model {name!r}: {what}, and not in the local Hugging Face cache ({constants.HF_HUB_CACHE}); "
