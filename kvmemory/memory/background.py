@@ -42,6 +42,8 @@ class PendingWrite:
         self.namespace = namespace
         self.verified = verified
         self.what = what
+        self.routed = True  # a remembered entry's route: False until it is embedded (KVMemory.route_pending)
+        self.texts: list[str] = []
         self.state = PENDING
         self.error: BaseException | None = None
         self.value: Any = None

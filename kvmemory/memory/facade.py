@@ -288,11 +288,12 @@ class KVMemory:
     def remember_later(self, problem: str, solution: str, answer: str | None = None, *, verifier=None,
                        namespace: str | None = None, allow_unverified: bool = False, meta: dict | None = None,
                        aliases: Sequence[str] = (), lock=None) -> PendingWrite:
-        """`remember` that returns at once: the texts are checked, the verifier runs and the entry is
-        routed now (a refused solution raises here, as in `remember`); its KV is computed and
-        committed later (memory/background.py): by a writer thread holding `lock` when one is given
-        (hold the same lock around every other use of this memory from other threads), else on first
-        use (a `recall` that routes to it), at `flush()`, or at the interpreter's normal exit.
+        """`remember` that returns at once: the texts are checked and the verifier runs now (a refused
+        solution raises here, as in `remember`); the entry is routed (embedded) by the first `recall`
+        or `route_pending` of its namespace, or with its KV; its KV is computed and committed later
+        (memory/background.py): by a writer thread holding `lock` when one is given (hold the same
+        lock around every other use of this memory from other threads), else on first use (a `recall`
+        that routes to it), at `flush()`, or at the interpreter's normal exit.
 
         Returns the `PendingWrite`: `.id` is the entry's id (known now), `.result()` waits for the
         committed `EntryRecord` (or raises why it failed). Until then `get(id)` raises UnknownEntry,
@@ -305,10 +306,28 @@ class KVMemory:
             return old  # the same content is already on its way
         job = PendingWrite(lambda: self._run_pending(plan), lock=lock, id=eid, namespace=ns,
                            verified=plan["verdict"]["ok"], what=f"computing the KV of entry {eid}")
+        # Embedding the text for the router takes ~0.1 s on a busy CPU: left to the first call that
+        # searches this namespace (route_pending), so this call stays within milliseconds.
+        job.routed = False
+        job.texts = [plan["problem"], *plan["aliases"]]
         self._pending[eid] = job
-        # Route now: a search or recall right after this call finds the entry.
-        self.router.update(eid, ns, [plan["problem"], *plan["aliases"]])
         return self._writer.submit(job)
+
+    def route_pending(self, namespace: str | None = None) -> int:
+        """Route the entries of `namespace` (default: every namespace) remembered with
+        `remember_later` and not routed yet, so a search finds them before their KV is committed.
+        `recall` does this itself; a framework store that searches the router directly calls it.
+        Returns how many were routed."""
+        n = 0
+        for job in list(self._pending.values()):
+            if job.routed or job.done() or (namespace is not None and job.namespace != namespace):
+                continue
+            self.router.update(job.id, job.namespace, job.texts)
+            job.routed = True
+            if job.state == "cancelled":  # forgotten while we embedded it
+                self.router.delete(job.id)
+            n += 1
+        return n
 
     def forget_later(self, entry_id: str, namespace: str | None = None, *, lock=None,
                      unless: Callable[[], bool] | None = None) -> PendingWrite:
@@ -339,7 +358,11 @@ class KVMemory:
 
     def _run_pending(self, plan: dict) -> EntryRecord:
         try:
-            return self._compute_and_commit(plan)
+            entry = self._compute_and_commit(plan)
+            job = self._pending.get(plan["id"])
+            if job is None or not job.routed:
+                self._after_remember(entry)
+            return entry
         except BaseException:
             # Nothing was committed: the route must not point at an entry that will never exist.
             try:
@@ -704,6 +727,7 @@ class KVMemory:
         ns = _check_namespace(namespace or self.namespace)
         th = threshold if threshold is not None else self.threshold
         self.sync_router(ns)
+        self.route_pending(ns)
         out: list[Recalled] = []
         seen: set[str] = set()
         wanted = set(numbers_in(query)) if number_check else set()

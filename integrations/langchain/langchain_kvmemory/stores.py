@@ -437,6 +437,8 @@ class KVMemoryStore(BaseStore):
         # not related to the query and is not returned (threshold=-1.0 ranks every indexed item).
         th = self.threshold if self.threshold is not None else memory.threshold
         for ns in sorted({it[0] for it in items if it[2]}):
+            memory.route_pending(ns)  # items put moments ago: embedded now, with the query
+        for ns in sorted({it[0] for it in items if it[2]}):
             n = sum(1 for it in items if it[0] == ns and it[2])
             for hit in memory.router.search(op.query, k=max(1, n), namespace=ns, threshold=th):
                 for it in by_entry.get((ns, hit.entry_id), []):
