@@ -401,3 +401,68 @@ def test_guided_passes_check_the_stream_before_they_compute(memory):
     with pytest.raises(StreamCancelled):
         JsonGuide(dec, "", schema, 8).value(schema)
     assert dec.stats.passes == 0
+
+
+# ---------------------------------------------------------------------- token counts (adapters/tokens.py)
+def test_token_counts_are_what_the_engine_reads(memory):
+    """`count_chat_tokens` equals the ids a chat call decodes from when it routes nothing (tools and a
+    response schema described in the system turn as `run_chat` describes them), with the tokenizer
+    read on its own (no weights) as with the engine's."""
+    from kvmemory import chat_token_ids, count_tokens, tokenizer_for
+    from kvmemory.adapters.messages import schema_prompt, tools_prompt
+
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city.",
+                                               "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+    schema = {"type": "object", "properties": {"answer": {"type": "integer"}}}
+    own = tokenizer_for(None)
+    assert own is tokenizer_for("embedded") and own is not memory.engine.tokenizer  # cached per model, read apart
+    for turns in (to_turns([Message("user", "Hi")]),
+                  to_turns([Message("system", "Be brief."), Message("user", "What is 2 + 2?"),
+                            Message("assistant", "4"), Message("user", "And 3 + 3?")])):
+        for kw, extra in (({}, ()), ({"tools": tools}, (tools_prompt(tools),)),
+                          ({"response_schema": schema}, (schema_prompt(schema),))):
+            expected = memory.chat_prompt(with_instructions(turns, *extra), route=False).ids
+            assert chat_token_ids(None, turns, **kw) == expected
+            assert chat_token_ids(memory.engine.tokenizer, turns, **kw) == expected
+    for text in ("Hello world", "12 * 8 = 96", "émigré 東京", ""):
+        assert count_tokens(None, text) == len(memory.engine.encode(text)) if text else count_tokens(None, text) == 0
+
+
+def test_token_counts_refuse_what_they_cannot_read():
+    from kvmemory import InvalidInput, UnknownModel, count_chat_tokens, count_tokens
+
+    t0 = time.perf_counter()
+    with pytest.raises(UnknownModel, match="no-such-model"):  # the loader's own check (resolve_model_path)
+        count_tokens("no-such-org/no-such-model-kvmemory", "hi")
+    assert time.perf_counter() - t0 < 10  # no retries against the hub
+    with pytest.raises(InvalidInput):
+        count_tokens(None, None)
+    with pytest.raises(InvalidInput):
+        count_chat_tokens(None, "not a list of turns")
+    assert count_chat_tokens(None, []) == 0
+
+
+def test_unknown_option_is_both_typed_and_a_type_error():
+    from kvmemory import InvalidInput, UnknownOption
+
+    assert issubclass(UnknownOption, InvalidInput) and issubclass(UnknownOption, TypeError)
+
+
+def test_scored_tool_policy_measures_the_shift_against_a_content_free_turn(memory):
+    """`wants_tool` scores each tool's call against the same prompt with a content-free user turn; the
+    content-free scores are computed once per prompt and counted in the call's cost."""
+    from kvmemory import GREEDY, Decoder
+    from kvmemory.adapters import chat
+    from kvmemory.adapters.messages import tools_prompt
+
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Get the current weather in a city.",
+                                               "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+    chat._BASELINES.clear()
+    picks = {}
+    for q in ("What's the weather like in Paris right now?", "Write a haiku about spring."):
+        turns = with_instructions(to_turns([Message("user", q)]), tools_prompt(tools))
+        dec = Decoder(memory, memory.chat_prompt(turns, route=False).ids, GREEDY)
+        picks[q] = chat.wants_tool(dec, turns, ["get_weather"])
+        assert dec.stats.passes == (2 if len(picks) == 1 else 1)  # the baseline's pass only the first time
+    assert len(chat._BASELINES) == 1
+    assert picks == {"What's the weather like in Paris right now?": "get_weather", "Write a haiku about spring.": None}

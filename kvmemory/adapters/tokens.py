@@ -38,7 +38,8 @@ ModelOrTokenizer = str | None | Tokenizer
 
 def tokenizer_for(model: ModelOrTokenizer = None) -> Tokenizer:
     """The tokenizer of `model` (an HF id, a local folder, or None / the embedded default), read from
-    local files only and cached per model; a tokenizer object is returned as it is."""
+    local files only and cached per model; a tokenizer object is returned as it is. A model that is
+    not here raises the loader's UnknownModel; a folder without a readable tokenizer InvalidInput."""
     if model is not None and not isinstance(model, str):
         if not callable(getattr(model, "apply_chat_template", None)) and not callable(model):
             raise InvalidInput(f"model must be a model name or a tokenizer, got {type(model).__name__}")

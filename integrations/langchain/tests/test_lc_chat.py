@@ -1,5 +1,6 @@
 """ChatKVGraft on the embedded model, beyond the standard suite: routed grafts and their provenance,
-stop strings, streaming equal to invoke, max_tokens, tool calls decoded under their schema."""
+stop strings, streaming equal to invoke, max_tokens, tool calls decoded under their schema, and the
+default tool policy deciding between a call and an answer."""
 
 from __future__ import annotations
 
@@ -101,7 +102,7 @@ def test_any_tool_choice_lets_the_model_pick_the_tool(llm):
 
 
 def test_model_policy_answers_in_text_and_reads_tool_results(llm):
-    bound = llm.bind_tools([multiply])
+    bound = llm.bind_tools([multiply], tool_policy="model")
     assert bound.invoke("Hello").tool_calls == []
     call = AIMessage("", tool_calls=[{"name": "multiply", "args": {"a": 6, "b": 7}, "id": "c1", "type": "tool_call"}])
     answer = bound.invoke([HumanMessage("What is 6 times 7?"), call, ToolMessage("42", tool_call_id="c1")])
@@ -128,3 +129,42 @@ def test_images_are_refused_with_a_typed_error(llm):
 def test_unknown_call_argument_is_refused(llm):
     with pytest.raises(TypeError):
         llm.invoke("Hello", max_token=3)
+
+
+@tool
+def get_weather(city: str) -> str:
+    """Get the current weather in a city."""
+    return f"Sunny in {city}"
+
+
+@tool
+def calculator(expression: str) -> str:
+    """Evaluate an arithmetic expression, e.g. 12 * (3 + 4)."""
+    return expression
+
+
+def test_default_policy_calls_the_tool_an_agent_question_needs(llm):
+    """tool_choice "auto" with the default tool_policy ("scored"): the model's likelihoods pick the
+    call, and its arguments are decoded under the tool's schema."""
+    bound = llm.bind_tools([get_weather, calculator])
+    weather = bound.invoke("What's the weather in Berlin today?")
+    assert [(c["name"], c["args"]) for c in weather.tool_calls] == [("get_weather", {"city": "Berlin"})]
+    assert weather.response_metadata["finish_reason"] == "tool_calls" and weather.invalid_tool_calls == []
+    sums = bound.invoke("What is 347 multiplied by 29?")
+    assert [c["name"] for c in sums.tool_calls] == ["calculator"]
+    assert sums.tool_calls[0]["args"]["expression"].replace(" ", "") in ("347*29", "347x29")
+
+
+def test_default_policy_answers_what_needs_no_tool(llm):
+    msg = llm.bind_tools([get_weather, calculator]).invoke("Write a short poem about the sea.")
+    assert msg.tool_calls == [] and msg.invalid_tool_calls == [] and msg.content.strip()
+    assert msg.response_metadata["finish_reason"] in ("stop", "length")
+
+
+def test_default_policy_answers_after_the_tool_result(llm):
+    call = AIMessage("", tool_calls=[{"name": "get_weather", "args": {"city": "Berlin"}, "id": "c1",
+                                      "type": "tool_call"}])
+    history = [HumanMessage("What's the weather in Berlin today?"), call,
+               ToolMessage("Sunny, 21 C", tool_call_id="c1")]
+    answer = llm.bind_tools([get_weather, calculator]).invoke(history)
+    assert answer.tool_calls == [] and answer.content.strip()

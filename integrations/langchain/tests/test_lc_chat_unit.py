@@ -61,3 +61,12 @@ def test_serdes_round_trip(snapshot) -> None:
                      allowed_objects=[ChatKVGraft]).dict() == model.dict()
         with pytest.raises(ValueError, match="not allowed"):
             load(ser, valid_namespaces=["langchain_kvmemory"], allowed_objects="all")
+
+
+def test_init_chat_model_has_no_third_party_providers():
+    """Documented in the README: langchain's init_chat_model builds only the providers of its own table
+    (no registration hook), so model_provider="kvmemory" cannot work without patching LangChain. When
+    this starts failing, LangChain gained a hook: support it."""
+    init_chat_model = pytest.importorskip("langchain.chat_models").init_chat_model
+    with pytest.raises(ValueError, match="Unsupported"):
+        init_chat_model("embedded:smollm2-135m-instruct", model_provider="kvmemory")
