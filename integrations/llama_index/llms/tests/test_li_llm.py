@@ -24,7 +24,7 @@ def test_metadata_reports_the_real_context_window(li_llm, li_memory):
     md = li_llm.metadata
     assert md.context_window == li_memory.engine.runner.max_positions == 8192
     assert md.num_output == li_llm.max_new_tokens
-    assert md.is_chat_model is True and md.is_function_calling_model is False
+    assert md.is_chat_model is True and md.is_function_calling_model is True
     assert md.model_name == "embedded:smollm2-135m-instruct"
     assert KVGraftLLM.class_name() == "KVGraftLLM"
 
