@@ -213,15 +213,26 @@ def bench_recurring(args) -> int:
     _quiet_transformers()
     import tempfile
 
-    from kvmemory.bench.recurring import format_table, run_recurring_bench
-
     # Without --store, a temporary store (removed after), on the model and profile options given.
     with tempfile.TemporaryDirectory(prefix="kvmemory-bench-recurring-") as tmp:
         if args.store is None:
             args.store = str(Path(tmp) / "store")
-        mem = _memory(args)
-        r = run_recurring_bench(mem, problems=args.problems, rewordings=args.rewordings, unrelated=args.unrelated,
-                                seed=args.seed, base_budget=args.base_budget, progress=not args.json)
+        if args.dataset:
+            # Outside problems: verbatim, reworded and sibling questions (bench/recurring_outside.py).
+            from kvmemory.bench.gsm_symbolic import load_problems
+            from kvmemory.bench.recurring_outside import format_table, run_outside_bench
+
+            load_problems(1)  # a missing reasoning-gym is one clear line before the model loads
+            mem = _memory(args)
+            r = run_outside_bench(mem, dataset=args.dataset, problems=args.problems, seed=args.seed,
+                                  base_budget=args.base_budget, progress=not args.json)
+        else:
+            from kvmemory.bench.recurring import format_table, run_recurring_bench
+
+            mem = _memory(args)
+            r = run_recurring_bench(mem, problems=args.problems, rewordings=args.rewordings,
+                                    unrelated=args.unrelated, seed=args.seed, base_budget=args.base_budget,
+                                    progress=not args.json)
     _emit(args, r, format_table(r))
     return 0
 
@@ -804,16 +815,21 @@ def _bench_parsers(bench: argparse.ArgumentParser) -> None:
     plot(g)
     g.set_defaults(func=bench_graft)
 
-    rc = _command(sub, "recurring", "accuracy and tokens computed on generated recurring problems and their "
-                  "rewordings: the model alone vs with its verified solutions remembered",
+    rc = _command(sub, "recurring", "accuracy and tokens computed on recurring problems: the model alone vs "
+                  "with its verified solutions remembered; generated problems and their rewordings, or an "
+                  "outside dataset (--dataset) asked verbatim, reworded and as siblings with other numbers",
                   parents=[_parent(*_STORE_OPTS, *_ENGINE_OPTS, "namespace", "embedder"), json_opt],
                   epilog=_examples("kvmemory bench recurring --problems 12 --rewordings 2 --unrelated 60 "
-                                   "--base-budget 160 --json"))
-    rc.add_argument("--problems", type=_count(), default=12, help="generated problems (default: %(default)s)")
-    rc.add_argument("--rewordings", type=_count(), default=2, help="rewordings asked per problem "
-                    "(default: %(default)s)")
+                                   "--base-budget 160 --json",
+                                   "kvmemory bench recurring --dataset gsm-symbolic --problems 30 --json"))
+    rc.add_argument("--dataset", choices=["gsm-symbolic"], default=None,
+                    help="outside problems with worked solutions instead of kvmemory's generator: gsm-symbolic "
+                         "(GSM8K templates shipped by reasoning-gym; pip install 'kvmemory[datasets]')")
+    rc.add_argument("--problems", type=_count(), default=12, help="problems (default: %(default)s)")
+    rc.add_argument("--rewordings", type=_count(), default=2, help="rewordings asked per generated problem "
+                    "(default: %(default)s; with --dataset, one rewording per problem)")
     rc.add_argument("--unrelated", type=_count(0), default=40, help="unrelated questions that must not route "
-                    "(default: %(default)s)")
+                    "(default: %(default)s; not used with --dataset)")
     rc.add_argument("--base-budget", type=_count(), default=256, help="tokens the model alone may decode per "
                     "question (default: %(default)s)")
     seed(rc)

