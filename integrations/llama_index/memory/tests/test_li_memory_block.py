@@ -108,13 +108,44 @@ def test_truncation_drops_whole_solutions_from_the_end(li_memory, li_recurring):
 
 
 def test_construction(li_memory):
-    with pytest.raises(ValueError):
+    from kvmemory import InvalidInput
+
+    # Bad fields: kvmemory's typed error (a ValueError), not pydantic's.
+    with pytest.raises(InvalidInput):
         KVMemoryBlock(memory=li_memory, similarity_top_k=0)
-    with pytest.raises(ValueError):
+    with pytest.raises(InvalidInput):
         KVMemoryBlock(memory="not a memory")
-    with pytest.raises(ValueError, match="unknown verifier"):
+    with pytest.raises(InvalidInput, match="unknown verifier"):
         KVMemoryBlock(memory=li_memory, verifier="trust-me")
+    with pytest.raises(InvalidInput):
+        KVMemoryBlock(memory=li_memory, namespace=5)
     block = KVMemoryBlock(memory=li_memory, name="solutions", priority=2)
     assert block.name == "solutions" and block.priority == 2 and block.memory is li_memory
     # The block serializes without its KVMemory (a model is not configuration).
     assert "memory" not in block.model_dump()
+
+
+def test_bad_inputs_are_refused_typed(li_memory):
+    from kvmemory import InvalidInput
+
+    block = KVMemoryBlock(memory=li_memory, namespace="li-block-bad-inputs")
+    for bad in (None, 3, b"q"):
+        with pytest.raises(InvalidInput):
+            block.recall(bad)
+    with pytest.raises(InvalidInput):
+        block.remember(None, "2 + 2 = 4. The answer is 4.")
+    with pytest.raises(InvalidInput):
+        block.remember("What is 2 + 2?", 4)
+    with pytest.raises(InvalidInput):
+        block.remember("What is 2 + 2?", "2 + 2 = 4.", answer=4)
+    for bad in ("hello", ["hello"], ChatMessage(role=MessageRole.USER, content="hi")):
+        with pytest.raises(InvalidInput):
+            asyncio.run(block.aget(bad))
+        with pytest.raises(InvalidInput):
+            asyncio.run(block.aput(bad))
+    with pytest.raises(InvalidInput):
+        asyncio.run(block.atruncate(5, 10))
+    with pytest.raises(InvalidInput):
+        asyncio.run(block.atruncate("text", "many"))
+    # Nothing was stored or counted as rejected: the calls were refused, not attempted.
+    assert block.remembered == [] and block.rejected == []

@@ -86,14 +86,22 @@ def test_unverified_entries_are_flagged_and_can_be_excluded(li_memory):
 
 
 def test_bad_arguments_are_refused(li_memory):
-    with pytest.raises(ValueError):
-        KVMemoryRetriever(li_memory, similarity_top_k=0)
-    with pytest.raises(TypeError):
-        KVMemoryRetriever(memory="not a memory")
     from kvmemory import InvalidInput
 
+    for kwargs in ({"similarity_top_k": 0}, {"similarity_top_k": True}, {"similarity_top_k": "3"},
+                   {"namespace": 7}, {"threshold": "high"}, {"verified_only": "yes"}, {"text_template": None}):
+        with pytest.raises(InvalidInput):
+            KVMemoryRetriever(li_memory, **kwargs)
+    with pytest.raises(TypeError):
+        KVMemoryRetriever(memory="not a memory")
+    retriever = KVMemoryRetriever(li_memory)
     with pytest.raises(InvalidInput):
-        KVMemoryRetriever(li_memory).retrieve("   ")
+        retriever.retrieve("   ")
+    for bad in (None, 42, b"question", ["question"], QueryBundle(query_str=None)):
+        with pytest.raises(InvalidInput):
+            retriever.retrieve(bad)
+        with pytest.raises(InvalidInput):
+            asyncio.run(retriever.aretrieve(bad))
 
 
 def test_a_component_built_without_an_llm_fails_instead_of_resolving_a_default(li_memory):

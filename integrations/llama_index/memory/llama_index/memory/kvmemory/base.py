@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvmemory import (DEFAULT_MODEL, TEXT_TEMPLATE, VERIFIERS, EntryRecord, InvalidInput, KVMemory, Recalled,
-                      VerificationFailed, shared_memory)
+                      VerificationFailed, prompt_text, shared_memory)
 from llama_index.core.base.llms.types import ChatMessage, MessageRole, TextBlock
-from llama_index.core.bridge.pydantic import Field, PrivateAttr, field_validator, model_validator
+from llama_index.core.bridge.pydantic import Field, PrivateAttr, ValidationError, field_validator, model_validator
 from llama_index.core.memory.memory import BaseMemoryBlock
 
 DEFAULT_FORMAT = TEXT_TEMPLATE
@@ -42,6 +42,13 @@ class Rejected:
 
 def _text(message: ChatMessage) -> str:
     return "".join(b.text for b in message.blocks if isinstance(b, TextBlock))
+
+
+def _check_messages(messages: Any) -> None:
+    if messages is None:
+        return
+    if not isinstance(messages, list) or not all(isinstance(m, ChatMessage) for m in messages):
+        raise InvalidInput(f"messages must be a list of llama_index ChatMessage objects, got {messages!r:.80}")
 
 
 class KVMemoryBlock(BaseMemoryBlock[str]):
@@ -90,7 +97,12 @@ class KVMemoryBlock(BaseMemoryBlock[str]):
 
     def __init__(self, memory: KVMemory | None = None, *, store: str | os.PathLike[str] | None = None,
                  model: str = DEFAULT_MODEL, **kwargs: Any) -> None:
-        super().__init__(memory=memory, store=store, model=model, **kwargs)
+        try:
+            super().__init__(memory=memory, store=store, model=model, **kwargs)
+        except ValidationError as exc:
+            # pydantic's error for a bad field (similarity_top_k=0, a memory that is not a KVMemory, an
+            # unknown verifier) as kvmemory's typed one; both are ValueErrors.
+            raise InvalidInput(f"KVMemoryBlock: {exc}") from exc
 
     @property
     def remembered(self) -> list[EntryRecord]:
@@ -105,6 +117,7 @@ class KVMemoryBlock(BaseMemoryBlock[str]):
     # ------------------------------------------------------------------ get
     def recall(self, query: str) -> list[Recalled]:
         """The solutions a get would return for `query`, best first."""
+        query = prompt_text(query, "query")
         if not query.strip():
             return []
         hits = self.memory.recall(query, k=self.similarity_top_k, namespace=self.namespace, threshold=self.threshold)
@@ -114,6 +127,7 @@ class KVMemoryBlock(BaseMemoryBlock[str]):
         return SEPARATOR.join(h.text(self.format_template).strip() for h in hits)
 
     async def _aget(self, messages: list[ChatMessage] | None = None, **block_kwargs: Any) -> str:
+        _check_messages(messages)
         query = next((_text(m) for m in reversed(messages or []) if m.role == MessageRole.USER), "")
         if not query.strip():
             return ""
@@ -124,6 +138,10 @@ class KVMemoryBlock(BaseMemoryBlock[str]):
     async def atruncate(self, content: str, tokens_to_truncate: int) -> str | None:
         """Drop whole solutions from the end (the lowest scored) until about `tokens_to_truncate`
         tokens are gone; a solution is never cut in half."""
+        if content is not None:
+            content = prompt_text(content, "content")
+        if isinstance(tokens_to_truncate, bool) or not isinstance(tokens_to_truncate, int):
+            raise InvalidInput(f"tokens_to_truncate must be an integer, got {tokens_to_truncate!r}")
         parts = content.split(SEPARATOR) if content else []
         tok = self.memory.engine.tokenizer
         while parts and tokens_to_truncate > 0:
@@ -132,7 +150,11 @@ class KVMemoryBlock(BaseMemoryBlock[str]):
 
     # ------------------------------------------------------------------ put
     def remember(self, problem: str, solution: str, answer: str | None = None) -> EntryRecord | None:
-        """Store one pair if the verifier accepts it; returns the entry, or None (see `rejected`)."""
+        """Store one pair if the verifier accepts it; returns the entry, or None (see `rejected`).
+        A problem, solution or answer that is not a string is a caller's mistake: InvalidInput, raised."""
+        prompt_text(problem, "problem"), prompt_text(solution, "solution")
+        if answer is not None:
+            prompt_text(answer, "answer")
         try:
             entry = self.memory.remember(problem, solution, answer, verifier=self.verifier, namespace=self.namespace)
         except (VerificationFailed, InvalidInput) as e:
@@ -153,6 +175,7 @@ class KVMemoryBlock(BaseMemoryBlock[str]):
         return pairs
 
     async def _aput(self, messages: list[ChatMessage]) -> None:
+        _check_messages(messages)
         for problem, solution, answer in self._pairs(messages):
             # Remembering runs the model over the pair (seconds on a CPU): off the event loop.
             await asyncio.to_thread(self.remember, problem, solution, answer)

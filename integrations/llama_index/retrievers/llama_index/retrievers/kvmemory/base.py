@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import os
+from typing import Any
 
-from kvmemory import DEFAULT_MODEL, TEXT_TEMPLATE, KVMemory, Recalled, shared_memory
+from kvmemory import DEFAULT_MODEL, TEXT_TEMPLATE, InvalidInput, KVMemory, Recalled, prompt_text, shared_memory
 from llama_index.core.base.base_retriever import BaseRetriever
 from llama_index.core.callbacks.base import CallbackManager
-from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
+from llama_index.core.schema import NodeWithScore, QueryBundle, QueryType, TextNode
 
 DEFAULT_TEXT_TEMPLATE = TEXT_TEMPLATE
 # The keys every kvmemory adapter (LangChain and LlamaIndex) puts on a retrieved solution
@@ -54,8 +55,16 @@ class KVMemoryRetriever(BaseRetriever):
             memory = shared_memory(model, store)
         if not isinstance(memory, KVMemory):
             raise TypeError(f"memory must be a kvmemory.KVMemory, got {type(memory).__name__}")
-        if not isinstance(similarity_top_k, int) or similarity_top_k < 1:
-            raise ValueError(f"similarity_top_k must be a positive integer, got {similarity_top_k!r}")
+        # Bad options: kvmemory's typed InvalidInput (a ValueError), as the LLM and LangChain's retriever.
+        if isinstance(similarity_top_k, bool) or not isinstance(similarity_top_k, int) or similarity_top_k < 1:
+            raise InvalidInput(f"similarity_top_k must be a positive integer, got {similarity_top_k!r}")
+        if namespace is not None and not isinstance(namespace, str):
+            raise InvalidInput(f"namespace must be a string, got {type(namespace).__name__}")
+        if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, (int, float))):
+            raise InvalidInput(f"threshold must be a number, got {threshold!r}")
+        if not isinstance(verified_only, bool):
+            raise InvalidInput(f"verified_only must be True or False, got {verified_only!r}")
+        prompt_text(text_template, "text_template")
         self._memory = memory
         self.similarity_top_k = similarity_top_k
         self.namespace = namespace
@@ -71,6 +80,20 @@ class KVMemoryRetriever(BaseRetriever):
     @classmethod
     def class_name(cls) -> str:
         return "KVMemoryRetriever"
+
+    @staticmethod
+    def _check_query(query: Any) -> None:
+        # Before LlamaIndex's start event and callbacks, which fail on a non-string with an
+        # unrelated AttributeError / ValidationError.
+        prompt_text(query.query_str if isinstance(query, QueryBundle) else query, "query")
+
+    def retrieve(self, str_or_query_bundle: QueryType) -> list[NodeWithScore]:
+        self._check_query(str_or_query_bundle)
+        return super().retrieve(str_or_query_bundle)
+
+    async def aretrieve(self, str_or_query_bundle: QueryType) -> list[NodeWithScore]:
+        self._check_query(str_or_query_bundle)
+        return await super().aretrieve(str_or_query_bundle)
 
     def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
         hits = self._memory.recall(query_bundle.query_str, k=self.similarity_top_k, namespace=self.namespace,
