@@ -379,6 +379,13 @@ def test_recall_where_and_the_embedder_switch(tiny_store, capsys):
     assert ids["reading"] not in [h["id"] for h in filtered["hits"]]
     assert _json_out(capsys, ["recall", q, "--namespace", "alice", "--where", "topic=reading", "--json",
                               *common])["hits"][0]["id"] == ids["reading"]
+    # ask --where: the answer grafts only entries whose metadata matches
+    ans = _json_out(capsys, ["ask", q, "--namespace", "alice", "--where", "topic=reading", "--max-tokens", "2",
+                             "--json", *common])
+    assert ans["entries"] == [ids["reading"]] and ans["tokens_grafted"] > 0
+    ans = _json_out(capsys, ["ask", q, "--namespace", "alice", "--where", "topic=tanks", "--max-tokens", "2",
+                             "--json", *common])
+    assert ids["reading"] not in ans["entries"]
     # an unknown embedder fails at once, one typed line
     assert main(["recall", q, "--embedder", "no-such-embedder", "--json", *common]) == 2
     err = json.loads(capsys.readouterr().out)
