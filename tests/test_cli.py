@@ -136,13 +136,12 @@ def _leaves():
             yield path, parser
 
 
-def test_every_option_of_every_command_has_help_and_every_command_a_description():
+def _without_help(root):
+    """(options without help text, commands without a description) of an argparse tree."""
     import argparse
 
-    from kvmemory.cli import build_parser
-
     missing, undescribed = [], []
-    for path, parser in _commands(build_parser()):
+    for path, parser in _commands(root):
         if path and not parser.description:
             undescribed.append(" ".join(path))
         for action in parser._actions:
@@ -150,9 +149,21 @@ def test_every_option_of_every_command_has_help_and_every_command_a_description(
                 continue
             if not action.help or action.help is argparse.SUPPRESS:
                 missing.append(f"kvmemory {' '.join(path)} {'/'.join(action.option_strings) or action.dest}")
+    return missing, undescribed
+
+
+def test_every_option_of_every_command_has_help_and_every_command_a_description():
+    from kvmemory.cli import build_parser
+
+    missing, undescribed = _without_help(build_parser())
     assert not missing, f"options without help: {missing}"
     assert not undescribed, f"commands without a description: {undescribed}"
     assert len(list(_commands(build_parser()))) > 20  # the walk reached the benches
+    # and the walk does see a bare option deep in the tree
+    root = build_parser()
+    store_bench = dict(_commands(root))[("bench", "store")]
+    store_bench.add_argument("--bare")
+    assert _without_help(root)[0] == ["kvmemory bench store --bare"]
 
 
 def test_every_reporting_command_takes_json():
