@@ -807,7 +807,8 @@ def _bench_parsers(bench: argparse.ArgumentParser) -> None:
                                   "kvmemory bench graft --lengths 256,2048,8192 --linears gguf"))
     g.add_argument("--lengths", type=_counts, metavar="L1,L2,...", help="stored prefix lengths in tokens, "
                    "multiples of the grid (default: 256,512,...,16384, doubling)")
-    g.add_argument("--repeats", type=_count(), default=3, help="timed runs per measurement (default: %(default)s)")
+    g.add_argument("--repeats", type=_count(), default=5, help="interleaved timed runs of every side at every "
+                   "length (default: %(default)s)")
     g.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                    help="the dtype the model computes in (default: the model's own, float32)")
     g.add_argument("--no-llamacpp", action="store_true", help="leave out llama.cpp")

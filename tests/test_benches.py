@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import statistics
 
+import pytest
 import torch
 
 from kvmemory.kernels import sha256_lanes
@@ -49,6 +50,32 @@ def test_bench_graft_tiny(tmp_path):
     assert "| 128 |" in format_table(r) and "median [min-max]" in format_table(r)
     plot(r, str(tmp_path / "graft.png"))
     assert (tmp_path / "graft.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_graft_llamacpp_baselines_are_all_timed_interleaved():
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python (kvmemory[llamacpp]) is not installed")
+    from kvmemory.bench.graft import LLAMACPP_CONFIGS, format_table, run_graft_bench
+
+    threads = torch.get_num_threads()
+    r = run_graft_bench((64,), repeats=2, progress=False)
+    torch.set_num_threads(threads)
+    json.dumps(r)
+    row = r["rows"][0]
+    sides = {f"llamacpp_{kind}:{name}" for kind in ("prefill", "restore") for name in LLAMACPP_CONFIGS}
+    assert sides | {"graft", "recompute", "single_pass"} == set(row["samples_s"])
+    assert all(len(v) == 2 for v in row["samples_s"].values())  # every side at every repeat
+    for kind in ("prefill", "restore"):
+        by_config = row[f"llamacpp_{kind}_ttft_s_by_config"]
+        assert by_config == {n: statistics.median(row["samples_s"][f"llamacpp_{kind}:{n}"]) for n in LLAMACPP_CONFIGS}
+        # compared at llama.cpp's fastest setting
+        assert row[f"llamacpp_{kind}_ttft_s"] == min(by_config.values())
+        assert by_config[row[f"llamacpp_{kind}_config"]] == row[f"llamacpp_{kind}_ttft_s"]
+    assert row["speedup_vs_llamacpp_prefill"] == row["llamacpp_prefill_ttft_s"] / row["graft_ttft_s"]
+    # a Q8_0 K/V cache saves a smaller state than F16
+    assert row["llamacpp_state_bytes"]["flash-q8_0"] < row["llamacpp_state_bytes"]["flash-f16"]
+    assert {t["target"].split(" faster")[0] for t in r["targets"]} >= {"graft >= 1.3x"}
+    assert all(isinstance(t["met"], bool) for t in r["targets"])
+    assert "llama.cpp prefill s (setting)" in format_table(r) and "targets:" in format_table(r)
 
 
 def test_bench_store_tiny():
