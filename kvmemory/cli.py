@@ -290,6 +290,29 @@ def bench_serve(args) -> int:
     return 0 if r["ok"] else 1  # a failed request or an answer whose logits differ from the recompute
 
 
+def bench_answer(args) -> int:
+    _quiet_transformers()
+    from kvmemory.bench.answer import DEFAULT_LENGTHS, format_table, plot, run_answer_bench
+
+    r = run_answer_bench(args.lengths or DEFAULT_LENGTHS, new_tokens=args.new_tokens, repeats=args.repeats,
+                         threads=args.threads, llamacpp_sides=not args.no_llamacpp, seed=args.seed,
+                         progress=not args.json)
+    _plot(args, r, plot)
+    _emit(args, r, format_table(r))
+    return 0 if all(row["tokens_equal_recompute"] for row in r["rows"]) else 1  # a graft that decoded otherwise
+
+
+def bench_agent_loop(args) -> int:
+    _quiet_transformers()
+    from kvmemory.bench.agent_loop import format_table, plot, run_agent_loop_bench
+
+    r = run_agent_loop_bench(args.turns, repeats=args.repeats, restart_turns=() if args.no_restart else args.restart_turns,
+                             threads=args.threads, llamacpp_sides=not args.no_llamacpp, progress=not args.json)
+    _plot(args, r, plot)
+    _emit(args, r, format_table(r))
+    return 0 if all(all(row["first_token_equal_recompute"]) for row in r["rows"]) else 1
+
+
 def _plot(args, report: dict, plot) -> None:
     if args.plot:
         plot(report, args.plot)
@@ -702,7 +725,7 @@ def build_parser() -> argparse.ArgumentParser:
                   epilog=_examples("kvmemory reindex --embedder multilingual   # French, Chinese, ... route too"))
     ri.set_defaults(func=cmd_reindex)
 
-    _bench_parsers(_command(sub, "bench", "benchmarks: graft, recurring, router, store, capacity, serve (each with "
+    _bench_parsers(_command(sub, "bench", "benchmarks: graft, answer, agent-loop, recurring, router, store, capacity, serve (each with "
                             "its own options: kvmemory bench BENCH --help)",
                             epilog=_examples("kvmemory bench graft --repeats 5 --plot graft.png --json",
                                              "kvmemory bench serve --clients 1,4 --per-kind 1 --repeats 1")))
@@ -876,6 +899,42 @@ def _bench_parsers(bench: argparse.ArgumentParser) -> None:
     seed(sv)
     plot(sv)
     sv.set_defaults(func=bench_serve)
+
+    an = _command(sub, "answer", "a recurring question answered to the last token: kvmemory's graft vs llama.cpp "
+                  "restoring the context's saved state vs llama.cpp from scratch, and decode tokens/s, per context "
+                  "length", parents=[json_opt],
+                  epilog=_examples("kvmemory bench answer --repeats 5 --plot answer.png --json > answer.json",
+                                   "kvmemory bench answer --lengths 512,2048 --new-tokens 32"))
+    an.add_argument("--lengths", type=_counts, metavar="L1,L2,...", help="context lengths in tokens before the "
+                    "question, multiples of the grid (default: 512,2048,8192)")
+    an.add_argument("--new-tokens", type=_count(2), default=64, help="tokens every side decodes, greedy, end of "
+                    "text ignored (default: %(default)s)")
+    an.add_argument("--repeats", type=_count(), default=5, help="interleaved timed runs of every side at every "
+                    "length (default: %(default)s)")
+    an.add_argument("--threads", type=_count(), default=None, help="threads of kvmemory and llama.cpp alike "
+                    "(default: torch's count)")
+    an.add_argument("--no-llamacpp", action="store_true", help="leave out llama.cpp")
+    seed(an)
+    plot(an)
+    an.set_defaults(func=bench_answer)
+
+    al = _command(sub, "agent-loop", "time to first token per turn of a tool-using conversation re-sent whole each "
+                  "turn: kvmemory storing and grafting each turn's blocks vs its recompute vs llama.cpp's RAM and "
+                  "disk prompt caches, in one process and after a process restart", parents=[json_opt],
+                  epilog=_examples("kvmemory bench agent-loop --repeats 5 --plot agent-loop.png --json > agent-loop.json",
+                                   "kvmemory bench agent-loop --turns 10 --restart-turns 5,10 --repeats 3"))
+    al.add_argument("--turns", type=_count(), default=20, help="model calls in the conversation (default: "
+                    "%(default)s)")
+    al.add_argument("--repeats", type=_count(), default=5, help="runs of the whole loop from fresh state (new store, "
+                    "new caches) (default: %(default)s)")
+    al.add_argument("--restart-turns", type=_counts, default=None, metavar="T1,T2,...",
+                    help="turns also timed in a freshly started process, one per repeat (default: every 5th turn)")
+    al.add_argument("--no-restart", action="store_true", help="leave out the process-restart side")
+    al.add_argument("--threads", type=_count(), default=None, help="threads of kvmemory and llama.cpp alike "
+                    "(default: torch's count)")
+    al.add_argument("--no-llamacpp", action="store_true", help="leave out llama.cpp")
+    plot(al)
+    al.set_defaults(func=bench_agent_loop)
 
 
 def main(argv: list[str] | None = None) -> int:
