@@ -237,20 +237,23 @@ weird_text = st.one_of(st.text(max_size=60), st.sampled_from(["", " ", "\x00", "
 
 @st.composite
 def cli_args(draw, model_dir: str, store_dir: str):
-    cmd = draw(st.sampled_from(["stats", "recall", "ask", "remember", "verify", "forget", "reindex", "bogus"]))
+    cmd = draw(st.sampled_from(["stats", "list", "recall", "ask", "remember", "verify", "forget", "reindex", "bogus"]))
     argv = [cmd]
+    # stats and list read the store alone: they take no model or execution-profile options.
+    store_only = cmd in ("stats", "list")
     opts = {
-        "stats": [], "recall": ["--k", "--threshold"], "ask": ["--entry", "--k", "--max-tokens"],
+        "stats": [], "list": ["--where", "--limit", "--cursor"], "recall": ["--k", "--threshold"],
+        "ask": ["--entry", "--k", "--max-tokens"],
         "remember": ["--problem", "--solution", "--answer", "--verifier", "--jsonl", "--allow-unverified"],
         "verify": ["--all", "--entry", "--details", "--no-diagnostic"], "forget": ["--entry", "--all-in-namespace"],
         "reindex": [], "bogus": [],
-    }[cmd] + ["--namespace", "--json", "--chunk"]
+    }[cmd] + ["--json"] + (["--namespace"] if cmd != "stats" else []) + ([] if store_only else ["--chunk"])
     if cmd in ("recall", "ask"):
         argv.append(draw(weird_text))
     for opt in draw(st.lists(st.sampled_from(opts), max_size=4, unique=True)):
         if opt in ("--json", "--all", "--details", "--no-diagnostic", "--all-in-namespace", "--allow-unverified"):
             argv.append(opt)
-        elif opt in ("--k", "--max-tokens", "--chunk"):
+        elif opt in ("--k", "--max-tokens", "--chunk", "--limit"):
             argv += [opt, str(draw(st.integers(-3, 300)))]
         elif opt == "--threshold":
             argv += [opt, draw(st.sampled_from(["0.5", "-1", "2", "nan", "abc"]))]
@@ -260,7 +263,7 @@ def cli_args(draw, model_dir: str, store_dir: str):
         else:
             argv += [opt, draw(weird_text)]
     store = draw(st.sampled_from([store_dir, store_dir + "/catalogue.sqlite", "\x00bad", store_dir + "/sub"]))
-    return argv + ["--model", model_dir, "--store", store]
+    return argv + ([] if store_only else ["--model", model_dir]) + ["--store", store]
 
 
 def test_cli_input_fuzz(tiny_model_dir, tmp_path, capsys):
