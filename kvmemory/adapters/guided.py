@@ -6,7 +6,8 @@ written for it and only the content is left to it, as constrained-decoding back 
 
 - `Decoder.free` decodes text (greedy or seeded sampling) with the longest stored chain grafted.
 - `Decoder.choose` picks one of a few continuations (a tool name, an enum value, true/false) by the
-  model's own log-likelihood of each: the model chooses, among options the schema allows.
+  model's own log-likelihood of each (`Decoder.loglik`): the model chooses, among options the schema
+  allows.
 - `JsonGuide` writes a JSON value for a JSON schema: braces, keys, quotes and commas are written
   ("forced" tokens), every value is decoded by the model (a string up to its closing quote, a number
   as digits) or chosen by it (enums, booleans). A value the model does not write as its type raises
