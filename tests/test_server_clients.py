@@ -125,6 +125,18 @@ def test_openai_json_schema_through_the_guided_decoder(client):
     assert Person.model_validate_json(raw.choices[0].message.content) == person
 
 
+def test_openai_tool_call_by_default_with_tool_choice_auto(client):
+    # The default tool policy ("scored", as in the LangChain and LlamaIndex integrations) lets the
+    # embedded model call a bound tool without tool_choice="required".
+    msgs = [{"role": "user", "content": "What is 1234 * 56? Use the calculator."}]
+    r = client.chat.completions.create(model="kvmemory", messages=msgs, tools=[CALCULATOR], max_tokens=32)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls", choice.message.content
+    call = choice.message.tool_calls[0]
+    assert call.function.name == "calculator"
+    assert isinstance(json.loads(call.function.arguments)["expression"], str)
+
+
 JAPANESE_Q = "How do you say thank you in Japanese? Answer in Japanese only."
 
 

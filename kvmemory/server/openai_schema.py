@@ -12,7 +12,7 @@ headers (`X-KVMemory-User-Id`, `-Agent-Id`, `-Run-Id`, `-Namespace`):
 
     {"kvmemory": {"memory": true,    # route the last user turn to verified entries in the scope
                   "cache": true,     # store this prompt's grid blocks, so the next turn grafts them
-                  "k": 1, "threshold": null, "tool_policy": "model",
+                  "k": 1, "threshold": null, "tool_policy": "scored",
                   "user_id": "alice", "agent_id": null, "run_id": null, "namespace": null}}
 
 Responses are OpenAI's, plus what kvmemory did: `usage.prompt_tokens_details.cached_tokens` is the
@@ -51,7 +51,10 @@ class KVMemoryOptions(BaseModel):
     cache: bool = True
     k: int = Field(1, ge=1, le=8)
     threshold: float | None = Field(None, ge=-1.0, le=1.0)
-    tool_policy: Literal["model", "user_turn"] = "model"
+    # What an unforced call with tools does on a user turn: "scored" (kvmemory's default, as in the
+    # LangChain and LlamaIndex integrations: the model's likelihood of each call decides, see
+    # adapters/chat.py), "model" (only a call the model writes by itself), "user_turn" (always a call).
+    tool_policy: Literal["scored", "model", "user_turn"] = "scored"
     user_id: str | None = None
     agent_id: str | None = None
     run_id: str | None = None

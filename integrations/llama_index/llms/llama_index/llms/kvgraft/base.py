@@ -155,8 +155,9 @@ class KVGraftLLM(FunctionCallingLLM):
         "(then routing follows the latest tool output instead of the question)."))
     tool_policy: str | None = Field(default=None, description=(
         "What a user turn with tools bound and no required call does (kvmemory.ChatRequest.tool_policy: "
-        "e.g. 'model' lets the model's free output decide, 'user_turn' always calls a tool); a turn after "
-        "a tool result is decoded freely. None: kvmemory's default, the same as LangChain's ChatKVGraft."))
+        "'scored' (the default) calls a tool when the model's likelihood of the call clears a margin, "
+        "'model' only when its free output begins one, 'user_turn' always calls a tool); a turn after a "
+        "tool result is decoded freely. None: kvmemory's default, the same as LangChain's ChatKVGraft."))
     cache_prefixes: bool = Field(default=True, description=(
         "Store the blocks of a system turn (with its tool descriptions) the first time it is computed, "
         "so later calls graft it."))
