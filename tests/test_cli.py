@@ -231,7 +231,7 @@ def test_each_bench_has_its_own_options_and_documented_commands_still_parse(caps
     assert {argv[1] for argv in documented} >= {"graft", "store", "capacity", "router", "recurring", "serve"}
     for argv in documented:
         args = parser.parse_args(argv)
-        assert args.func.__name__ == f"bench_{argv[1]}", argv
+        assert args.func.__name__ == f"bench_{argv[1].replace('-', '_')}", argv
     # an option of another bench is a usage error, not silently ignored
     for argv in (["bench", "store", "--lengths", "256"], ["bench", "graft", "--blocks", "3"],
                  ["bench", "router", "--plot", "x.png"], ["bench", "serve", "--profile", "stock"],
