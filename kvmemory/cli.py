@@ -295,8 +295,8 @@ def bench_answer(args) -> int:
     from kvmemory.bench.answer import DEFAULT_LENGTHS, format_table, plot, run_answer_bench
 
     r = run_answer_bench(args.lengths or DEFAULT_LENGTHS, new_tokens=args.new_tokens, repeats=args.repeats,
-                         threads=args.threads, llamacpp_sides=not args.no_llamacpp, seed=args.seed,
-                         progress=not args.json)
+                         threads=args.threads, llamacpp_sides=not args.no_llamacpp,
+                         llamacpp_setting=args.llamacpp_setting, seed=args.seed, progress=not args.json)
     _plot(args, r, plot)
     _emit(args, r, format_table(r))
     return 0 if all(row["tokens_equal_recompute"] for row in r["rows"]) else 1  # a graft that decoded otherwise
@@ -307,7 +307,8 @@ def bench_agent_loop(args) -> int:
     from kvmemory.bench.agent_loop import format_table, plot, run_agent_loop_bench
 
     r = run_agent_loop_bench(args.turns, repeats=args.repeats, restart_turns=() if args.no_restart else args.restart_turns,
-                             threads=args.threads, llamacpp_sides=not args.no_llamacpp, progress=not args.json)
+                             threads=args.threads, llamacpp_sides=not args.no_llamacpp,
+                             llamacpp_setting=args.llamacpp_setting, progress=not args.json)
     _plot(args, r, plot)
     _emit(args, r, format_table(r))
     return 0 if all(all(row["first_token_equal_recompute"]) for row in r["rows"]) else 1
@@ -824,6 +825,11 @@ def _bench_parsers(bench: argparse.ArgumentParser) -> None:
     def plot(parser):
         parser.add_argument("--plot", metavar="PNG", help="also write a plot to this PNG file")
 
+    def llama_setting(parser):
+        parser.add_argument("--llamacpp-setting", choices=["default", "flash-f16", "flash-q8_0"], default="default",
+                            help="llama.cpp's settings: llama-cpp-python's defaults, or flash attention with an F16 / "
+                                 "Q8_0 K/V cache (its fastest on a CPU) (default: %(default)s)")
+
     g = _command(sub, "graft", "time to first token with a graft from the store vs recomputing, one pass and "
                  "llama.cpp, per stored prefix length", parents=[_parent("model", "kv_dtype", "linears"), json_opt],
                  epilog=_examples("kvmemory bench graft --repeats 5 --plot graft.png --json > graft.json",
@@ -914,6 +920,7 @@ def _bench_parsers(bench: argparse.ArgumentParser) -> None:
     an.add_argument("--threads", type=_count(), default=None, help="threads of kvmemory and llama.cpp alike "
                     "(default: torch's count)")
     an.add_argument("--no-llamacpp", action="store_true", help="leave out llama.cpp")
+    llama_setting(an)
     seed(an)
     plot(an)
     an.set_defaults(func=bench_answer)
@@ -933,6 +940,7 @@ def _bench_parsers(bench: argparse.ArgumentParser) -> None:
     al.add_argument("--threads", type=_count(), default=None, help="threads of kvmemory and llama.cpp alike "
                     "(default: torch's count)")
     al.add_argument("--no-llamacpp", action="store_true", help="leave out llama.cpp")
+    llama_setting(al)
     plot(al)
     al.set_defaults(func=bench_agent_loop)
 

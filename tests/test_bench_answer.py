@@ -37,7 +37,7 @@ def test_bench_answer_tiny(tmp_path):
         assert s["decode_tokens_per_s"] == 2 / s["decode_s"]["median"]  # N - 1 steps
         assert all(t <= tot for t, tot in zip(s["ttft_s"]["samples"], s["total_s"]["samples"]))
     if have_llama:
-        assert "same GGUF file" in r["llamacpp"] and r["threads"] == int(r["llamacpp"].rsplit(", ", 1)[1].split()[0])
+        assert "same GGUF file" in r["llamacpp"] and f", {r['threads']} threads, setting default" in r["llamacpp"]
         assert row["llamacpp_state_bytes"] > 0
         assert set(row["targets"]) == {"decode_within_1.25x", "answer_below_restore"}
         assert row["decode_ratio_llamacpp_over_kvmemory"] == (row["sides"]["llamacpp_restore"]["decode_tokens_per_s"]
@@ -57,7 +57,8 @@ def test_bench_answer_refuses_bad_settings_before_loading():
     from kvmemory.bench.answer import run_answer_bench
     from kvmemory.errors import InvalidInput
 
-    for kw in ({"lengths": (100,)}, {"lengths": ()}, {"new_tokens": 1}, {"repeats": 0}):
+    for kw in ({"lengths": (100,)}, {"lengths": ()}, {"new_tokens": 1}, {"repeats": 0},
+               {"llamacpp_setting": "fastest"}):
         with pytest.raises(InvalidInput):
             run_answer_bench(**{"lengths": (64,), **kw}, progress=False)
 
@@ -66,7 +67,8 @@ def test_bench_answer_cli_options():
     from kvmemory.cli import build_parser
 
     args = build_parser().parse_args(["bench", "answer", "--lengths", "64,128", "--new-tokens", "8", "--repeats", "2",
-                                      "--threads", "1", "--no-llamacpp", "--seed", "3", "--plot", "a.png", "--json"])
+                                      "--threads", "1", "--no-llamacpp", "--llamacpp-setting", "flash-q8_0", "--seed", "3", "--plot",
+                                      "a.png", "--json"])
     assert (args.lengths, args.new_tokens, args.repeats, args.threads, args.no_llamacpp, args.seed, args.plot,
-            args.json) == ((64, 128), 8, 2, 1, True, 3, "a.png", True)
+            args.json, args.llamacpp_setting) == ((64, 128), 8, 2, 1, True, 3, "a.png", True, "flash-q8_0")
     assert args.func.__name__ == "bench_answer"

@@ -24,6 +24,10 @@ threads), each turn run by every side once per repeat, the order rotated per tur
   `generate` reuses the longest common prefix of what its context holds (llama-cpp-python's default;
   the best llama.cpp can do for one conversation in one process, and what a restart loses).
 
+llama.cpp runs with llama-cpp-python's default settings unless `llamacpp_setting` (`--llamacpp-setting`)
+names flash attention with an F16 or Q8_0 K/V cache (`bench graft`'s LLAMACPP_CONFIGS); the report names
+the one used. kvmemory runs its default profile.
+
 After a **process restart** (at `restart_turns`, before the in-process sides run that turn, so the
 state is the one turns 1..k-1 left): a fresh `python -m kvmemory.bench.agent_loop --worker` process
 (its pid is reported) opens the model, runs one untimed unrelated warm-up, then times turn k for
@@ -240,7 +244,7 @@ def worker(args: dict) -> dict:
         from llama_cpp import LlamaDiskCache, LlamaRAMCache
 
         t = time.perf_counter()
-        llm = llamacpp.open_llama(args["gguf"], args["n_ctx"], args["threads"])
+        llm = llamacpp.open_llama(args["gguf"], args["n_ctx"], args["threads"], args.get("setting", "default"))
         out["llamacpp_open_s"] = time.perf_counter() - t
         llm.eval(warm)
         llm.reset()
@@ -276,7 +280,10 @@ def _restart(args: dict, timeout: float) -> dict:
 # ---------------------------------------------------------------------------------------------------
 
 def run_agent_loop_bench(turns: int = 20, *, repeats: int = 5, restart_turns=None, threads: int | None = None,
-                         llamacpp_sides: bool = True, progress: bool = True, worker_timeout: float = 900) -> dict:
+                         llamacpp_sides: bool = True, llamacpp_setting: str = "default", progress: bool = True,
+                         worker_timeout: float = 900) -> dict:
+    """Run the bench (see the module docstring); `llamacpp_setting` names llama.cpp's settings
+    (llamacpp.config: its defaults, or flash attention with an F16 / Q8_0 K/V cache)."""
     import torch
 
     from kvmemory.engine.engine import Engine, graft_point_for
@@ -292,6 +299,7 @@ def run_agent_loop_bench(turns: int = 20, *, repeats: int = 5, restart_turns=Non
     restart_turns = sorted(set(range(5, turns + 1, 5)) if restart_turns is None else {int(t) for t in restart_turns})
     if any(not 1 <= t <= turns for t in restart_turns):
         raise InvalidInput(f"restart turns must be between 1 and {turns}, got {restart_turns}")
+    llamacpp.config(llamacpp_setting)
     threads = threads or torch.get_num_threads()
     tmp = tempfile.TemporaryDirectory(prefix="kvmemory-bench-agent-loop-")
     try:
@@ -306,7 +314,7 @@ def run_agent_loop_bench(turns: int = 20, *, repeats: int = 5, restart_turns=Non
         llms = {}
         if gguf:
             # One Llama object per llama.cpp side, so that no side's live context serves another's turn.
-            llms = {name: llamacpp.open_llama(gguf, n_ctx, threads) for name in ("llamacpp_ram", "llamacpp_disk",
+            llms = {name: llamacpp.open_llama(gguf, n_ctx, threads, llamacpp_setting) for name in ("llamacpp_ram", "llamacpp_disk",
                                                                                   "llamacpp_live")}
         # Warm every side once on an unrelated prompt (first calls allocate), before any cache exists.
         eng.forward(warm, max_new_tokens=1, stop_token_ids=())
@@ -351,7 +359,8 @@ def run_agent_loop_bench(turns: int = 20, *, repeats: int = 5, restart_turns=Non
                             copy.mkdir(parents=True)
                     rot = RESTART[r % len(RESTART):] + RESTART[: r % len(RESTART)]
                     got = _restart({"store": str(store_dir), "disk_cache": str(copy) if copy else None, "turn": k,
-                                    "threads": threads, "n_ctx": n_ctx, "gguf": gguf, "order": list(rot)},
+                                    "threads": threads, "n_ctx": n_ctx, "gguf": gguf, "order": list(rot),
+                                    "setting": llamacpp_setting},
                                    worker_timeout)
                     if got["profile_id"] != eng.profile_id:
                         raise RuntimeError("the restarted process opened another execution profile")
@@ -403,7 +412,9 @@ def run_agent_loop_bench(turns: int = 20, *, repeats: int = 5, restart_turns=Non
                 "attn_implementation": eng.profile.attn_implementation, "linear_impl": eng.profile.linear_impl,
                 "chunk": C, "threads": threads, "turns": turns, "repeats": repeats, "restart_turns": restart_turns,
                 "sides_measured": names, "restart_sides_measured": [n for n in RESTART if n in sides],
-                "llamacpp": skip or f"{llamacpp.build()}, on the same GGUF file ({Path(gguf).name}), {threads} threads",
+                "llamacpp": skip or (f"{llamacpp.build()}, on the same GGUF file ({Path(gguf).name}), {threads} "
+                                     f"threads, setting {llamacpp_setting} {llamacpp.config(llamacpp_setting)}"),
+                "llamacpp_setting": llamacpp_setting,
                 "bench_pid": os.getpid(), "machine": machine_info(), "rows": rows,
                 "total_ttft_s": totals, "restart_total_ttft_s": restart_totals,
                 "what": {name: LABELS[name] for name in names}}

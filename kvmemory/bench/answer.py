@@ -19,6 +19,10 @@ Sides, side by side in one process, the same GGUF file (the embedded model's), t
 - **llama.cpp from scratch**: context + question evaluated from an empty context, then N tokens: what a
   llama.cpp user without any saved state runs.
 
+llama.cpp runs with llama-cpp-python's default settings unless `llamacpp_setting` (`--llamacpp-setting`)
+names flash attention with an F16 or Q8_0 K/V cache (`bench graft`'s LLAMACPP_CONFIGS, its fastest on a
+CPU); the report names the one used. kvmemory runs its default profile.
+
 Times: wall clock from the call to the first new token (TTFT), from the first to the last new token
 (decode, N - 1 steps, the same boundaries on every side), and to the last token (answer latency).
 Decode tokens/s = (N - 1) / decode seconds. Model loading, tokenising and writing the stored state
@@ -116,7 +120,10 @@ def _summary(runs: list[dict], new_tokens: int) -> dict:
 
 
 def run_answer_bench(lengths=DEFAULT_LENGTHS, *, new_tokens: int = 64, repeats: int = 5, threads: int | None = None,
-                     llamacpp_sides: bool = True, progress: bool = True, seed: int = 0) -> dict:
+                     llamacpp_sides: bool = True, llamacpp_setting: str = "default", progress: bool = True,
+                     seed: int = 0) -> dict:
+    """Run the bench (see the module docstring); `llamacpp_setting` names llama.cpp's settings
+    (llamacpp.config: its defaults, or flash attention with an F16 / Q8_0 K/V cache)."""
     import torch
 
     from kvmemory.engine.engine import Engine
@@ -133,6 +140,7 @@ def run_answer_bench(lengths=DEFAULT_LENGTHS, *, new_tokens: int = 64, repeats: 
         raise InvalidInput(f"new_tokens must be at least 2 (one first token, then decode steps), got {new_tokens}")
     if repeats < 1:
         raise InvalidInput(f"repeats must be at least 1, got {repeats}")
+    llamacpp.config(llamacpp_setting)
     threads = threads or torch.get_num_threads()
     tmp = tempfile.TemporaryDirectory(prefix="kvmemory-bench-answer-")
     try:
@@ -149,8 +157,9 @@ def run_answer_bench(lengths=DEFAULT_LENGTHS, *, new_tokens: int = 64, repeats: 
         skip = skip or llamacpp.available()
         llm, note = None, skip
         if skip is None:
-            llm = llamacpp.open_llama(str(embedded_gguf_path()), n_ctx, threads)
-            note = f"{llamacpp.build()}, on the same GGUF file ({embedded_gguf_path().name}), {threads} threads"
+            llm = llamacpp.open_llama(str(embedded_gguf_path()), n_ctx, threads, llamacpp_setting)
+            note = (f"{llamacpp.build()}, on the same GGUF file ({embedded_gguf_path().name}), {threads} threads, "
+                    f"setting {llamacpp_setting} {llamacpp.config(llamacpp_setting)}")
         rows = []
         for L in tqdm(lengths, desc="lengths", disable=not progress):
             ctx, prompt = lib[:L], lib[:L] + q
@@ -206,7 +215,7 @@ def run_answer_bench(lengths=DEFAULT_LENGTHS, *, new_tokens: int = 64, repeats: 
         return {"bench": "answer", "model": eng.loaded.source, "profile_id": eng.profile_id,
                 "dtype": eng.profile.dtype, "kv_dtype": eng.profile.kv_dtype,
                 "attn_implementation": eng.profile.attn_implementation, "linear_impl": eng.profile.linear_impl,
-                "chunk": C, "threads": threads, "new_tokens": new_tokens, "repeats": repeats, "seed": seed,
+                "chunk": C, "threads": threads, "new_tokens": new_tokens, "llamacpp_setting": llamacpp_setting, "repeats": repeats, "seed": seed,
                 "store_seconds_for_largest_L": store_seconds, "llamacpp": note,
                 "sides_measured": list(runs), "machine": machine_info(), "rows": rows,
                 "what": {"kvmemory": "Engine.forward: the L context tokens grafted from the store (read, SHA-256 "

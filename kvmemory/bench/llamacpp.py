@@ -27,13 +27,24 @@ def available() -> str | None:
     return None
 
 
-def open_llama(gguf: str, n_ctx: int, threads: int):
+def config(name: str) -> dict:
+    """The `Llama` settings called `name` in `bench graft`'s LLAMACPP_CONFIGS ("default": llama-cpp-python's
+    own; "flash-f16" / "flash-q8_0": flash attention with an F16 / Q8_0 K/V cache, its fastest on a CPU)."""
+    from kvmemory.bench.graft import LLAMACPP_CONFIGS
+    from kvmemory.errors import InvalidInput
+
+    if name not in LLAMACPP_CONFIGS:
+        raise InvalidInput(f"llama.cpp setting must be one of {', '.join(LLAMACPP_CONFIGS)}, got {name!r}")
+    return dict(LLAMACPP_CONFIGS[name])
+
+
+def open_llama(gguf: str, n_ctx: int, threads: int, setting: str = "default"):
     """A `llama_cpp.Llama` on `gguf` with `threads` for prompt and decode alike, its default batch (512),
-    no per-position logits kept (as `bench graft` opens it)."""
+    no per-position logits kept (as `bench graft` opens it), with the settings `setting` (`config`)."""
     from llama_cpp import Llama
 
     return Llama(model_path=gguf, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, n_batch=512,
-                 verbose=False, logits_all=False)
+                 verbose=False, logits_all=False, **config(setting))
 
 
 def build() -> str:
