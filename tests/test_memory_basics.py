@@ -207,3 +207,22 @@ def test_update_on_redis_with_the_real_model(smollm, redis_srv, tmp_path):
     assert other.get_entry(e.id) == new
     assert mem.verify([e.id]).bit_identical == 1
     assert [h.entry.id for h in mem.recall(p.rewordings[0], threshold=0.9)] == [e.id]
+
+
+def test_remember_later_without_a_lock_computes_on_first_use(real_memory):
+    mem = real_memory
+    p, q = PROBLEMS
+    job = mem.remember_later(p.text, p.solution, answer=str(p.answer))
+    dropped = mem.remember_later(q.text, q.solution, answer=str(q.answer))
+    assert mem.pending() == [job.id, dropped.id] and job.verified is True
+    with pytest.raises(UnknownEntry, match="still being computed"):
+        mem.get(job.id)
+    assert mem.forget(dropped.id) == 0  # pending: dropped before any KV is computed
+    # No lock, so no writer thread: the recall that routes to it computes it, in this call.
+    hits = mem.recall(p.rewordings[0], k=1, threshold=0.5)
+    assert [h.entry.id for h in hits] == [job.id] and mem.pending() == []
+    assert job.result() == mem.get(job.id) and len(mem.get(job.id).chain) >= 2
+    mem.flush()
+    assert mem.store.entry_ids() == [job.id] and [r.entry_id for r in mem.router.rows("default")] == [job.id]
+    with pytest.raises(VerificationFailed):  # the verifier runs at once
+        mem.remember_later(q.text, q.solution, answer=str(q.answer + 1))

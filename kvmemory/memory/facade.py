@@ -702,7 +702,11 @@ class KVMemory:
             self.router.delete(eid)
 
     def forget_namespace(self, namespace: str) -> int:
-        """Remove every entry of a namespace and the blocks no other entry references."""
+        """Remove every entry of a namespace and the blocks no other entry references (entries still
+        pending from `remember_later` are dropped before their KV is computed)."""
+        for job in list(self._pending.values()):
+            if job.namespace == namespace and job.cancel():
+                self._pending.pop(job.id, None)
         ids = self.store.entry_ids(namespace)
         removed = self.store.delete_entries(ids)
         self.router.delete_namespace(namespace)
