@@ -767,7 +767,7 @@ class LocalStore:
         row = rows[0] if rows else None
         if row is None or (namespace is not None and row[1] != namespace):
             where = f" in namespace {namespace!r}" if namespace is not None else ""
-            raise UnknownEntry(f"no entry {entry_id!r}{where}; `kvmemory stats` or `kvmemory recall` lists entries")
+            raise UnknownEntry(f"no entry {entry_id!r}{where}; `kvmemory list` (`KVMemory.list`) lists entries")
         return self._entry_from_row(row)
 
     def list_entries(self, namespace: str | None = None) -> list[EntryRecord]:

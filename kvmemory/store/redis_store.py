@@ -861,7 +861,7 @@ class RedisStore:
         if not got[0]:
             self._tier_safe(lambda: self._tier.delete_entries([entry_id]))
             where = f" in namespace {namespace!r}" if namespace is not None else ""
-            raise UnknownEntry(f"no entry {entry_id!r}{where}; `kvmemory stats` or `kvmemory recall` lists entries")
+            raise UnknownEntry(f"no entry {entry_id!r}{where}; `kvmemory list` (`KVMemory.list`) lists entries")
         entry, chain_sha, sig = self.parse_entry(entry_id, got[0])
         if namespace is not None and entry.namespace != namespace:
             raise UnknownEntry(f"no entry {entry_id!r} in namespace {namespace!r}")
