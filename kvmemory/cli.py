@@ -726,7 +726,8 @@ def build_parser() -> argparse.ArgumentParser:
                   epilog=_examples("kvmemory reindex --embedder multilingual   # French, Chinese, ... route too"))
     ri.set_defaults(func=cmd_reindex)
 
-    _bench_parsers(_command(sub, "bench", "benchmarks: graft, answer, agent-loop, recurring, router, store, capacity, serve (each with "
+    _bench_parsers(_command(sub, "bench", "benchmarks: graft, answer, agent-loop, recurring, router, store, capacity, "
+                            "serve (each with "
                             "its own options: kvmemory bench BENCH --help)",
                             epilog=_examples("kvmemory bench graft --repeats 5 --plot graft.png --json",
                                              "kvmemory bench serve --clients 1,4 --per-kind 1 --repeats 1")))

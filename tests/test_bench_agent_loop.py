@@ -70,8 +70,8 @@ def test_bench_agent_loop_cli_options():
     from kvmemory.cli import build_parser
 
     args = build_parser().parse_args(["bench", "agent-loop", "--turns", "4", "--repeats", "2", "--restart-turns",
-                                      "2,4", "--threads", "1", "--no-llamacpp", "--llamacpp-setting", "flash-f16", "--plot", "l.png",
-                                      "--json"])
+                                      "2,4", "--threads", "1", "--no-llamacpp", "--llamacpp-setting", "flash-f16",
+                                      "--plot", "l.png", "--json"])
     assert (args.turns, args.repeats, args.restart_turns, args.no_restart, args.threads, args.no_llamacpp,
             args.plot, args.json, args.llamacpp_setting) == (4, 2, (2, 4), False, 1, True, "l.png", True, "flash-f16")
     assert args.func.__name__ == "bench_agent_loop"

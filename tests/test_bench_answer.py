@@ -67,8 +67,8 @@ def test_bench_answer_cli_options():
     from kvmemory.cli import build_parser
 
     args = build_parser().parse_args(["bench", "answer", "--lengths", "64,128", "--new-tokens", "8", "--repeats", "2",
-                                      "--threads", "1", "--no-llamacpp", "--llamacpp-setting", "flash-q8_0", "--seed", "3", "--plot",
-                                      "a.png", "--json"])
+                                      "--threads", "1", "--no-llamacpp", "--llamacpp-setting", "flash-q8_0", "--seed",
+                                      "3", "--plot", "a.png", "--json"])
     assert (args.lengths, args.new_tokens, args.repeats, args.threads, args.no_llamacpp, args.seed, args.plot,
             args.json, args.llamacpp_setting) == ((64, 128), 8, 2, 1, True, 3, "a.png", True, "flash-q8_0")
     assert args.func.__name__ == "bench_answer"

@@ -68,6 +68,8 @@ RESTART = ("kvmemory", "llamacpp_ram", "llamacpp_disk")
 LABELS = {"kvmemory": "kvmemory (stores each turn's blocks, grafts them)", "recompute": "kvmemory recompute",
           "llamacpp_ram": "llama.cpp LlamaRAMCache", "llamacpp_disk": "llama.cpp LlamaDiskCache",
           "llamacpp_live": "llama.cpp live context (prefix reuse)"}
+RESTART_LABELS = {"kvmemory": "kvmemory (store reopened)", "llamacpp_ram": "llama.cpp RAM cache (gone: from scratch)",
+                  "llamacpp_disk": "llama.cpp disk cache (persisted)"}
 
 SYSTEM = """You are an assistant that answers with the help of tools. To call a tool, write one line
 <tool_call>{"name": NAME, "arguments": {...}}</tool_call> and wait for its result in a tool message.
@@ -314,8 +316,8 @@ def run_agent_loop_bench(turns: int = 20, *, repeats: int = 5, restart_turns=Non
         llms = {}
         if gguf:
             # One Llama object per llama.cpp side, so that no side's live context serves another's turn.
-            llms = {name: llamacpp.open_llama(gguf, n_ctx, threads, llamacpp_setting) for name in ("llamacpp_ram", "llamacpp_disk",
-                                                                                  "llamacpp_live")}
+            llms = {name: llamacpp.open_llama(gguf, n_ctx, threads, llamacpp_setting)
+                    for name in ("llamacpp_ram", "llamacpp_disk", "llamacpp_live")}
         # Warm every side once on an unrelated prompt (first calls allocate), before any cache exists.
         eng.forward(warm, max_new_tokens=1, stop_token_ids=())
         eng.recompute(warm, max_new_tokens=1, keep_logits=False)
@@ -371,6 +373,8 @@ def run_agent_loop_bench(turns: int = 20, *, repeats: int = 5, restart_turns=Non
                 for name in names[k % len(names):] + names[: k % len(names)]:  # rotated per turn
                     samples[name][k - 1].append(sides[name](ids))
                 bar.update()
+            # This repeat's store and disk cache are done with (llama.cpp's saved states are ~100 MB each).
+            shutil.rmtree(Path(tmp.name) / f"r{r}", ignore_errors=True)
         bar.close()
 
         rows = []
@@ -395,7 +399,8 @@ def run_agent_loop_bench(turns: int = 20, *, repeats: int = 5, restart_turns=Non
                 rs = restarts[k]
                 row["restart"] = {
                     "pids": [x["pid"] for x in rs],
-                    "ttft_s": {name: {**spread([x[name]["ttft_s"] for x in rs]), "samples": [x[name]["ttft_s"] for x in rs]}
+                    "ttft_s": {name: {**spread([x[name]["ttft_s"] for x in rs]),
+                                      "samples": [x[name]["ttft_s"] for x in rs]}
                                for name in RESTART if name in rs[0]},
                     "tokens_grafted": [x["kvmemory"]["tokens_grafted"] for x in rs],
                     "first_token_equal_recompute": [x["kvmemory"]["first_token"] == s["recompute"][0]["first_token"]
@@ -405,8 +410,9 @@ def run_agent_loop_bench(turns: int = 20, *, repeats: int = 5, restart_turns=Non
                     "workers": rs}
             rows.append(row)
         totals = {name: sum(row["ttft_s"][name]["median"] for row in rows) for name in names}
+        measured = rows[restart_turns[0] - 1]["restart"]["ttft_s"] if restart_turns else {}
         restart_totals = {name: sum(rows[k - 1]["restart"]["ttft_s"][name]["median"] for k in restart_turns)
-                          for name in RESTART if restart_turns and name in rows[restart_turns[0] - 1]["restart"]["ttft_s"]}
+                          for name in RESTART if name in measured}
         return {"bench": "agent-loop", "model": eng.loaded.source, "profile_id": eng.profile_id,
                 "dtype": eng.profile.dtype, "kv_dtype": eng.profile.kv_dtype,
                 "attn_implementation": eng.profile.attn_implementation, "linear_impl": eng.profile.linear_impl,
@@ -439,10 +445,9 @@ def format_table(r: dict) -> str:
     out.append("| total | | | " + " | ".join(f"{r['total_ttft_s'][n]:.3f}" for n in names) + " |")
     if r["restart_turns"]:
         rn = [n for n in RESTART if n in r["restart_total_ttft_s"]]
-        lab = {"kvmemory": "kvmemory (store reopened)", "llamacpp_ram": "llama.cpp RAM cache (gone: from scratch)",
-               "llamacpp_disk": "llama.cpp disk cache (persisted)"}
         out += ["", "after a process restart (a fresh process per sample; model load not in the TTFT):", ""]
-        head = "| turn | grafted | " + " | ".join(lab[n] for n in rn) + " | model load s (kvmemory / llama.cpp) |"
+        head = ("| turn | grafted | " + " | ".join(RESTART_LABELS[n] for n in rn)
+                + " | model load s (kvmemory / llama.cpp) |")
         out += [head, "|" + "---|" * (head.count("|") - 1)]
         for t in r["restart_turns"]:
             x = r["rows"][t - 1]["restart"]
@@ -470,7 +475,7 @@ def plot(r: dict, path: str) -> None:
     for name in r["restart_total_ttft_s"]:
         ts = r["restart_turns"]
         ax.scatter(ts, [r["rows"][t - 1]["restart"]["ttft_s"][name]["median"] for t in ts], marker=marks[name],
-                   s=70, facecolors="none", edgecolors="k", label=f"after restart: {LABELS[name]}")
+                   s=70, facecolors="none", edgecolors="k", label=f"after a restart: {RESTART_LABELS[name]}")
     ax.set_yscale("log")
     ax.set_xlabel("turn (the whole history re-sent)")
     ax.set_ylabel("time to first token (s)")

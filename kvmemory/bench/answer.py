@@ -203,7 +203,8 @@ def run_answer_bench(lengths=DEFAULT_LENGTHS, *, new_tokens: int = 64, repeats: 
             if llm is not None:
                 row["llamacpp_state_bytes"] = state.stat().st_size
                 for name in ("llamacpp_restore", "llamacpp_scratch"):
-                    row[f"{name}_tokens_agreeing_with_kvmemory"] = _leading_equal(runs[name][0]["tokens"], kv[0]["tokens"])
+                    row[f"{name}_tokens_agreeing_with_kvmemory"] = _leading_equal(runs[name][0]["tokens"],
+                                                                                  kv[0]["tokens"])
                 s = row["sides"]
                 row["decode_ratio_llamacpp_over_kvmemory"] = (s["llamacpp_restore"]["decode_tokens_per_s"]
                                                               / s["kvmemory"]["decode_tokens_per_s"])
@@ -215,7 +216,8 @@ def run_answer_bench(lengths=DEFAULT_LENGTHS, *, new_tokens: int = 64, repeats: 
         return {"bench": "answer", "model": eng.loaded.source, "profile_id": eng.profile_id,
                 "dtype": eng.profile.dtype, "kv_dtype": eng.profile.kv_dtype,
                 "attn_implementation": eng.profile.attn_implementation, "linear_impl": eng.profile.linear_impl,
-                "chunk": C, "threads": threads, "new_tokens": new_tokens, "llamacpp_setting": llamacpp_setting, "repeats": repeats, "seed": seed,
+                "chunk": C, "threads": threads, "new_tokens": new_tokens, "llamacpp_setting": llamacpp_setting,
+                "repeats": repeats, "seed": seed,
                 "store_seconds_for_largest_L": store_seconds, "llamacpp": note,
                 "sides_measured": list(runs), "machine": machine_info(), "rows": rows,
                 "what": {"kvmemory": "Engine.forward: the L context tokens grafted from the store (read, SHA-256 "
