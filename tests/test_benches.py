@@ -54,7 +54,8 @@ def test_bench_graft_tiny(tmp_path):
 
 def test_bench_graft_llamacpp_baselines_are_all_timed_interleaved():
     pytest.importorskip("llama_cpp", reason="llama-cpp-python (kvmemory[llamacpp]) is not installed")
-    from kvmemory.bench.graft import LLAMACPP_CONFIGS, format_table, run_graft_bench
+    from kvmemory.bench.graft import format_table, run_graft_bench
+    from kvmemory.bench.llamacpp import LLAMACPP_CONFIGS
 
     threads = torch.get_num_threads()
     r = run_graft_bench((64,), repeats=2, progress=False)

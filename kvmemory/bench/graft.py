@@ -51,6 +51,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from kvmemory.bench import llamacpp
+from kvmemory.bench.llamacpp import LLAMACPP_CONFIGS
+
 DEFAULT_LENGTHS = (256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
@@ -139,67 +142,28 @@ def raw_read_hash_lanes_bandwidth(files: list[Path], payload_nbytes: int, thread
 
 
 class _LlamaCpp:
-    """llama.cpp's own state file save / restore (`llama_state_save_file` / `llama_state_load_file`,
-    through llama-cpp-python's C bindings) on the same GGUF file, then the same new tokens."""
+    """llama.cpp on the same GGUF file in one of its settings (`llamacpp.LLAMACPP_CONFIGS`): its own state
+    file save / restore (`llama_state_save_file` / `llama_state_load_file`) then the same new tokens, and
+    a prefill from scratch (bench/llamacpp.py holds the calls, shared with the answer and agent-loop benches)."""
 
-    def __init__(self, gguf: str, n_ctx: int, threads: int, **config):
-        import llama_cpp
-        from llama_cpp import Llama
+    def __init__(self, gguf: str, n_ctx: int, threads: int, setting: str = "default"):
+        self.build = llamacpp.build()  # its version and the SIMD it was compiled for (AVX2, AVX512 ...)
+        self.llm = llamacpp.open_llama(gguf, n_ctx, threads, setting)
 
-        # which build runs: its version and the SIMD it was compiled for (AVX2, AVX512 ...)
-        self.build = f"llama-cpp-python {llama_cpp.__version__}; {llama_cpp.llama_print_system_info().decode().strip()}"
-        self.llm = Llama(model_path=gguf, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
-                         verbose=False, logits_all=False, **config)
-
-    def _first_token(self) -> int:
-        import numpy as np
-
-        logits = np.ctypeslib.as_array(self.llm._ctx.get_logits(), shape=(self.llm.n_vocab(),))
-        return int(logits.argmax())
+    def save(self, ids: list[int], path: Path) -> None:
+        llamacpp.save_state_file(self.llm, ids, path)
 
     def prefill(self, ids: list[int]) -> int:
         """Evaluate `ids` from an empty context (no cache of any kind); the first token's id."""
         self.llm.reset()  # eval() then drops the whole K/V cache: nothing of an earlier prompt is reused
         self.llm.eval(ids)
-        return self._first_token()
-
-    def save(self, ids: list[int], path: Path) -> None:
-        import llama_cpp
-
-        self.llm.reset()
-        self.llm.eval(ids)
-        arr = (llama_cpp.llama_token * len(ids))(*ids)
-        if not llama_cpp.llama_state_save_file(self.llm._ctx.ctx, str(path).encode(), arr, len(ids)):
-            raise RuntimeError(f"llama.cpp could not save its state to {path}")
+        return llamacpp.last_argmax(self.llm)
 
     def restore_and_eval(self, path: Path, tail: list[int]) -> int:
-        import ctypes
-
-        import llama_cpp
-        import numpy as np
-
-        n_ctx = self.llm.n_ctx()
-        tokens = (llama_cpp.llama_token * n_ctx)()
-        count = ctypes.c_size_t(0)
-        self.llm.reset()
-        if not llama_cpp.llama_state_load_file(self.llm._ctx.ctx, str(path).encode(), tokens, n_ctx,
-                                               ctypes.byref(count)):
-            raise RuntimeError(f"llama.cpp could not load its state from {path}")
-        n = count.value
-        self.llm.input_ids[:n] = np.ctypeslib.as_array(tokens)[:n]
-        self.llm.n_tokens = n
+        llamacpp.load_state_file(self.llm, path)
         self.llm.eval(tail)
-        return self._first_token()
+        return llamacpp.last_argmax(self.llm)
 
-
-# llama.cpp's settings measured: llama-cpp-python's defaults (n_batch 512, flash attention off, F16 K/V),
-# and the fastest it offers for a CPU prefill (flash attention, with an F16 or a Q8_0 K/V cache: Q8_0
-# halves the state a restore reads). GGML type ids: 1 = F16, 8 = Q8_0.
-LLAMACPP_CONFIGS = {
-    "default": {},
-    "flash-f16": {"flash_attn": True, "type_k": 1, "type_v": 1},
-    "flash-q8_0": {"flash_attn": True, "type_k": 8, "type_v": 8},
-}
 
 # Issue 27's targets on the 2-core CPU: graft TTFT this many times faster than llama.cpp's fastest
 # prefill from scratch (at these L), than its fastest state restore (every L), and at most this far
@@ -246,9 +210,9 @@ def run_graft_bench(lengths=DEFAULT_LENGTHS, *, new_tokens: int = 16, repeats: i
         lcpp_note = "not requested"
         if llamacpp and (model is None or model == DEFAULT_MODEL):
             try:
-                for name, config in LLAMACPP_CONFIGS.items():
+                for name in LLAMACPP_CONFIGS:
                     lcpp[name] = _LlamaCpp(str(embedded_gguf_path()), lengths[-1] + new_tokens + 64,
-                                           torch.get_num_threads(), **config)
+                                           torch.get_num_threads(), name)
                 lcpp_note = f"{lcpp['default'].build}, on the same GGUF file"
             except ImportError:
                 lcpp_note = "llama-cpp-python not installed (pip install 'kvmemory[llamacpp]')"

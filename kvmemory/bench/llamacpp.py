@@ -1,8 +1,8 @@
 """llama.cpp as the answer and agent-loop benches run it: the same GGUF, the same threads, greedy.
 
 Through llama-cpp-python (the optional extra `kvmemory[llamacpp]`). `bench graft` has its own save /
-restore class (graft.py `_LlamaCpp`); these benches keep their own small copy of the two state-file
-calls because they also decode after the restore, and because graft.py is its bench's to change.
+restore class (graft.py `_LlamaCpp`), built on these same calls; these benches also decode after the
+restore. `LLAMACPP_CONFIGS` names the settings every bench can run llama.cpp in.
 
 Greedy decoding here is llama.cpp's last logits row's argmax, one `eval` per token, with no end-of-text
 check: every side decodes exactly the same number of tokens (kvmemory's runner is called with no stop
@@ -17,6 +17,15 @@ from pathlib import Path
 
 MISSING = "llama-cpp-python not installed (pip install 'kvmemory[llamacpp]')"
 
+# llama.cpp's settings measured: llama-cpp-python's defaults (n_batch 512, flash attention off, F16 K/V),
+# and the fastest it offers for a CPU prefill (flash attention, with an F16 or a Q8_0 K/V cache: Q8_0
+# halves the state a restore reads). GGML type ids: 1 = F16, 8 = Q8_0.
+LLAMACPP_CONFIGS = {
+    "default": {},
+    "flash-f16": {"flash_attn": True, "type_k": 1, "type_v": 1},
+    "flash-q8_0": {"flash_attn": True, "type_k": 8, "type_v": 8},
+}
+
 
 def available() -> str | None:
     """None when llama-cpp-python imports, else the reason a bench states for skipping its sides."""
@@ -28,9 +37,8 @@ def available() -> str | None:
 
 
 def config(name: str) -> dict:
-    """The `Llama` settings called `name` in `bench graft`'s LLAMACPP_CONFIGS ("default": llama-cpp-python's
-    own; "flash-f16" / "flash-q8_0": flash attention with an F16 / Q8_0 K/V cache, its fastest on a CPU)."""
-    from kvmemory.bench.graft import LLAMACPP_CONFIGS
+    """The `Llama` settings called `name` in LLAMACPP_CONFIGS ("default": llama-cpp-python's own;
+    "flash-f16" / "flash-q8_0": flash attention with an F16 / Q8_0 K/V cache, its fastest on a CPU)."""
     from kvmemory.errors import InvalidInput
 
     if name not in LLAMACPP_CONFIGS:
