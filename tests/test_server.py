@@ -461,6 +461,8 @@ def test_logs_are_json_lines(server):
     assert any(r["route"] == "/v1/chat/completions" and r["status"] == 200 and r["key"] == "alice"
                and r["namespace"] == "user:alice" for r in requests)
     assert not any(ALICE in json.dumps(r) for r in lines)  # keys are never logged
+    # the library's own warnings (a recall in a namespace with no entries) are JSON lines too
+    assert any(r["logger"] == "kvmemory.memory" and r["level"] == "warning" for r in lines)
 
 
 # ---------------------------------------------------------------------- last: shutdown

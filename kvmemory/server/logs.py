@@ -1,4 +1,5 @@
-"""Structured logs: one JSON object per line on stderr, for the server's own events and uvicorn's.
+"""Structured logs: one JSON object per line on stderr, for the server's own events, the library's
+loggers and uvicorn's.
 
 Every request is logged once when it ends (`event: "request"`: method, route, status, milliseconds,
 the key's name, the namespace and what the model did), so a log pipeline can aggregate without
@@ -43,6 +44,9 @@ def configure(level: str = "info") -> dict:
         "handlers": {"stderr": {"class": "logging.StreamHandler", "formatter": "json", "stream": "ext://sys.stderr"}},
         "loggers": {
             LOGGER: {"handlers": ["stderr"], "level": level.upper(), "propagate": False},
+            # the library's own loggers (kvmemory.memory's warnings, ...): JSON lines too, never another
+            # handler's text (a plain-text line would break a log pipeline that parses every line)
+            "kvmemory": {"handlers": ["stderr"], "level": level.upper(), "propagate": False},
             "uvicorn": {"handlers": ["stderr"], "level": level.upper(), "propagate": False},
             "uvicorn.error": {"handlers": ["stderr"], "level": level.upper(), "propagate": False},
             "uvicorn.access": {"handlers": [], "level": "WARNING", "propagate": False},  # we log requests ourselves
