@@ -61,6 +61,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from kvmemory.bench import llamacpp
+from kvmemory.bench.answer import leading_equal
 from kvmemory.bench.graft import machine_info, spread
 
 IN_PROCESS = ("kvmemory", "recompute", "llamacpp_ram", "llamacpp_disk", "llamacpp_live")
@@ -150,15 +151,6 @@ def conversation(turns: int) -> list[list[dict]]:
             out.append(list(history))
             history.append({"role": "assistant", "content": answer})
     return out
-
-
-def _common_prefix(a, b) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def turn_prompts(mem, turns: int) -> list[list[int]]:
@@ -326,7 +318,7 @@ def run_agent_loop_bench(turns: int = 20, *, repeats: int = 5, restart_turns=Non
             llm.reset()
 
         # Expected grafts: the full blocks turn k shares with turn k-1's prompt (all of which turn k-1 stored).
-        expected = [0] + [min(_common_prefix(prompts[k - 1], prompts[k]) // C * C, graft_point_for(len(prompts[k]), C))
+        expected = [0] + [min(leading_equal(prompts[k - 1], prompts[k]) // C * C, graft_point_for(len(prompts[k]), C))
                           for k in range(1, turns)]
         samples = {name: [[] for _ in range(turns)] for name in IN_PROCESS}
         restarts: dict[int, list[dict]] = {t: [] for t in restart_turns}
@@ -382,7 +374,7 @@ def run_agent_loop_bench(turns: int = 20, *, repeats: int = 5, restart_turns=Non
             s = {name: samples[name][k - 1] for name in names}
             kv = s["kvmemory"]
             row = {"turn": k, "prompt_tokens": len(prompts[k - 1]),
-                   "shared_with_previous": _common_prefix(prompts[k - 2], prompts[k - 1]) if k > 1 else 0,
+                   "shared_with_previous": leading_equal(prompts[k - 2], prompts[k - 1]) if k > 1 else 0,
                    "expected_min_grafted": expected[k - 1],
                    "tokens_grafted": [x["tokens_grafted"] for x in kv],
                    "tokens_computed": [x["tokens_computed"] for x in kv],

@@ -99,7 +99,8 @@ def _kvmemory_run(eng, prompt: list[int], new_tokens: int) -> dict:
             "total_s": t2 - t0, "tokens_grafted": rep.tokens_grafted, "tokens_computed": rep.tokens_computed}
 
 
-def _leading_equal(a: list[int], b: list[int]) -> int:
+def leading_equal(a: list[int], b: list[int]) -> int:
+    """How many leading tokens two id lists share."""
     n = 0
     for x, y in zip(a, b):
         if x != y:
@@ -203,7 +204,7 @@ def run_answer_bench(lengths=DEFAULT_LENGTHS, *, new_tokens: int = 64, repeats: 
             if llm is not None:
                 row["llamacpp_state_bytes"] = state.stat().st_size
                 for name in ("llamacpp_restore", "llamacpp_scratch"):
-                    row[f"{name}_tokens_agreeing_with_kvmemory"] = _leading_equal(runs[name][0]["tokens"],
+                    row[f"{name}_tokens_agreeing_with_kvmemory"] = leading_equal(runs[name][0]["tokens"],
                                                                                   kv[0]["tokens"])
                 s = row["sides"]
                 row["decode_ratio_llamacpp_over_kvmemory"] = (s["llamacpp_restore"]["decode_tokens_per_s"]

@@ -24,12 +24,11 @@ kvmemory.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
-from kvmemory.bench.recurring import ANSWER_PREFIX
+from kvmemory.bench.recurring import ANSWER_PREFIX, _timed
 
 KINDS = ("verbatim", "reworded", "sibling")
 
@@ -74,12 +73,6 @@ class _Side:
 class _Alone:
     text: str
     report: object  # GraftReport
-
-
-def _timed(fn):
-    w, c = time.perf_counter(), time.process_time()
-    out = fn()
-    return out, time.perf_counter() - w, time.process_time() - c
 
 
 def _ratio(a: float, b: float) -> float | None:
