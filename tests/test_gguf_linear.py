@@ -53,7 +53,7 @@ def test_expanded_weights_are_gguf_pys_float32_weights(kind):
 
 
 @needs_kernel
-@pytest.mark.parametrize("kind,n,k", [("Q4_1", 48, 96), ("Q8_0", 64, 64), ("Q4_1", 32, 1536)])
+@pytest.mark.parametrize("kind,n,k", [("Q4_1", 48, 96), ("Q8_0", 64, 64), ("Q4_1", 32, 1536), ("Q8_0", 208, 64)])
 def test_a_row_has_the_same_bytes_among_any_rows(kind, n, k):
     """48 outputs = 3 panels: on AVX-512 a tile pairs two panels, so the odd one takes its own path."""
     layer = _layer(kind, n, k, seed=n)
@@ -71,18 +71,20 @@ def test_a_row_has_the_same_bytes_among_any_rows(kind, n, k):
 
 @needs_kernel
 def test_same_bytes_whatever_the_thread_count():
-    layer = _layer("Q4_1", 96, 576, seed=3)
+    layer = _layer("Q4_1", 176, 576, seed=3)  # 11 panels: the one-row path's groups of 8, 2 and 1
     x = torch.randn(64, 576, generator=torch.Generator().manual_seed(2))
     before = torch.get_num_threads()
     try:
-        outs = []
+        outs, rows = [], []
         for threads in (1, 2, 3):
             torch.set_num_threads(threads)
             with torch.inference_mode():
                 outs.append(layer(x))
+                rows.append(layer(x[5:6]))
     finally:
         torch.set_num_threads(before)
     assert all(torch.equal(o, outs[0]) for o in outs)
+    assert all(torch.equal(r, outs[0][5:6]) for r in rows)
 
 
 @needs_kernel
@@ -99,6 +101,9 @@ def test_the_avx2_build_gives_the_avx512_builds_bytes():
         with torch.inference_mode():
             mine = layer(x)
         assert torch.equal(quantized_linear.linear(x, layer.q, layer.d, layer.m, layer.kind, lib=other), mine)
+        for row in (0, 39):  # one row (a decode step) takes each build's own one-row path
+            one = quantized_linear.linear(x[row:row + 1], layer.q, layer.d, layer.m, layer.kind, lib=other)
+            assert torch.equal(one, mine[row:row + 1])
         assert torch.equal(quantized_linear.dequantize(layer.q, layer.d, layer.m, layer.kind, lib=other),
                            layer.dequantized())
 

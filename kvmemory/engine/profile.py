@@ -57,6 +57,7 @@ _VOLATILE_CONFIG_KEYS = {"_name_or_path", "transformers_version", "_commit_hash"
 COMPUTE_PATH = (
     "engine/runner.py", "engine/cache.py", "engine/graft.py", "engine/determinism.py",
     "models/loading.py", "models/attention.py", "models/gguf_linear.py", "models/packed_linear.py",
+    "models/llama_step.py",
     "kernels/few_query_attention.py", "kernels/quantized_linear.py", "kernels/graft_op.py",
 )
 # Which native kernel each attention / linear implementation runs (the profile records their builds).

@@ -42,6 +42,7 @@ import torch
 from kvmemory.engine.cache import ReservedLayer, new_cache
 from kvmemory.errors import InvalidInput, UnsupportedArchitecture
 from kvmemory.engine.profile import tensor_bytes
+from kvmemory.models import llama_step
 
 DEFAULT_CHUNK = 64
 
@@ -228,6 +229,7 @@ class CanonicalRunner:
                                 for l in new_cache(model).layers]
         self.full_attention_only = all(w is None for w in self.sliding_windows)
         self.kv_dtype = resolve_kv_dtype(model, kv_dtype, self.full_attention_only)  # runner.new_cache keeps K/V in it
+        self._lean_step = llama_step.for_model(model)  # None: every step runs transformers' forward
 
     def new_cache(self, capacity: int = 0):
         """An empty cache whose full-attention layers reserve `capacity` positions (cache.py)."""
@@ -253,7 +255,10 @@ class CanonicalRunner:
 
     @torch.inference_mode()
     def _step(self, ids: torch.Tensor, start: int, cache) -> torch.Tensor:
-        """One forward over `ids` (shape [1, T]) at absolute positions start..start+T-1; returns [T, V]."""
+        """One forward over `ids` (shape [1, T]) at absolute positions start..start+T-1; returns [T, V].
+        One token on a plain llama model goes through the lean step (the same bits: llama_step.py)."""
+        if ids.shape[1] == 1 and self._lean_step is not None:
+            return self._lean_step.step(ids, start, cache)
         pos = torch.arange(start, start + ids.shape[1], device=self.device).unsqueeze(0)
         out = self.model(input_ids=ids, position_ids=pos, use_cache=True, **{self._cache_kwarg: cache})
         return out.logits[0]

@@ -8,7 +8,9 @@ linear of a llama-architecture model keeps the GGUF's blocks (re-laid out in pan
 ~110 MB in all) and the kernel expands them to float32 in cache while it multiplies. All 211
 linears of the embedded model (`python -m kvmemory.bench.linears` times them on yours), on the 2-core
 AVX-512 Xeon of BENCHMARKS.md: 1 row 13.9 ms, 16 rows 30.1 ms, 64 rows 76.4 ms; oneDNN-packed
-float32 weights 2.0x, 1.6x and 1.4x that, torch's own GEMM 1.6x, 1.7x and 1.4x.
+float32 weights 2.0x, 1.6x and 1.4x that, torch's own GEMM 1.6x, 1.7x and 1.4x. One row (a decode
+step) has its own path in the kernel since (weights expanded in registers, 8 panels in flight): on a
+2-core Zen 4, 8.7 ms where the tiled path took 12.8 ms.
 
 Exactness: the kernel expands every weight to the very float32 value transformers' loader gives
 (gguf-py's `d * q + m`), and `gguf_linears` checks that byte for byte against the model's weights
@@ -77,6 +79,30 @@ class GGUFLinear(torch.nn.Linear):
     def dequantized(self) -> torch.Tensor:
         """The float32 weight the blocks hold, expanded by the kernel's own code."""
         return qlinear.dequantize(self.q, self.d, self.m, self.kind)
+
+
+def fuse(layers: list[GGUFLinear]) -> GGUFLinear:
+    """One GGUFLinear computing `layers` side by side (a decode step's q/k/v, or gate/up, in one call):
+    its output is theirs concatenated, each output the same sum, so the same bits. The layers' panels
+    become views of the fused ones (no second copy); they compute as before. The fused layer is no
+    model's submodule: state_dict and the weights fingerprint do not see it."""
+    first = layers[0]
+    if any(not isinstance(l, GGUFLinear) or l.kind != first.kind or l.in_features != first.in_features
+           for l in layers):
+        raise ValueError("only GGUF-block linears of one block type and one input size fuse")
+    q = torch.cat([l.q for l in layers])
+    d = torch.cat([l.d for l in layers])
+    m = torch.cat([l.m for l in layers]) if first.kind == KINDS["Q4_1"] else torch.empty(0, dtype=torch.float32)
+    shell = torch.nn.Linear(first.in_features, q.shape[0] * PANEL, bias=False, device="meta")
+    fused = GGUFLinear(shell, _KIND_NAMES[first.kind], q, d, m)
+    p = 0
+    for l in layers:
+        n = l.q.shape[0]
+        l.q, l.d = q[p:p + n], d[p:p + n]
+        if first.kind == KINDS["Q4_1"]:
+            l.m = m[p:p + n]
+        p += n
+    return fused
 
 
 def panels(kind: str, raw: np.ndarray, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

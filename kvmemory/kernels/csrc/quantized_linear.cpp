@@ -160,11 +160,98 @@ bool dequantize(int kind, const uint8_t* qp, const float* dp, const float* mp, i
     });
 }
 
+// One row (a decode step): y [N] = x [K] . W.T. The tiled path below expands a slice of weights into
+// scratch and reads it back for one FMA each, and with one row its single chain per vector waits on
+// the FMA latency; here each weight is expanded in registers and used at once, and G panels
+// (G * kVecs independent accumulators) are in flight together. Every output is the same sum as the
+// tiled path's (acc = 0, then fma(x[k], w[n][k], acc) for k ascending; w expanded by the same
+// operations as expand_panel), so a row has the same bits whichever path computes it.
+#ifdef KVM_AVX2
+constexpr int kRowPanels = 4;  // panels per group: 8 accumulators of 16 registers
+#else
+constexpr int kRowPanels = 8;  // panels per group: 8 accumulators of 32 registers
+#endif
+
+template <int G>
+void row_panels(int kind, const float* x, const uint8_t* q, const float* d, const float* m, int64_t K,
+                int64_t q_panel, int64_t s_panel, float* y) {
+    vec acc[G][kVecs];
+#pragma GCC unroll 16
+    for (int g = 0; g < G; ++g)
+#pragma GCC unroll 2
+        for (int v = 0; v < kVecs; ++v) acc[g][v] = vzero();
+    for (int64_t b = 0; b < K / kBlock; ++b) {
+        if (kind == kQ4_1) {
+            for (int t = 0; t < kBlock / 2; ++t) {
+                const int64_t k = b * kBlock + 2 * t;
+                const vec x0 = vset1(x[k]), x1 = vset1(x[k + 1]);
+#pragma GCC unroll 16
+                for (int g = 0; g < G; ++g)
+#pragma GCC unroll 2
+                    for (int v = 0; v < kVecs; ++v) {
+                        const vec dv = vload(d + g * s_panel + b * kPanel + v * kLanes);
+                        const vec mv = vload(m + g * s_panel + b * kPanel + v * kLanes);
+#ifdef KVM_AVX2
+                        const auto bytes = u8x8(q + g * q_panel + (k / 2) * kPanel + v * kLanes);
+#else
+                        const auto bytes = u8x16(q + g * q_panel + (k / 2) * kPanel);
+#endif
+                        acc[g][v] = vfmadd(x0, vadd(vmul(low_nibbles(bytes), dv), mv), acc[g][v]);
+                        acc[g][v] = vfmadd(x1, vadd(vmul(high_nibbles(bytes), dv), mv), acc[g][v]);
+                    }
+            }
+        } else {
+            const int8_t* qs = reinterpret_cast<const int8_t*>(q);
+            for (int t = 0; t < kBlock; ++t) {
+                const int64_t k = b * kBlock + t;
+                const vec xk = vset1(x[k]);
+#pragma GCC unroll 16
+                for (int g = 0; g < G; ++g)
+#pragma GCC unroll 2
+                    for (int v = 0; v < kVecs; ++v) {
+                        const vec dv = vload(d + g * s_panel + b * kPanel + v * kLanes);
+#ifdef KVM_AVX2
+                        const auto vals = i8x8(qs + g * q_panel + k * kPanel + v * kLanes);
+#else
+                        const auto vals = i8x16(qs + g * q_panel + k * kPanel);
+#endif
+                        acc[g][v] = vfmadd(xk, vmul(to_float(vals), dv), acc[g][v]);
+                    }
+            }
+        }
+    }
+#pragma GCC unroll 16
+    for (int g = 0; g < G; ++g)
+#pragma GCC unroll 2
+        for (int v = 0; v < kVecs; ++v) vstore(y + g * kPanel + v * kLanes, acc[g][v]);
+}
+
+bool row_linear(int kind, const float* xp, const uint8_t* qp, const float* dp, const float* mp, int64_t P, int64_t K,
+                float* yp, int threads) {
+    const int64_t q_panel = (kind == kQ4_1 ? K / 2 : K) * kPanel, s_panel = (K / kBlock) * kPanel;
+    // Threads take consecutive panels (torch's split); each runs its panels in groups of kRowPanels.
+    return parallel_for(threads, 0, P, 1, [&](int64_t p0, int64_t p1) {
+        for (int64_t p = p0; p < p1;) {
+            const int64_t left = p1 - p;
+            const int G = left >= kRowPanels ? kRowPanels : left >= 2 ? 2 : 1;
+            const uint8_t* q = qp + p * q_panel;
+            const float* d = dp + p * s_panel;
+            const float* m = mp ? mp + p * s_panel : nullptr;
+            float* y = yp + p * kPanel;
+            if (G == kRowPanels) row_panels<kRowPanels>(kind, xp, q, d, m, K, q_panel, s_panel, y);
+            else if (G == 2) row_panels<2>(kind, xp, q, d, m, K, q_panel, s_panel, y);
+            else row_panels<1>(kind, xp, q, d, m, K, q_panel, s_panel, y);
+            p += G;
+        }
+    });
+}
+
 // y [M, N] = x [M, K] . W.T, W held as the blocks (N = P * 16).
 bool linear(int kind, const float* xp, int64_t M, const uint8_t* qp, const float* dp, const float* mp, int64_t P,
             int64_t K, float* yp, int threads) {
     const int64_t N = P * kPanel;
     if (M == 0) return true;
+    if (M == 1) return row_linear(kind, xp, qp, dp, mp, P, K, yp, threads);
     const int64_t q_panel = (kind == kQ4_1 ? K / 2 : K) * kPanel, s_panel = (K / kBlock) * kPanel;
     // Rows in tiles of at most kMaxRows, as even as possible (16 rows: 8 + 8 on AVX-512), each tile
     // transposed once so that its broadcasts stream. Tiling moves no bit: each output's sum is fixed.

@@ -1,0 +1,136 @@
+"""A decode step for llama-architecture models with less Python per layer, the same bits as transformers'.
+
+Decoding one token through `LlamaForCausalLM.forward` runs ~400 module calls and ~900 small torch
+ops for the embedded model's 30 layers; with the linears and attention in kvmemory's kernels, that
+Python is a third of the step. `LlamaDecodeStep` runs the same computation for one new token with
+the modules' own `forward`s called directly (no hooks, no output dataclasses), the q/k/v projections
+in one kernel call and gate/up in another (`gguf_linear.fuse`: each output is the same sum, so the
+same bits), and RoPE applied to q and k in one pass of the same elementwise ops.
+
+Same bits, by construction and by test: every value is produced by the same torch ops or kernels,
+in the same order, as transformers' forward produces it (elementwise ops round each element alike
+whatever the tensor's shape; `tests/test_llama_step.py` asserts the logits and the cache equal
+transformers' with `torch.equal`). So it changes no result and no stored byte; it is on the
+compute path (the profile's `code_sha256`) all the same.
+
+Taken only where it is transformers' own `LlamaForCausalLM` (not a subclass), with the plain llama
+layout (no biases, SiLU MLP, full attention) and kvmemory's CPU attention (models/attention.py);
+everything else, and every step of more than one token, runs transformers' forward.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvmemory.models import attention, gguf_linear
+
+_ATTENTIONS = (attention.NAME, attention.FEWQ)
+
+
+def _rms_norm(norm: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
+    """`LlamaRMSNorm.forward`, op for op (a float32 model: the casts are no-ops there too)."""
+    dtype = h.dtype
+    h = h.to(torch.float32)
+    variance = h.pow(2).mean(-1, keepdim=True)
+    h = h * torch.rsqrt(variance + norm.variance_epsilon)
+    return norm.weight * h.to(dtype)
+
+
+def why_not(model: torch.nn.Module) -> str | None:
+    """None where `LlamaDecodeStep` computes `model`'s decode step, else why not."""
+    from transformers.models.llama.modeling_llama import LlamaForCausalLM, LlamaRMSNorm
+
+    cfg = model.config
+    if type(model) is not LlamaForCausalLM:
+        return f"{type(model).__name__} is not transformers' LlamaForCausalLM"
+    if cfg._attn_implementation not in _ATTENTIONS:
+        return f"attention {cfg._attn_implementation!r} is not kvmemory's CPU attention"
+    if getattr(cfg, "attention_bias", False) or getattr(cfg, "mlp_bias", False) or cfg.hidden_act != "silu":
+        return "not the plain llama layout (biases, or an activation other than SiLU)"
+    if any(t != "full_attention" for t in (getattr(cfg, "layer_types", None) or ["full_attention"])):
+        return "sliding-window layers"
+    for layer in model.model.layers:
+        if type(layer.input_layernorm) is not LlamaRMSNorm or type(layer.post_attention_layernorm) is not LlamaRMSNorm:
+            return "a norm other than LlamaRMSNorm"
+    return None
+
+
+def for_model(model: torch.nn.Module) -> LlamaDecodeStep | None:
+    """The model's `LlamaDecodeStep` (made once per model: its fused panels are shared by every runner
+    over it), or None where `why_not` says it does not apply."""
+    step = model.__dict__.get("_kvmemory_decode_step")
+    if step is None and why_not(model) is None:
+        step = model.__dict__["_kvmemory_decode_step"] = LlamaDecodeStep(model)
+    return step
+
+
+class LlamaDecodeStep:
+    """`step(ids [1, 1], position, cache)` -> logits [1, V], as `model(input_ids=ids, position_ids=...,
+    cache=cache, use_cache=True).logits[0]` computes them (the same bits), writing the same K/V."""
+
+    def __init__(self, model: torch.nn.Module):
+        reason = why_not(model)
+        if reason is not None:
+            raise ValueError(f"no lean decode step for this model: {reason}")
+        self.model = model
+        self.cfg = model.config
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        self.attend = ALL_ATTENTION_FUNCTIONS[self.cfg._attn_implementation]  # what LlamaAttention calls
+        self.layers = list(model.model.layers[: self.cfg.num_hidden_layers])
+        self.head_dim = getattr(self.cfg, "head_dim", None) or self.cfg.hidden_size // self.cfg.num_attention_heads
+        self.q_size = self.cfg.num_attention_heads * self.head_dim
+        self.kv_size = self.cfg.num_key_value_heads * self.head_dim
+        self.ffn = self.cfg.intermediate_size
+        # One kernel call for q/k/v and one for gate/up where the linears are GGUF blocks; else each its own.
+        self.qkv, self.gate_up = [], []
+        for layer in self.layers:
+            a, mlp = layer.self_attn, layer.mlp
+            try:
+                self.qkv.append(gguf_linear.fuse([a.q_proj, a.k_proj, a.v_proj]))
+                self.gate_up.append(gguf_linear.fuse([mlp.gate_proj, mlp.up_proj]))
+            except ValueError:
+                self.qkv.append(None)
+                self.gate_up.append(None)
+
+    @torch.inference_mode()
+    def step(self, ids: torch.Tensor, position: int, cache) -> torch.Tensor:
+        from transformers.masking_utils import create_causal_mask
+
+        m = self.model.model
+        D = self.head_dim
+        embeds = m.embed_tokens.forward(ids)
+        position_ids = torch.arange(position, position + 1, device=embeds.device).unsqueeze(0)
+        mask = create_causal_mask(config=self.cfg, inputs_embeds=embeds, attention_mask=None, cache=cache,
+                                  position_ids=position_ids)
+        cos, sin = m.rotary_emb(embeds, position_ids=position_ids)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # apply_rotary_pos_emb's unsqueeze_dim=1
+        h = embeds
+        for i, layer in enumerate(self.layers):
+            a, mlp = layer.self_attn, layer.mlp
+            x = _rms_norm(layer.input_layernorm, h)
+            if self.qkv[i] is not None:
+                qkv = self.qkv[i].forward(x)
+            else:
+                qkv = torch.cat([a.q_proj.forward(x), a.k_proj.forward(x), a.v_proj.forward(x)], -1)
+            # q and k as heads [1, H_q + H_kv, 1, D]: RoPE's ops (q * cos + rotate_half(q) * sin) on both at once
+            qk = qkv[..., : self.q_size + self.kv_size].view(1, 1, -1, D).transpose(1, 2)
+            half = D // 2
+            rotated = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
+            qk = (qk * cos) + (rotated * sin)
+            q = qk[:, : self.cfg.num_attention_heads]
+            k = qk[:, self.cfg.num_attention_heads:]
+            v = qkv[..., self.q_size + self.kv_size:].view(1, 1, -1, D).transpose(1, 2)
+            k, v = cache.update(k, v, a.layer_idx)
+            out, _ = self.attend(a, q, k, v, mask, dropout=0.0, scaling=a.scaling, position_ids=position_ids,
+                                 use_cache=True)
+            h = h + a.o_proj.forward(out.reshape(1, 1, -1).contiguous())
+            x = _rms_norm(layer.post_attention_layernorm, h)
+            if self.gate_up[i] is not None:
+                gu = self.gate_up[i].forward(x)
+                gate, up = gu[..., : self.ffn], gu[..., self.ffn:]
+            else:
+                gate, up = mlp.gate_proj.forward(x), mlp.up_proj.forward(x)
+            h = h + mlp.down_proj.forward(mlp.act_fn(gate) * up)
+        h = _rms_norm(m.norm, h)
+        return self.model.lm_head.forward(h)[0]

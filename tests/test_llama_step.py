@@ -1,0 +1,70 @@
+"""The lean llama decode step (kvmemory/models/llama_step.py) computes transformers' bits.
+
+Each check runs the same decode twice from equal caches, one side through `LlamaDecodeStep.step`,
+the other through transformers' `LlamaForCausalLM.forward`, and asserts with `torch.equal` that every
+step's logits and, at the end, every layer's K/V are the same bytes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import tiny_model
+
+from kvmemory.engine.runner import CanonicalRunner
+from kvmemory.models import gguf_linear, llama_step
+
+
+def _decode_both_ways(runner: CanonicalRunner, prompt: list[int], steps: int) -> None:
+    lean = runner._lean_step
+    assert lean is not None
+    caches = [runner.new_cache(len(prompt) + steps), runner.new_cache(len(prompt) + steps)]
+    for cache in caches:
+        runner.forward(prompt, cache=cache, keep_logits=False)
+    tok, n = prompt[-1], len(prompt)
+    for i in range(steps):
+        ids = torch.tensor([[tok]])
+        mine = lean.step(ids, n + i, caches[0])
+        with torch.inference_mode():
+            theirs = runner.model(input_ids=ids, position_ids=torch.tensor([[n + i]]), use_cache=True,
+                                  **{runner._cache_kwarg: caches[1]}).logits[0]
+        assert torch.equal(mine, theirs), i
+        tok = int(theirs[-1].argmax())
+    for a, b in zip(caches[0].layers, caches[1].layers):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+def test_the_embedded_model_decodes_transformers_bits(smollm):
+    runner = CanonicalRunner(smollm.model)
+    if not any(isinstance(m, gguf_linear.GGUFLinear) for m in smollm.model.modules()):
+        pytest.skip("the embedded model runs packed linears here (no GGUF-block kernel): covered by the tiny model")
+    assert all(f is not None for f in runner._lean_step.qkv)  # q/k/v in one kernel call
+    prompt = torch.randint(0, 49152, (70,), generator=torch.Generator().manual_seed(3)).tolist()
+    _decode_both_ways(runner, prompt, steps=6)
+    # the fused panels are the layers' own (views, no copy): each layer still computes alone
+    layer = smollm.model.model.layers[0].self_attn
+    assert layer.k_proj.q.untyped_storage().data_ptr() == runner._lean_step.qkv[0].q.untyped_storage().data_ptr()
+    x = torch.randn(2, 576)
+    with torch.inference_mode():
+        assert torch.equal(runner._lean_step.qkv[0](x)[:, 576:768], layer.k_proj(x))
+
+
+def test_a_tiny_llama_decodes_transformers_bits():
+    model = tiny_model("llama")
+    runner = CanonicalRunner(model, chunk=16)
+    assert runner._lean_step.qkv == [None, None]  # packed linears: one call each
+    prompt = torch.randint(0, 512, (37,), generator=torch.Generator().manual_seed(1)).tolist()
+    _decode_both_ways(runner, prompt, steps=5)
+
+
+def test_one_step_per_model():
+    model = tiny_model("llama")
+    assert CanonicalRunner(model)._lean_step is CanonicalRunner(model)._lean_step
+
+
+@pytest.mark.parametrize("arch,attn", [("llama", "sdpa"), ("llama", "eager"), ("mistral", None), ("qwen3", None)])
+def test_other_models_and_transformers_own_attention_keep_transformers_forward(arch, attn):
+    """The stock profile's attentions (transformers' own) and other architectures never take it."""
+    model = tiny_model(arch, attn=attn)
+    assert llama_step.why_not(model) is not None
+    assert CanonicalRunner(model, chunk=16)._lean_step is None
