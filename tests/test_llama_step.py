@@ -68,3 +68,15 @@ def test_other_models_and_transformers_own_attention_keep_transformers_forward(a
     model = tiny_model(arch, attn=attn)
     assert llama_step.why_not(model) is not None
     assert CanonicalRunner(model, chunk=16)._lean_step is None
+
+
+def test_decode_parts_times_every_part_of_the_step():
+    from kvmemory.bench import decode_parts
+
+    r = decode_parts.run(lengths=(64,), steps=3)
+    row = r["lengths"]["64"]
+    assert list(row["parts_ms"]) == ["embedding, mask, rope tables", "norms", "q/k/v linears", "rope", "cache write",
+                                     "attention", "o linear + residual", "mlp (gate/up, silu, down) + residual",
+                                     "final norm + lm_head"]
+    assert all(v > 0 for v in row["parts_ms"].values()) and row["step_ms"] > 0 and row["runner_ms_per_token"] > 0
+    assert "| **step** |" in decode_parts.format_table(r)

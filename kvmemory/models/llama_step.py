@@ -20,6 +20,8 @@ everything else, and every step of more than one token, runs transformers' forwa
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from kvmemory.models import attention, gguf_linear
@@ -94,8 +96,14 @@ class LlamaDecodeStep:
                 self.gate_up.append(None)
 
     @torch.inference_mode()
-    def step(self, ids: torch.Tensor, position: int, cache) -> torch.Tensor:
+    def step(self, ids: torch.Tensor, position: int, cache, marks: list | None = None) -> torch.Tensor:
+        """`marks`: a list to which (part, perf_counter()) is appended as each part of the step ends
+        (bench/decode_parts.py times them); None, the default, times nothing."""
         from transformers.masking_utils import create_causal_mask
+
+        def mark(part: str) -> None:
+            if marks is not None:
+                marks.append((part, time.perf_counter()))
 
         m = self.model.model
         D = self.head_dim
@@ -106,13 +114,16 @@ class LlamaDecodeStep:
         cos, sin = m.rotary_emb(embeds, position_ids=position_ids)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # apply_rotary_pos_emb's unsqueeze_dim=1
         h = embeds
+        mark("embedding, mask, rope tables")
         for i, layer in enumerate(self.layers):
             a, mlp = layer.self_attn, layer.mlp
             x = _rms_norm(layer.input_layernorm, h)
+            mark("norms")
             if self.qkv[i] is not None:
                 qkv = self.qkv[i].forward(x)
             else:
                 qkv = torch.cat([a.q_proj.forward(x), a.k_proj.forward(x), a.v_proj.forward(x)], -1)
+            mark("q/k/v linears")
             # q and k as heads [1, H_q + H_kv, 1, D]: RoPE's ops (q * cos + rotate_half(q) * sin) on both at once
             qk = qkv[..., : self.q_size + self.kv_size].view(1, 1, -1, D).transpose(1, 2)
             half = D // 2
@@ -121,16 +132,24 @@ class LlamaDecodeStep:
             q = qk[:, : self.cfg.num_attention_heads]
             k = qk[:, self.cfg.num_attention_heads:]
             v = qkv[..., self.q_size + self.kv_size:].view(1, 1, -1, D).transpose(1, 2)
+            mark("rope")
             k, v = cache.update(k, v, a.layer_idx)
+            mark("cache write")
             out, _ = self.attend(a, q, k, v, mask, dropout=0.0, scaling=a.scaling, position_ids=position_ids,
                                  use_cache=True)
+            mark("attention")
             h = h + a.o_proj.forward(out.reshape(1, 1, -1).contiguous())
+            mark("o linear + residual")
             x = _rms_norm(layer.post_attention_layernorm, h)
+            mark("norms")
             if self.gate_up[i] is not None:
                 gu = self.gate_up[i].forward(x)
                 gate, up = gu[..., : self.ffn], gu[..., self.ffn:]
             else:
                 gate, up = mlp.gate_proj.forward(x), mlp.up_proj.forward(x)
             h = h + mlp.down_proj.forward(mlp.act_fn(gate) * up)
+            mark("mlp (gate/up, silu, down) + residual")
         h = _rms_norm(m.norm, h)
-        return self.model.lm_head.forward(h)[0]
+        logits = self.model.lm_head.forward(h)[0]
+        mark("final norm + lm_head")
+        return logits
