@@ -29,15 +29,6 @@ from kvmemory.models import attention, gguf_linear
 _ATTENTIONS = (attention.NAME, attention.FEWQ)
 
 
-def _rms_norm(norm: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
-    """`LlamaRMSNorm.forward`, op for op (a float32 model: the casts are no-ops there too)."""
-    dtype = h.dtype
-    h = h.to(torch.float32)
-    variance = h.pow(2).mean(-1, keepdim=True)
-    h = h * torch.rsqrt(variance + norm.variance_epsilon)
-    return norm.weight * h.to(dtype)
-
-
 def why_not(model: torch.nn.Module) -> str | None:
     """None where `LlamaDecodeStep` computes `model`'s decode step, else why not."""
     from transformers.models.llama.modeling_llama import LlamaForCausalLM, LlamaRMSNorm
@@ -117,7 +108,7 @@ class LlamaDecodeStep:
         mark("embedding, mask, rope tables")
         for i, layer in enumerate(self.layers):
             a, mlp = layer.self_attn, layer.mlp
-            x = _rms_norm(layer.input_layernorm, h)
+            x = layer.input_layernorm.forward(h)
             mark("norms")
             if self.qkv[i] is not None:
                 qkv = self.qkv[i].forward(x)
@@ -140,7 +131,7 @@ class LlamaDecodeStep:
             mark("attention")
             h = h + a.o_proj.forward(out.reshape(1, 1, -1).contiguous())
             mark("o linear + residual")
-            x = _rms_norm(layer.post_attention_layernorm, h)
+            x = layer.post_attention_layernorm.forward(h)
             mark("norms")
             if self.gate_up[i] is not None:
                 gu = self.gate_up[i].forward(x)
@@ -149,7 +140,7 @@ class LlamaDecodeStep:
                 gate, up = mlp.gate_proj.forward(x), mlp.up_proj.forward(x)
             h = h + mlp.down_proj.forward(mlp.act_fn(gate) * up)
             mark("mlp (gate/up, silu, down) + residual")
-        h = _rms_norm(m.norm, h)
+        h = m.norm.forward(h)
         logits = self.model.lm_head.forward(h)[0]
         mark("final norm + lm_head")
         return logits
