@@ -2,7 +2,8 @@
 
 Each check runs the same decode twice from equal caches, one side through `LlamaDecodeStep.step`,
 the other through transformers' `LlamaForCausalLM.forward`, and asserts with `torch.equal` that every
-step's logits and, at the end, every layer's K/V are the same bytes.
+step's logits and, at the end, every layer's K/V are the same bytes: with the decode-step kernel's
+norms and RoPE (kernels/decode_ops.py) where it runs, and with torch's ops in their place.
 """
 
 from __future__ import annotations
@@ -12,7 +13,10 @@ import torch
 from tiny_models import tiny_model
 
 from kvmemory.engine.runner import CanonicalRunner
+from kvmemory.kernels import decode_ops
 from kvmemory.models import gguf_linear, llama_step
+
+needs_decode_kernel = pytest.mark.skipif(decode_ops.load() is None, reason="the decode-step kernel does not run here")
 
 
 def _decode_both_ways(runner: CanonicalRunner, prompt: list[int], steps: int) -> None:
@@ -49,12 +53,50 @@ def test_the_embedded_model_decodes_transformers_bits(smollm):
         assert torch.equal(runner._lean_step.qkv[0](x)[:, 576:768], layer.k_proj(x))
 
 
-def test_a_tiny_llama_decodes_transformers_bits():
+@pytest.mark.parametrize("kv_dtype", [None, torch.bfloat16])
+def test_a_tiny_llama_decodes_transformers_bits(kv_dtype):
     model = tiny_model("llama")
-    runner = CanonicalRunner(model, chunk=16)
+    runner = CanonicalRunner(model, chunk=16, kv_dtype=kv_dtype)
     assert runner._lean_step.qkv == [None, None]  # packed linears: one call each
     prompt = torch.randint(0, 512, (37,), generator=torch.Generator().manual_seed(1)).tolist()
     _decode_both_ways(runner, prompt, steps=5)
+
+
+@needs_decode_kernel
+def test_the_decode_kernel_is_taken_and_torch_ops_give_the_same_bits(smollm):
+    """Where the kernel runs the step uses it (its sum width found against the model's own norm), and
+    the same step with torch's ops in its place (the fallback) gives transformers' bits too."""
+    lean = CanonicalRunner(smollm.model)._lean_step
+    assert lean.kernel is not None and lean.width in decode_ops.WIDTHS
+    runner = CanonicalRunner(tiny_model("llama"), chunk=16)
+    prompt = torch.randint(0, 512, (21,), generator=torch.Generator().manual_seed(2)).tolist()
+    kernel, width = runner._lean_step.kernel, runner._lean_step.width
+    assert kernel is not None
+    try:
+        runner._lean_step.kernel = runner._lean_step.width = None
+        _decode_both_ways(runner, prompt, steps=4)
+    finally:
+        runner._lean_step.kernel, runner._lean_step.width = kernel, width
+
+
+@needs_decode_kernel
+def test_a_cache_without_room_takes_the_cache_update_path():
+    """A cache whose reserved room is full (or is not kvmemory's) gets its K/V through `update`, with
+    the same bits."""
+    runner = CanonicalRunner(tiny_model("llama"), chunk=16)
+    prompt = torch.randint(0, 512, (16,), generator=torch.Generator().manual_seed(4)).tolist()
+    lean = runner._lean_step
+    caches = [runner.new_cache(len(prompt)), runner.new_cache(len(prompt))]  # no room past the prompt
+    for cache in caches:
+        runner.forward(prompt, cache=cache, keep_logits=False)
+    assert caches[0].layers[0].next_position(2, 16, torch.float32) is None
+    ids, n = torch.tensor([[prompt[-1]]]), len(prompt)
+    mine = lean.step(ids, n, caches[0])
+    with torch.inference_mode():
+        theirs = runner.model(input_ids=ids, position_ids=torch.tensor([[n]]), use_cache=True,
+                              **{runner._cache_kwarg: caches[1]}).logits[0]
+    assert torch.equal(mine, theirs)
+    assert all(torch.equal(a.keys, b.keys) for a, b in zip(caches[0].layers, caches[1].layers))
 
 
 def test_one_step_per_model():
@@ -75,8 +117,8 @@ def test_decode_parts_times_every_part_of_the_step():
 
     r = decode_parts.run(lengths=(64,), steps=3)
     row = r["lengths"]["64"]
-    assert list(row["parts_ms"]) == ["embedding, mask, rope tables", "norms", "q/k/v linears", "rope", "cache write",
-                                     "attention", "o linear + residual", "mlp (gate/up, silu, down) + residual",
+    assert list(row["parts_ms"]) == ["embedding, mask, rope tables", "norms + residual adds", "q/k/v linears",
+                                     "rope + cache write", "attention", "o linear", "mlp (gate/up, silu, down)",
                                      "final norm + lm_head"]
     assert all(v > 0 for v in row["parts_ms"].values()) and row["step_ms"] > 0 and row["runner_ms_per_token"] > 0
     assert "| **step** |" in decode_parts.format_table(r)

@@ -7,7 +7,8 @@ changed (a new torch, another thread count, other weights, another grid, a rebui
 What identifies the code that computes (each a field, so a change to any of them is a new profile):
 
 - `kernels`: per native kernel the profile runs (the few-query attention under `kvmemory_fewq`, the
-  GGUF-block linears under `gguf-blocks`), the identity of the build that ran, from the build step's
+  GGUF-block linears under `gguf-blocks`, the decode step's norms and RoPE under either of kvmemory's
+  CPU attentions where that kernel runs: models/llama_step.py), the identity of the build that ran, from the build step's
   manifest (kernels/build.py): its sources' and headers' SHA-256, the compiler flags, the compiler and
   its version, the ISA build. Not the library file's own SHA-256, nor its path: two installs compiled
   from the same sources with the same compiler and flags compute the same bits;
@@ -39,6 +40,7 @@ import torch
 from kvmemory.models import attention
 from kvmemory.models import gguf_linear
 from kvmemory.models import packed_linear
+from kvmemory.kernels import decode_ops
 from kvmemory.kernels import few_query_attention
 from kvmemory.kernels import quantized_linear
 from kvmemory.models.loading import linear_implementation
@@ -58,7 +60,7 @@ COMPUTE_PATH = (
     "engine/runner.py", "engine/cache.py", "engine/graft.py", "engine/determinism.py",
     "models/loading.py", "models/attention.py", "models/gguf_linear.py", "models/packed_linear.py",
     "models/llama_step.py",
-    "kernels/few_query_attention.py", "kernels/quantized_linear.py", "kernels/graft_op.py",
+    "kernels/few_query_attention.py", "kernels/quantized_linear.py", "kernels/graft_op.py", "kernels/decode_ops.py",
 )
 # Which native kernel each attention / linear implementation runs (the profile records their builds).
 _KERNEL_OF_ATTENTION = {attention.FEWQ: few_query_attention.KERNEL_LIB}
@@ -230,6 +232,10 @@ def kernel_identities(attn_implementation: str, linear_impl: str) -> dict:
             raise ProfileMismatch(f"the {lib.kernel} kernel the model was loaded with does not run here: "
                                   f"{lib.why_unavailable()}")
         out[lib.kernel] = {k: info.get(k) for k in _BUILD_IDENTITY}
+    # The lean llama decode step (under kvmemory's attentions) runs this kernel where it loads, else
+    # torch's ops (the same bits, by test): recorded where it runs, like the others.
+    if attn_implementation in (attention.NAME, attention.FEWQ) and decode_ops.build_info() is not None:
+        out[decode_ops.KERNEL] = {k: v for k, v in decode_ops.build_info().items() if k in _BUILD_IDENTITY}
     return out
 
 

@@ -36,7 +36,8 @@ COMMON = ("-O3", "-std=c++17", "-fPIC", "-shared", "-fvisibility=hidden", "-stat
           "-Wl,--exclude-libs,ALL")
 AVX512 = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma")
 AVX2 = ("-mavx2", "-mfma", "-DKVM_AVX2")
-# No FMA may fuse a Q4_1 weight's `d * q + m`: transformers' weights round the product first.
+# No FMA may fuse a product into a sum: a Q4_1 weight's `d * q + m` (transformers' weights round the
+# product first), RoPE's `x * cos + rotated * sin` (torch rounds each product).
 NO_CONTRACT = ("-ffp-contract=off",)
 
 
@@ -44,7 +45,7 @@ NO_CONTRACT = ("-ffp-contract=off",)
 class Build:
     """One library: kernel `kernel`'s build for `variant`, from csrc/`source` and its `headers`."""
 
-    kernel: str  # "fewq", "qlinear", "sha256"
+    kernel: str  # "fewq", "qlinear", "decode", "sha256"
     variant: str  # "avx512", "avx2", "sha-ni"
     isa: str  # what the CPU must run: torch's capability name ("AVX512", "AVX2") or "SHA-NI"
     source: str
@@ -67,12 +68,15 @@ class Build:
 _ATTENTION = ("few_query_attention.cpp", ("bfloat16.h", "parallel.h", "simd.h"))
 _QLINEAR = ("quantized_linear.cpp", ("parallel.h", "simd.h"))
 _SHA256 = ("sha256_lanes.cpp", ())
+_DECODE = ("decode_ops.cpp", ("bfloat16.h",))
 
 BUILDS: tuple[Build, ...] = (
     Build("fewq", "avx512", "AVX512", *_ATTENTION, COMMON + AVX512 + ("-fopenmp",)),
     Build("fewq", "avx2", "AVX2", *_ATTENTION, COMMON + AVX2 + ("-fopenmp",)),
     Build("qlinear", "avx512", "AVX512", *_QLINEAR, COMMON + AVX512 + NO_CONTRACT + ("-fopenmp",)),
     Build("qlinear", "avx2", "AVX2", *_QLINEAR, COMMON + AVX2 + NO_CONTRACT + ("-fopenmp",)),
+    Build("decode", "avx512", "AVX512", *_DECODE, COMMON + AVX512 + NO_CONTRACT),
+    Build("decode", "avx2", "AVX2", *_DECODE, COMMON + AVX2 + NO_CONTRACT),
     Build("sha256", "avx512", "AVX512", *_SHA256, COMMON + ("-fno-exceptions", "-mavx512f", "-mavx512bw")),
     Build("sha256", "sha-ni", "SHA-NI", *_SHA256,
           COMMON + ("-fno-exceptions", "-msha", "-msse4.1", "-mssse3", "-DKVM_SHA_NI")),

@@ -5,7 +5,8 @@ library (ctypes) or None with the reason, and the kernel's caller runs its fallb
 linears: oneDNN-packed; hashing: hashlib) after one warning that names the reason and the fallback.
 The choice:
 
-- "fewq" (few-query attention) and "qlinear" (GGUF-block linears): the AVX-512 build where torch's
+- "fewq" (few-query attention), "qlinear" (GGUF-block linears) and "decode" (a decode step's norms and
+  RoPE): the AVX-512 build where torch's
   kernels run AVX-512, else the AVX2 build where they run AVX2, else none. It follows torch's own
   reading of the CPU (`cpu.isa()`), so `ATEN_CPU_CAPABILITY=avx2` lowers both alike, and the execution
   profile's `cpu_isa` names the build that ran.
@@ -46,11 +47,12 @@ _NEEDS = {
 }
 # Each kernel's title (for messages) and the calling convention its Python side speaks.
 TITLES = {"fewq": "few-query attention kernel", "qlinear": "GGUF-block linear kernel",
-          "sha256": "multi-lane SHA-256"}
-ABI = {"fewq": 1, "qlinear": 1, "sha256": 1}
+          "decode": "decode-step norm / RoPE kernel", "sha256": "multi-lane SHA-256"}
+ABI = {"fewq": 1, "qlinear": 1, "decode": 1, "sha256": 1}
 # What runs where a kernel does not (each caller's fallback; the execution profile records which ran).
 FALLBACKS = {"fewq": "attention runs on SDPA (kvmemory_sdpa)",
              "qlinear": "linears run on oneDNN-packed float32 weights (onednn-packed)",
+             "decode": "a decode step's norms and RoPE run as torch ops (the same bits, slower)",
              "sha256": "blocks are hashed by hashlib"}
 
 _warned: set[str] = set()

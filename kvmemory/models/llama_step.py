@@ -5,7 +5,9 @@ ops for the embedded model's 30 layers; with the linears and attention in kvmemo
 Python is a third of the step. `LlamaDecodeStep` runs the same computation for one new token with
 the modules' own `forward`s called directly (no hooks, no output dataclasses), the q/k/v projections
 in one kernel call and gate/up in another (`gguf_linear.fuse`: each output is the same sum, so the
-same bits), and RoPE applied to q and k in one pass of the same elementwise ops.
+same bits), and, where the decode-step kernel runs (kernels/decode_ops.py), each residual add + RMS
+norm in one call and RoPE on q / k with the K/V write into the cache in another; elsewhere RoPE is
+applied to q and k in one pass of the same torch ops and the norms are the modules' own `forward`s.
 
 Same bits, by construction and by test: every value is produced by the same torch ops or kernels,
 in the same order, as transformers' forward produces it (elementwise ops round each element alike
@@ -20,11 +22,16 @@ everything else, and every step of more than one token, runs transformers' forwa
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
 
+from kvmemory.engine.cache import ReservedLayer
+from kvmemory.kernels import decode_ops
 from kvmemory.models import attention, gguf_linear
+
+log = logging.getLogger(__name__)
 
 _ATTENTIONS = (attention.NAME, attention.FEWQ)
 
@@ -85,6 +92,65 @@ class LlamaDecodeStep:
             except ValueError:
                 self.qkv.append(None)
                 self.gate_up.append(None)
+        self.kernel, self.width = self._decode_kernel()
+
+    def _decode_kernel(self):
+        """(library, sum width) of the decode-step kernel where it gives these norms' bits, else (None,
+        None): a float32 model, and a width with which the kernel's norm equals the model's own
+        (decode_ops.sum_lanes compares them on seeded random rows)."""
+        lib = decode_ops.load()
+        norms = [n for layer in self.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+        norms.append(self.model.model.norm)
+        if lib is None or self.model.dtype != torch.float32 or any(
+                n.weight.dtype != torch.float32 or not n.weight.is_contiguous() for n in norms):
+            return None, None
+        first = norms[0]
+        width = decode_ops.sum_lanes(first.forward, first.weight.detach(), first.variance_epsilon, lib)
+        if width is None:
+            log.info("kvmemory: the decode-step kernel's norm gives none of torch's sum orders here; "
+                     "the decode step keeps torch's ops (the same bits, slower)")
+            return None, None
+        return lib, width
+
+    def _norm(self, norm, h: torch.Tensor, delta: torch.Tensor | None, scratch: torch.Tensor) -> torch.Tensor:
+        """h += delta (the residual add, in place; none where delta is None), then norm(h)."""
+        if self.kernel is None:
+            if delta is not None:
+                h.copy_(h + delta)  # transformers' `residual + hidden_states`, kept in h's memory
+            return norm.forward(h)
+        x = torch.empty_like(h)
+        rc = self.kernel.kvm_decode_add_rms_norm(h.data_ptr(), delta.data_ptr() if delta is not None else None,
+                                                 norm.weight.data_ptr(), h.shape[-1], norm.variance_epsilon,
+                                                 self.width, scratch.data_ptr(), x.data_ptr())
+        if rc:
+            raise ValueError(f"the decode-step kernel refused the norm ({rc})")
+        return x
+
+    def _rope_cache(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, layer_idx: int):
+        """q [1, H_q, 1, D] with RoPE, and the layer's cached K / V with this token's written (RoPE on k)."""
+        Hq, Hkv, D = self.cfg.num_attention_heads, self.cfg.num_key_value_heads, self.head_dim
+        layer = cache.layers[layer_idx] if self.kernel is not None else None
+        at = layer.next_position(Hkv, D, qkv.dtype) if isinstance(layer, ReservedLayer) else None
+        if at is not None:
+            q = torch.empty((1, Hq, 1, D), dtype=torch.float32)
+            k_rope = torch.empty(Hkv * D, dtype=torch.float32)  # held here: the kernel writes into it
+            k_dst, v_dst = layer.k_buf[0, :, at], layer.v_buf[0, :, at]
+            rc = self.kernel.kvm_decode_rope_write(
+                qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), Hq, Hkv, D, q.data_ptr(), k_dst.data_ptr(),
+                v_dst.data_ptr(), k_dst.stride(0), int(k_dst.dtype == torch.bfloat16), k_rope.data_ptr())
+            if rc:
+                raise ValueError(f"the decode-step kernel refused RoPE ({rc})")
+            k, v = layer.filled(at + 1)
+            return q, k, v
+        # q and k as heads [1, H_q + H_kv, 1, D]: RoPE's ops (q * cos + rotate_half(q) * sin) on both at once
+        qk = qkv[..., : self.q_size + self.kv_size].view(1, 1, -1, D).transpose(1, 2)
+        half = D // 2
+        rotated = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
+        qk = (qk * cos.view(1, 1, 1, D)) + (rotated * sin.view(1, 1, 1, D))
+        q, k = qk[:, :Hq], qk[:, Hq:]
+        v = qkv[..., self.q_size + self.kv_size:].view(1, 1, -1, D).transpose(1, 2)
+        k, v = cache.update(k, v, layer_idx)
+        return q, k, v
 
     @torch.inference_mode()
     def step(self, ids: torch.Tensor, position: int, cache, marks: list | None = None) -> torch.Tensor:
@@ -97,50 +163,42 @@ class LlamaDecodeStep:
                 marks.append((part, time.perf_counter()))
 
         m = self.model.model
-        D = self.head_dim
         embeds = m.embed_tokens.forward(ids)
         position_ids = torch.arange(position, position + 1, device=embeds.device).unsqueeze(0)
         mask = create_causal_mask(config=self.cfg, inputs_embeds=embeds, attention_mask=None, cache=cache,
                                   position_ids=position_ids)
         cos, sin = m.rotary_emb(embeds, position_ids=position_ids)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # apply_rotary_pos_emb's unsqueeze_dim=1
-        h = embeds
+        cos, sin = cos.contiguous(), sin.contiguous()  # [1, 1, D]: this position's
+        h = embeds  # a new tensor: the residual adds below write into it
+        scratch = torch.empty(h.shape[-1], dtype=torch.float32)
+        delta = None  # the last block's output, not yet added to h
         mark("embedding, mask, rope tables")
         for i, layer in enumerate(self.layers):
             a, mlp = layer.self_attn, layer.mlp
-            x = layer.input_layernorm.forward(h)
-            mark("norms")
+            x = self._norm(layer.input_layernorm, h, delta, scratch)
+            mark("norms + residual adds")
             if self.qkv[i] is not None:
                 qkv = self.qkv[i].forward(x)
             else:
                 qkv = torch.cat([a.q_proj.forward(x), a.k_proj.forward(x), a.v_proj.forward(x)], -1)
             mark("q/k/v linears")
-            # q and k as heads [1, H_q + H_kv, 1, D]: RoPE's ops (q * cos + rotate_half(q) * sin) on both at once
-            qk = qkv[..., : self.q_size + self.kv_size].view(1, 1, -1, D).transpose(1, 2)
-            half = D // 2
-            rotated = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
-            qk = (qk * cos) + (rotated * sin)
-            q = qk[:, : self.cfg.num_attention_heads]
-            k = qk[:, self.cfg.num_attention_heads:]
-            v = qkv[..., self.q_size + self.kv_size:].view(1, 1, -1, D).transpose(1, 2)
-            mark("rope")
-            k, v = cache.update(k, v, a.layer_idx)
-            mark("cache write")
+            q, k, v = self._rope_cache(qkv, cos, sin, cache, a.layer_idx)
+            mark("rope + cache write")
             out, _ = self.attend(a, q, k, v, mask, dropout=0.0, scaling=a.scaling, position_ids=position_ids,
                                  use_cache=True)
             mark("attention")
-            h = h + a.o_proj.forward(out.reshape(1, 1, -1).contiguous())
-            mark("o linear + residual")
-            x = layer.post_attention_layernorm.forward(h)
-            mark("norms")
+            delta = a.o_proj.forward(out.reshape(1, 1, -1).contiguous())
+            mark("o linear")
+            x = self._norm(layer.post_attention_layernorm, h, delta, scratch)
+            mark("norms + residual adds")
             if self.gate_up[i] is not None:
                 gu = self.gate_up[i].forward(x)
                 gate, up = gu[..., : self.ffn], gu[..., self.ffn:]
             else:
                 gate, up = mlp.gate_proj.forward(x), mlp.up_proj.forward(x)
-            h = h + mlp.down_proj.forward(mlp.act_fn(gate) * up)
-            mark("mlp (gate/up, silu, down) + residual")
-        h = m.norm.forward(h)
+            delta = mlp.down_proj.forward(mlp.act_fn(gate) * up)
+            mark("mlp (gate/up, silu, down)")
+        h = self._norm(m.norm, h, delta, scratch)
         logits = self.model.lm_head.forward(h)[0]
         mark("final norm + lm_head")
         return logits

@@ -1,0 +1,110 @@
+"""The decode step's norm and RoPE kernel (csrc/decode_ops.cpp): transformers' `LlamaRMSNorm` (with the
+residual add before it) and RoPE on q / k plus the K/V write into the cache, for one token, each the
+same bits as the torch ops it replaces (models/llama_step.py calls it; tests/test_decode_ops.py
+compares it with torch's own ops under AVX-512 and AVX2).
+
+The norm's mean is a sum whose order is torch's: SumKernel.cpp's cascade over vectors of W floats, W
+the width of the build of that kernel torch runs. That is not simply torch's capability (torch 2.13 on
+an AVX-512 CPU sums with its AVX2 build, W = 8: measured, its sum is not registered for AVX-512), so
+`sum_lanes` finds W by computing norms of seeded random rows both ways and comparing with the torch
+code the kernel replaces; where neither width gives its bits, the step keeps torch's ops. A plain C
+library built into the package (build.py), loaded by native.py.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable
+
+import torch
+
+from kvmemory.kernels import native
+
+KERNEL = "decode"
+MAX_NORM = 32768  # torch splits a longer row's sum across threads (its grain size): not this kernel's order
+WIDTHS = (8, 16)  # the float vector widths of torch's CPU builds (AVX2, AVX-512)
+PROBE_ROWS = 32  # rows `sum_lanes` compares: a wrong width gives other bits on most rows of 8+ floats
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    i64, vp, c_int, c_float = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+    lib.kvm_decode_add_rms_norm.argtypes = [vp, vp, vp, i64, c_float, c_int, vp, vp]
+    lib.kvm_decode_add_rms_norm.restype = c_int
+    lib.kvm_decode_rope_write.argtypes = [vp, vp, vp, i64, i64, i64, vp, vp, vp, i64, c_int, vp]
+    lib.kvm_decode_rope_write.restype = c_int
+
+
+KERNEL_LIB = native.Kernel(KERNEL, _declare)
+load, load_variant = KERNEL_LIB.load, KERNEL_LIB.load_variant  # the library (None: see why_unavailable)
+why_unavailable, build_info = KERNEL_LIB.why_unavailable, KERNEL_LIB.build_info
+
+
+def sum_lanes(reference: Callable[[torch.Tensor], torch.Tensor], weight: torch.Tensor, eps: float,
+              lib: ctypes.CDLL | None = None) -> int | None:
+    """The width W (8 or 16) with which the kernel's norm gives `reference`'s bits (a LlamaRMSNorm's
+    `forward` with `weight`, `eps`) on PROBE_ROWS seeded random rows at several scales, or None where
+    neither does (or the row is too long for one sum: MAX_NORM)."""
+    lib = lib if lib is not None else load()
+    n = weight.numel()
+    if lib is None or n > MAX_NORM:
+        return None
+    g = torch.Generator().manual_seed(0)
+    rows = [torch.randn(1, 1, n, generator=g) * (10.0 ** (i % 8 - 3)) for i in range(PROBE_ROWS)]
+    with torch.inference_mode():
+        wanted = [reference(r) for r in rows]
+        for width in WIDTHS:
+            if all(torch.equal(add_rms_norm(r.clone(), weight, eps, lib=lib, width=width), w)
+                   for r, w in zip(rows, wanted)):
+                return width
+    return None
+
+
+def _check_rc(rc: int) -> None:
+    if rc:
+        raise ValueError(f"the decode-step kernel refused its arguments ({rc})")
+
+
+def _floats(t: torch.Tensor, name: str) -> None:
+    if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu":
+        raise ValueError(f"{name} must be float32, contiguous, on the CPU")
+
+
+def add_rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Tensor | None = None,
+                 width: int = 8, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """`h += delta` in place (where given), then LlamaRMSNorm(h) with `weight`, over h's last dimension
+    (one row: h holds n = weight.numel() floats), summing in vectors of `width` floats (`sum_lanes`).
+    `lib`: another build than the CPU's own (tests)."""
+    lib = lib if lib is not None else load()
+    n = weight.numel()
+    for t, name in ((h, "h"), (weight, "weight")) + (((delta, "delta"),) if delta is not None else ()):
+        _floats(t, name)
+        if t.numel() != n:
+            raise ValueError(f"{name} must hold {n} floats (one row)")
+    out = torch.empty_like(h)
+    sq = torch.empty(n, dtype=torch.float32)
+    _check_rc(lib.kvm_decode_add_rms_norm(h.data_ptr(), delta.data_ptr() if delta is not None else None,
+                                          weight.data_ptr(), n, eps, width, sq.data_ptr(), out.data_ptr()))
+    return out
+
+
+def rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, hq: int, hkv: int, k_dst: torch.Tensor,
+               v_dst: torch.Tensor, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """One token's q [1, hq, 1, D] with RoPE; its k (with RoPE) and v written into `k_dst` / `v_dst`
+    ([hkv, D] views of a cache's buffers at one position: float32 or bfloat16, rows `stride(0)` apart).
+    qkv: [hq + 2 hkv heads x D] float32 contiguous; cos / sin: the position's D values."""
+    lib = lib if lib is not None else load()
+    D = cos.numel()
+    for t, name in ((qkv, "qkv"), (cos, "cos"), (sin, "sin")):
+        _floats(t, name)
+    if qkv.numel() != (hq + 2 * hkv) * D or sin.numel() != D:
+        raise ValueError("qkv must hold hq + 2 hkv heads of D = cos.numel() floats, sin D")
+    for t in (k_dst, v_dst):
+        if (t.dtype not in (torch.float32, torch.bfloat16) or t.shape != (hkv, D) or t.stride(1) != 1
+                or t.dtype != k_dst.dtype or t.stride() != k_dst.stride() or t.device.type != "cpu"):
+            raise ValueError("k_dst / v_dst must be [hkv, D] float32 or bfloat16 views with unit stride in D")
+    q = torch.empty((1, hq, 1, D), dtype=torch.float32)
+    scratch = torch.empty(hkv * D, dtype=torch.float32)
+    _check_rc(lib.kvm_decode_rope_write(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), hq, hkv, D, q.data_ptr(),
+                                        k_dst.data_ptr(), v_dst.data_ptr(), k_dst.stride(0),
+                                        int(k_dst.dtype == torch.bfloat16), scratch.data_ptr()))
+    return q
