@@ -92,31 +92,46 @@ def test_torchs_avx2_sums_are_found_and_matched():
 def test_rope_and_the_cache_write_give_transformers_bits(variant, kv_dtype):
     lib = BUILDS[variant]
     g = torch.Generator().manual_seed(2)
-    for hq, hkv, D in ((9, 3, 64), (4, 2, 16), (32, 8, 128), (2, 2, 2)):
-        qkv = torch.randn(1, 1, (hq + 2 * hkv) * D, generator=g) * 5
-        cos, sin = torch.randn(1, 1, D, generator=g), torch.randn(1, 1, D, generator=g)
-        heads = qkv.view(1, 1, -1, D).transpose(1, 2)
+    for T, hq, hkv, D in ((1, 9, 3, 64), (16, 9, 3, 64), (5, 4, 2, 16), (3, 32, 8, 128), (2, 2, 1, 2)):
+        qkv = torch.randn(1, T, (hq + 2 * hkv) * D, generator=g) * 5
+        cos, sin = torch.randn(1, T, D, generator=g), torch.randn(1, T, D, generator=g)
+        heads = qkv.view(1, T, -1, D).transpose(1, 2)  # as transformers views its projections
         q_ref, k_ref = apply_rotary_pos_emb(heads[:, :hq], heads[:, hq:hq + hkv], cos, sin)
         v_ref = heads[:, hq + hkv:]
-        k_buf = torch.zeros(1, hkv, 7, D, dtype=kv_dtype)  # a cache's room: write at position 5 of 7
-        v_buf = torch.zeros(1, hkv, 7, D, dtype=kv_dtype)
+        k_buf = torch.zeros(1, hkv, T + 7, D, dtype=kv_dtype)  # a cache's room: write at positions 5..5+T-1
+        v_buf = torch.zeros(1, hkv, T + 7, D, dtype=kv_dtype)
         k_want, v_want = k_buf.clone(), v_buf.clone()
-        k_want[:, :, 5:6].copy_(k_ref)  # what ReservedLayer.update writes (rounded where bfloat16)
-        v_want[:, :, 5:6].copy_(v_ref)
-        q = decode_ops.rope_write(qkv, cos, sin, hq, hkv, k_buf[0, :, 5], v_buf[0, :, 5], lib)
-        assert torch.equal(q, q_ref) and torch.equal(k_buf, k_want) and torch.equal(v_buf, v_want), (hq, hkv, D)
+        k_want[:, :, 5:5 + T].copy_(k_ref)  # what ReservedLayer.update writes (rounded where bfloat16)
+        v_want[:, :, 5:5 + T].copy_(v_ref)
+        q = decode_ops.rope_write(qkv, cos, sin, hq, hkv, k_buf[0, :, 5:5 + T], v_buf[0, :, 5:5 + T], lib)
+        strides = lambda t: [st for st, n in zip(t.stride(), t.shape) if n > 1]  # noqa: E731 (size-1 dims: any)
+        assert torch.equal(q, q_ref) and strides(q) == strides(q_ref), (T, hq, hkv, D)
+        assert torch.equal(k_buf, k_want) and torch.equal(v_buf, v_want), (T, hq, hkv, D)
+
+
+@pytest.mark.parametrize("variant", RUNNABLE)
+def test_the_norm_of_several_rows_is_each_rows_own(variant):
+    g = torch.Generator().manual_seed(3)
+    norm = _norm(576, 1e-5, g)
+    width = decode_ops.sum_lanes(norm.forward, norm.weight.detach(), norm.variance_epsilon)
+    x, delta = torch.randn(1, 16, 576, generator=g), torch.randn(1, 16, 576, generator=g)
+    with torch.inference_mode():
+        ref = norm(x + delta)
+        out = decode_ops.add_rms_norm(x.clone(), norm.weight.detach(), 1e-5, delta, width, BUILDS[variant])
+    assert torch.equal(out, ref)
 
 
 def test_bad_arguments_are_refused():
     w = torch.ones(8)
-    with pytest.raises(ValueError, match="hold 8 floats"):
+    with pytest.raises(ValueError, match="rows of 8 floats"):
         decode_ops.add_rms_norm(torch.zeros(9), w, 1e-6)
     with pytest.raises(ValueError, match="float32"):
         decode_ops.add_rms_norm(torch.zeros(8, dtype=torch.float64), w, 1e-6)
     with pytest.raises(ValueError, match="refused"):
         decode_ops.add_rms_norm(torch.zeros(8), w, 1e-6, width=4)
-    cos = torch.ones(4)
+    cos = torch.ones(1, 4)
     with pytest.raises(ValueError, match="hq \\+ 2 hkv"):
-        decode_ops.rope_write(torch.zeros(10), cos, cos, 1, 1, torch.zeros(1, 4), torch.zeros(1, 4))
-    with pytest.raises(ValueError, match="unit stride"):
-        decode_ops.rope_write(torch.zeros(12), cos, cos, 1, 1, torch.zeros(1, 8)[:, ::2], torch.zeros(1, 8)[:, ::2])
+        decode_ops.rope_write(torch.zeros(10), cos, cos, 1, 1, torch.zeros(1, 1, 4), torch.zeros(1, 1, 4))
+    with pytest.raises(ValueError, match="consecutive positions"):
+        decode_ops.rope_write(torch.zeros(12), cos, cos, 1, 1, torch.zeros(1, 1, 8)[..., ::2],
+                              torch.zeros(1, 1, 8)[..., ::2])

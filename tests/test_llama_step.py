@@ -1,9 +1,10 @@
 """The lean llama decode step (kvmemory/models/llama_step.py) computes transformers' bits.
 
-Each check runs the same decode twice from equal caches, one side through `LlamaDecodeStep.step`,
-the other through transformers' `LlamaForCausalLM.forward`, and asserts with `torch.equal` that every
-step's logits and, at the end, every layer's K/V are the same bytes: with the decode-step kernel's
-norms and RoPE (kernels/decode_ops.py) where it runs, and with torch's ops in their place.
+Each check runs the same steps twice from equal caches, one side through `LlamaLeanStep.step`, the
+other through transformers' `LlamaForCausalLM.forward`, and asserts with `torch.equal` that every
+step's logits and, at the end, every layer's K/V are the same bytes: one-token decode steps and
+prefill chunks of several tokens (from an empty cache on), with the decode-step kernel's norms and
+RoPE (kernels/decode_ops.py) where it runs, and with torch's ops in their place.
 """
 
 from __future__ import annotations
@@ -38,6 +39,20 @@ def _decode_both_ways(runner: CanonicalRunner, prompt: list[int], steps: int) ->
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
 
 
+def _prefill_both_ways(runner: CanonicalRunner, prompt: list[int], chunk: int) -> None:
+    lean = runner._lean_step
+    caches = [runner.new_cache(len(prompt) + 4), runner.new_cache(len(prompt) + 4)]
+    for s in range(0, len(prompt), chunk):
+        ids = torch.tensor([prompt[s:s + chunk]])
+        mine = lean.step(ids, s, caches[0])
+        with torch.inference_mode():
+            theirs = runner.model(input_ids=ids, position_ids=torch.arange(s, s + ids.shape[1]).unsqueeze(0),
+                                  use_cache=True, **{runner._cache_kwarg: caches[1]}).logits[0]
+        assert torch.equal(mine, theirs), s
+    for a, b in zip(caches[0].layers, caches[1].layers):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
 def test_the_embedded_model_decodes_transformers_bits(smollm):
     runner = CanonicalRunner(smollm.model)
     if not any(isinstance(m, gguf_linear.GGUFLinear) for m in smollm.model.modules()):
@@ -45,6 +60,8 @@ def test_the_embedded_model_decodes_transformers_bits(smollm):
     assert all(f is not None for f in runner._lean_step.qkv)  # q/k/v in one kernel call
     prompt = torch.randint(0, 49152, (70,), generator=torch.Generator().manual_seed(3)).tolist()
     _decode_both_ways(runner, prompt, steps=6)
+    _prefill_both_ways(runner, prompt, chunk=64)  # a grid chunk, then the 6 after it
+    _prefill_both_ways(runner, prompt[:40], chunk=16)  # the step after a graft's, and a ragged last one
     # the fused panels are the layers' own (views, no copy): each layer still computes alone
     layer = smollm.model.model.layers[0].self_attn
     assert layer.k_proj.q.untyped_storage().data_ptr() == runner._lean_step.qkv[0].q.untyped_storage().data_ptr()
@@ -60,6 +77,8 @@ def test_a_tiny_llama_decodes_transformers_bits(kv_dtype):
     assert runner._lean_step.qkv == [None, None]  # packed linears: one call each
     prompt = torch.randint(0, 512, (37,), generator=torch.Generator().manual_seed(1)).tolist()
     _decode_both_ways(runner, prompt, steps=5)
+    for chunk in (16, 7, 1):
+        _prefill_both_ways(runner, prompt, chunk)
 
 
 @needs_decode_kernel
@@ -75,6 +94,7 @@ def test_the_decode_kernel_is_taken_and_torch_ops_give_the_same_bits(smollm):
     try:
         runner._lean_step.kernel = runner._lean_step.width = None
         _decode_both_ways(runner, prompt, steps=4)
+        _prefill_both_ways(runner, prompt, chunk=8)
     finally:
         runner._lean_step.kernel, runner._lean_step.width = kernel, width
 
@@ -89,7 +109,7 @@ def test_a_cache_without_room_takes_the_cache_update_path():
     caches = [runner.new_cache(len(prompt)), runner.new_cache(len(prompt))]  # no room past the prompt
     for cache in caches:
         runner.forward(prompt, cache=cache, keep_logits=False)
-    assert caches[0].layers[0].next_position(2, 16, torch.float32) is None
+    assert caches[0].layers[0].next_position(1, 2, 16, torch.float32) is None
     ids, n = torch.tensor([[prompt[-1]]]), len(prompt)
     mine = lean.step(ids, n, caches[0])
     with torch.inference_mode():

@@ -72,23 +72,23 @@ class ReservedLayer(DynamicLayer):
             v[:, :, :n].copy_(self.values)
         self.k_buf, self.v_buf, self.whole = k, v, None
 
-    def next_position(self, heads: int, head_dim: int, dtype: torch.dtype) -> int | None:
-        """Where `update` would write one more token's K/V ([1, heads, 1, head_dim] in `dtype`) without
-        reallocating, for a caller that writes them there itself and then calls `filled` (the lean
-        decode step: models/llama_step.py); None where `update` would do anything else."""
+    def next_position(self, tokens: int, heads: int, head_dim: int, dtype: torch.dtype) -> int | None:
+        """Where `update` would write `tokens` more tokens' K/V ([1, heads, tokens, head_dim] in `dtype`)
+        without reallocating, for a caller that writes them there itself and then calls `filled` (the
+        lean step: models/llama_step.py); None where `update` would do anything else."""
         if not self.is_initialized or not self._views_buffers():
             return None
         n = self.get_seq_length()
         k, v = self.k_buf, self.v_buf
-        if (n + 1 > k.shape[-2] or k.shape[0] != 1 or k.shape[1] != heads or k.shape[3] != head_dim
+        if (n + tokens > k.shape[-2] or k.shape[0] != 1 or k.shape[1] != heads or k.shape[3] != head_dim
                 or k.dtype != (self.kv_dtype or dtype) or v.shape != k.shape or v.dtype != k.dtype
-                or v.stride() != k.stride() or k.stride(3) != 1):
+                or v.stride() != k.stride() or k.stride(3) != 1 or k.stride(2) != head_dim):
             return None
         return n
 
     def filled(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The views of the first `end` positions, as `update` leaves them, once the caller has written
-        position `end - 1` (see `next_position`)."""
+        the positions up to `end` (see `next_position`)."""
         self.keys, self.values = self.k_buf[:, :, :end], self.v_buf[:, :, :end]
         return self.keys, self.values
 

@@ -256,8 +256,8 @@ class CanonicalRunner:
     @torch.inference_mode()
     def _step(self, ids: torch.Tensor, start: int, cache) -> torch.Tensor:
         """One forward over `ids` (shape [1, T]) at absolute positions start..start+T-1; returns [T, V].
-        One token on a plain llama model goes through the lean step (the same bits: llama_step.py)."""
-        if ids.shape[1] == 1 and self._lean_step is not None:
+        On a plain llama model it goes through the lean step (the same bits: llama_step.py)."""
+        if self._lean_step is not None:
             return self._lean_step.step(ids, start, cache)
         pos = torch.arange(start, start + ids.shape[1], device=self.device).unsqueeze(0)
         out = self.model(input_ids=ids, position_ids=pos, use_cache=True, **{self._cache_kwarg: cache})

@@ -1,5 +1,5 @@
-"""The decode step's norm and RoPE kernel (csrc/decode_ops.cpp): transformers' `LlamaRMSNorm` (with the
-residual add before it) and RoPE on q / k plus the K/V write into the cache, for one token, each the
+"""The lean step's norm and RoPE kernel (csrc/decode_ops.cpp): transformers' `LlamaRMSNorm` (with the
+residual add before it) and RoPE on q / k plus the K/V write into the cache, for a few tokens, each the
 same bits as the torch ops it replaces (models/llama_step.py calls it; tests/test_decode_ops.py
 compares it with torch's own ops under AVX-512 and AVX2).
 
@@ -28,9 +28,9 @@ PROBE_ROWS = 32  # rows `sum_lanes` compares: a wrong width gives other bits on 
 
 def _declare(lib: ctypes.CDLL) -> None:
     i64, vp, c_int, c_float = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-    lib.kvm_decode_add_rms_norm.argtypes = [vp, vp, vp, i64, c_float, c_int, vp, vp]
+    lib.kvm_decode_add_rms_norm.argtypes = [vp, vp, vp, i64, i64, c_float, c_int, vp, vp]
     lib.kvm_decode_add_rms_norm.restype = c_int
-    lib.kvm_decode_rope_write.argtypes = [vp, vp, vp, i64, i64, i64, vp, vp, vp, i64, c_int, vp]
+    lib.kvm_decode_rope_write.argtypes = [vp, vp, vp, i64, i64, i64, i64, vp, vp, vp, i64, c_int, vp]
     lib.kvm_decode_rope_write.restype = c_int
 
 
@@ -72,39 +72,44 @@ def _floats(t: torch.Tensor, name: str) -> None:
 def add_rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Tensor | None = None,
                  width: int = 8, lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """`h += delta` in place (where given), then LlamaRMSNorm(h) with `weight`, over h's last dimension
-    (one row: h holds n = weight.numel() floats), summing in vectors of `width` floats (`sum_lanes`).
-    `lib`: another build than the CPU's own (tests)."""
+    (rows of n = weight.numel() floats), summing in vectors of `width` floats (`sum_lanes`). `lib`:
+    another build than the CPU's own (tests)."""
     lib = lib if lib is not None else load()
     n = weight.numel()
-    for t, name in ((h, "h"), (weight, "weight")) + (((delta, "delta"),) if delta is not None else ()):
+    _floats(weight, "weight")
+    for t, name in ((h, "h"),) + (((delta, "delta"),) if delta is not None else ()):
         _floats(t, name)
-        if t.numel() != n:
-            raise ValueError(f"{name} must hold {n} floats (one row)")
+        if t.shape[-1] != n or t.numel() != h.numel():
+            raise ValueError(f"{name} must be rows of {n} floats, as h")
     out = torch.empty_like(h)
     sq = torch.empty(n, dtype=torch.float32)
     _check_rc(lib.kvm_decode_add_rms_norm(h.data_ptr(), delta.data_ptr() if delta is not None else None,
-                                          weight.data_ptr(), n, eps, width, sq.data_ptr(), out.data_ptr()))
+                                          weight.data_ptr(), h.numel() // n, n, eps, width, sq.data_ptr(),
+                                          out.data_ptr()))
     return out
 
 
 def rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, hq: int, hkv: int, k_dst: torch.Tensor,
                v_dst: torch.Tensor, lib: ctypes.CDLL | None = None) -> torch.Tensor:
-    """One token's q [1, hq, 1, D] with RoPE; its k (with RoPE) and v written into `k_dst` / `v_dst`
-    ([hkv, D] views of a cache's buffers at one position: float32 or bfloat16, rows `stride(0)` apart).
-    qkv: [hq + 2 hkv heads x D] float32 contiguous; cos / sin: the position's D values."""
+    """T tokens' q [1, hq, T, D] with RoPE (laid out as transformers' q: [1, T, hq, D] transposed);
+    their k (with RoPE) and v written into `k_dst` / `v_dst` ([hkv, T, D] views of a cache's buffers at
+    T consecutive positions: float32 or bfloat16). qkv: [T, (hq + 2 hkv) D] float32 contiguous; cos /
+    sin: [T, D] (each position's)."""
     lib = lib if lib is not None else load()
-    D = cos.numel()
+    D = cos.shape[-1]
+    T = cos.numel() // D
     for t, name in ((qkv, "qkv"), (cos, "cos"), (sin, "sin")):
         _floats(t, name)
-    if qkv.numel() != (hq + 2 * hkv) * D or sin.numel() != D:
-        raise ValueError("qkv must hold hq + 2 hkv heads of D = cos.numel() floats, sin D")
+    if qkv.numel() != T * (hq + 2 * hkv) * D or sin.shape != cos.shape:
+        raise ValueError("qkv must hold T rows of hq + 2 hkv heads of D floats (cos / sin: [T, D])")
     for t in (k_dst, v_dst):
-        if (t.dtype not in (torch.float32, torch.bfloat16) or t.shape != (hkv, D) or t.stride(1) != 1
-                or t.dtype != k_dst.dtype or t.stride() != k_dst.stride() or t.device.type != "cpu"):
-            raise ValueError("k_dst / v_dst must be [hkv, D] float32 or bfloat16 views with unit stride in D")
-    q = torch.empty((1, hq, 1, D), dtype=torch.float32)
+        if (t.dtype not in (torch.float32, torch.bfloat16) or t.shape != (hkv, T, D) or t.stride(2) != 1
+                or t.stride(1) != D or t.dtype != k_dst.dtype or t.stride() != k_dst.stride()
+                or t.device.type != "cpu"):
+            raise ValueError("k_dst / v_dst must be [hkv, T, D] float32 or bfloat16 views of consecutive positions")
+    q = torch.empty((1, T, hq, D), dtype=torch.float32)
     scratch = torch.empty(hkv * D, dtype=torch.float32)
-    _check_rc(lib.kvm_decode_rope_write(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), hq, hkv, D, q.data_ptr(),
+    _check_rc(lib.kvm_decode_rope_write(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), T, hq, hkv, D, q.data_ptr(),
                                         k_dst.data_ptr(), v_dst.data_ptr(), k_dst.stride(0),
                                         int(k_dst.dtype == torch.bfloat16), scratch.data_ptr()))
-    return q
+    return q.transpose(1, 2)

@@ -1,23 +1,24 @@
-"""A decode step for llama-architecture models with less Python per layer, the same bits as transformers'.
+"""A forward step for llama-architecture models with less Python per layer, the same bits as transformers'.
 
-Decoding one token through `LlamaForCausalLM.forward` runs ~400 module calls and ~900 small torch
-ops for the embedded model's 30 layers; with the linears and attention in kvmemory's kernels, that
-Python is a third of the step. `LlamaDecodeStep` runs the same computation for one new token with
-the modules' own `forward`s called directly (no hooks, no output dataclasses), the q/k/v projections
-in one kernel call and gate/up in another (`gguf_linear.fuse`: each output is the same sum, so the
-same bits), and, where the decode-step kernel runs (kernels/decode_ops.py), each residual add + RMS
-norm in one call and RoPE on q / k with the K/V write into the cache in another; elsewhere RoPE is
-applied to q and k in one pass of the same torch ops and the norms are the modules' own `forward`s.
+Running one token through `LlamaForCausalLM.forward` costs ~400 module calls and ~900 small torch ops
+for the embedded model's 30 layers; with the linears and attention in kvmemory's kernels, that Python
+is a third of a decode step, and a sixth of the 16-token step after a graft. `LlamaLeanStep` runs the
+same computation for T new tokens (a decode step, the step after a graft, a prefill chunk) with the
+modules' own `forward`s called directly (no hooks, no output dataclasses), the q/k/v projections in one
+kernel call and gate/up in another (`gguf_linear.fuse`: each output is the same sum, so the same bits),
+and, where the decode-step kernel runs (kernels/decode_ops.py), each residual add + RMS norm in one call
+and RoPE on q / k with the K/V write into the cache in another; elsewhere the norms are the modules' own
+`forward`s and RoPE is transformers' `apply_rotary_pos_emb`.
 
 Same bits, by construction and by test: every value is produced by the same torch ops or kernels,
 in the same order, as transformers' forward produces it (elementwise ops round each element alike
 whatever the tensor's shape; `tests/test_llama_step.py` asserts the logits and the cache equal
-transformers' with `torch.equal`). So it changes no result and no stored byte; it is on the
-compute path (the profile's `code_sha256`) all the same.
+transformers' with `torch.equal`, for one token and for chunks of several). So it changes no result
+and no stored byte; it is on the compute path (the profile's `code_sha256`) all the same.
 
 Taken only where it is transformers' own `LlamaForCausalLM` (not a subclass), with the plain llama
 layout (no biases, SiLU MLP, full attention) and kvmemory's CPU attention (models/attention.py);
-everything else, and every step of more than one token, runs transformers' forward.
+everything else runs transformers' forward.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ import time
 
 import torch
 
-from kvmemory.engine.cache import ReservedLayer
 from kvmemory.kernels import decode_ops
 from kvmemory.models import attention, gguf_linear
 
@@ -37,7 +37,7 @@ _ATTENTIONS = (attention.NAME, attention.FEWQ)
 
 
 def why_not(model: torch.nn.Module) -> str | None:
-    """None where `LlamaDecodeStep` computes `model`'s decode step, else why not."""
+    """None where `LlamaLeanStep` computes `model`'s forward steps, else why not."""
     from transformers.models.llama.modeling_llama import LlamaForCausalLM, LlamaRMSNorm
 
     cfg = model.config
@@ -55,23 +55,23 @@ def why_not(model: torch.nn.Module) -> str | None:
     return None
 
 
-def for_model(model: torch.nn.Module) -> LlamaDecodeStep | None:
-    """The model's `LlamaDecodeStep` (made once per model: its fused panels are shared by every runner
+def for_model(model: torch.nn.Module) -> LlamaLeanStep | None:
+    """The model's `LlamaLeanStep` (made once per model: its fused panels are shared by every runner
     over it), or None where `why_not` says it does not apply."""
-    step = model.__dict__.get("_kvmemory_decode_step")
+    step = model.__dict__.get("_kvmemory_lean_step")
     if step is None and why_not(model) is None:
-        step = model.__dict__["_kvmemory_decode_step"] = LlamaDecodeStep(model)
+        step = model.__dict__["_kvmemory_lean_step"] = LlamaLeanStep(model)
     return step
 
 
-class LlamaDecodeStep:
-    """`step(ids [1, 1], position, cache)` -> logits [1, V], as `model(input_ids=ids, position_ids=...,
+class LlamaLeanStep:
+    """`step(ids [1, T], position, cache)` -> logits [T, V], as `model(input_ids=ids, position_ids=...,
     cache=cache, use_cache=True).logits[0]` computes them (the same bits), writing the same K/V."""
 
     def __init__(self, model: torch.nn.Module):
         reason = why_not(model)
         if reason is not None:
-            raise ValueError(f"no lean decode step for this model: {reason}")
+            raise ValueError(f"no lean step for this model: {reason}")
         self.model = model
         self.cfg = model.config
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -119,36 +119,39 @@ class LlamaDecodeStep:
                 h.copy_(h + delta)  # transformers' `residual + hidden_states`, kept in h's memory
             return norm.forward(h)
         x = torch.empty_like(h)
+        n = h.shape[-1]
         rc = self.kernel.kvm_decode_add_rms_norm(h.data_ptr(), delta.data_ptr() if delta is not None else None,
-                                                 norm.weight.data_ptr(), h.shape[-1], norm.variance_epsilon,
+                                                 norm.weight.data_ptr(), h.numel() // n, n, norm.variance_epsilon,
                                                  self.width, scratch.data_ptr(), x.data_ptr())
         if rc:
             raise ValueError(f"the decode-step kernel refused the norm ({rc})")
         return x
 
     def _rope_cache(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, layer_idx: int):
-        """q [1, H_q, 1, D] with RoPE, and the layer's cached K / V with this token's written (RoPE on k)."""
+        """q [1, H_q, T, D] with RoPE, and the layer's cached K / V with these tokens' written (RoPE on k)."""
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
         Hq, Hkv, D = self.cfg.num_attention_heads, self.cfg.num_key_value_heads, self.head_dim
+        T = qkv.shape[1]
         layer = cache.layers[layer_idx] if self.kernel is not None else None
-        at = layer.next_position(Hkv, D, qkv.dtype) if isinstance(layer, ReservedLayer) else None
+        # a layer with reserved room (engine/cache.py's ReservedLayer) says where these tokens' K/V go
+        where = getattr(layer, "next_position", None)
+        at = where(T, Hkv, D, qkv.dtype) if where is not None else None
         if at is not None:
-            q = torch.empty((1, Hq, 1, D), dtype=torch.float32)
+            q = torch.empty((1, T, Hq, D), dtype=torch.float32)  # transformers' q layout: [1, T, H, D] transposed
             k_rope = torch.empty(Hkv * D, dtype=torch.float32)  # held here: the kernel writes into it
             k_dst, v_dst = layer.k_buf[0, :, at], layer.v_buf[0, :, at]
             rc = self.kernel.kvm_decode_rope_write(
-                qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), Hq, Hkv, D, q.data_ptr(), k_dst.data_ptr(),
+                qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), T, Hq, Hkv, D, q.data_ptr(), k_dst.data_ptr(),
                 v_dst.data_ptr(), k_dst.stride(0), int(k_dst.dtype == torch.bfloat16), k_rope.data_ptr())
             if rc:
                 raise ValueError(f"the decode-step kernel refused RoPE ({rc})")
-            k, v = layer.filled(at + 1)
-            return q, k, v
-        # q and k as heads [1, H_q + H_kv, 1, D]: RoPE's ops (q * cos + rotate_half(q) * sin) on both at once
-        qk = qkv[..., : self.q_size + self.kv_size].view(1, 1, -1, D).transpose(1, 2)
-        half = D // 2
-        rotated = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
-        qk = (qk * cos.view(1, 1, 1, D)) + (rotated * sin.view(1, 1, 1, D))
-        q, k = qk[:, :Hq], qk[:, Hq:]
-        v = qkv[..., self.q_size + self.kv_size:].view(1, 1, -1, D).transpose(1, 2)
+            k, v = layer.filled(at + T)
+            return q.transpose(1, 2), k, v
+        # transformers' own: views of the projections, its apply_rotary_pos_emb, the cache's update
+        heads = lambda a, b: qkv[..., a:b].view(1, T, -1, D).transpose(1, 2)  # noqa: E731
+        q, k = apply_rotary_pos_emb(heads(0, self.q_size), heads(self.q_size, self.q_size + self.kv_size), cos, sin)
+        v = heads(self.q_size + self.kv_size, self.q_size + 2 * self.kv_size)
         k, v = cache.update(k, v, layer_idx)
         return q, k, v
 
@@ -163,12 +166,13 @@ class LlamaDecodeStep:
                 marks.append((part, time.perf_counter()))
 
         m = self.model.model
+        T = ids.shape[1]
         embeds = m.embed_tokens.forward(ids)
-        position_ids = torch.arange(position, position + 1, device=embeds.device).unsqueeze(0)
+        position_ids = torch.arange(position, position + T, device=embeds.device).unsqueeze(0)
         mask = create_causal_mask(config=self.cfg, inputs_embeds=embeds, attention_mask=None, cache=cache,
                                   position_ids=position_ids)
         cos, sin = m.rotary_emb(embeds, position_ids=position_ids)
-        cos, sin = cos.contiguous(), sin.contiguous()  # [1, 1, D]: this position's
+        cos, sin = cos.contiguous(), sin.contiguous()  # [1, T, D]: these positions'
         h = embeds  # a new tensor: the residual adds below write into it
         scratch = torch.empty(h.shape[-1], dtype=torch.float32)
         delta = None  # the last block's output, not yet added to h
@@ -187,7 +191,7 @@ class LlamaDecodeStep:
             out, _ = self.attend(a, q, k, v, mask, dropout=0.0, scaling=a.scaling, position_ids=position_ids,
                                  use_cache=True)
             mark("attention")
-            delta = a.o_proj.forward(out.reshape(1, 1, -1).contiguous())
+            delta = a.o_proj.forward(out.reshape(1, T, -1).contiguous())
             mark("o linear")
             x = self._norm(layer.post_attention_layernorm, h, delta, scratch)
             mark("norms + residual adds")

@@ -1,7 +1,8 @@
-// The small parts of a llama decode step, each giving the same bits as the torch ops transformers runs
+// The small parts of a llama forward step, each giving the same bits as the torch ops transformers runs
 // for it: RMS norm (with the residual add before it) and RoPE on q / k with the K/V write into the
-// cache. For one token these are ~10 torch ops per norm and ~15 per layer for RoPE and the cache, a
-// few microseconds of dispatch each: a third of a decode step on a 2-core CPU (models/llama_step.py).
+// cache, for a few tokens (one while decoding, 16 after a graft). Those are ~6 torch ops per norm and
+// ~15 per layer for RoPE and the cache, a few microseconds of dispatch each: a third of a decode step
+// on a 2-core CPU (models/llama_step.py).
 //
 // Same bits, op by op (the build has -ffp-contract=off: no FMA fuses a product into a sum):
 //   residual add   h = a + b                              torch: add (fmadd(b, 1, a): one rounding, as a + b)
@@ -106,47 +107,61 @@ extern "C" {
 // The version of the calling convention below; decode_ops.py refuses a library of another.
 int kvm_decode_abi_version() { return 1; }
 
-// h (n floats) += delta where delta is not null (the residual add, in place), then out = the RMS norm
-// of h with weight w. `sq` is n floats of scratch (h * h). Returns 0, or -2 for lanes other than 8 / 16
-// or n < 1.
-int kvm_decode_add_rms_norm(float* h, const float* delta, const float* w, int64_t n, float eps, int lanes,
-                            float* sq, float* out) {
-    if ((lanes != 8 && lanes != 16) || n < 1) return -2;
-    if (delta != nullptr)
-        for (int64_t i = 0; i < n; ++i) h[i] = h[i] + delta[i];
-    for (int64_t i = 0; i < n; ++i) sq[i] = h[i] * h[i];
-    const float s = lanes == 16 ? torch_sum<16>(sq, n) : torch_sum<8>(sq, n);
-    const float var = s / static_cast<float>(n);
-    const float r = 1.0f / std::sqrt(var + eps);
-    for (int64_t i = 0; i < n; ++i) out[i] = w[i] * (h[i] * r);
+// For each of `rows` rows of n floats: h += delta where delta is not null (the residual add, in place),
+// then out = the RMS norm of h with weight w. `sq` is n floats of scratch (h * h). Returns 0, or -2 for
+// lanes other than 8 / 16, n < 1 or rows < 0.
+int kvm_decode_add_rms_norm(float* h, const float* delta, const float* w, int64_t rows, int64_t n, float eps,
+                            int lanes, float* sq, float* out) {
+    if ((lanes != 8 && lanes != 16) || n < 1 || rows < 0) return -2;
+    for (int64_t r = 0; r < rows; ++r) {
+        float* hr = h + r * n;
+        float* o = out + r * n;
+        if (delta != nullptr)
+            for (int64_t i = 0; i < n; ++i) hr[i] = hr[i] + delta[r * n + i];
+        for (int64_t i = 0; i < n; ++i) sq[i] = hr[i] * hr[i];
+        const float s = lanes == 16 ? torch_sum<16>(sq, n) : torch_sum<8>(sq, n);
+        const float var = s / static_cast<float>(n);
+        const float inv = 1.0f / std::sqrt(var + eps);
+        for (int64_t i = 0; i < n; ++i) o[i] = w[i] * (hr[i] * inv);
+    }
     return 0;
 }
 
-// qkv: one token's [hq + 2 * hkv heads, D] float32 (q heads, then k, then v). q_out [hq, D] = RoPE(q);
-// the k heads' RoPE and the v heads are written at k_dst / v_dst, head h at h * head_stride elements,
-// as float32 (kv_bf16 == 0) or rounded to bfloat16 (1). cos / sin: the position's D values. `scratch`
-// is hkv * D floats. Returns 0, or -2 for an odd D or a head stride shorter than D.
-int kvm_decode_rope_write(const float* qkv, const float* cos, const float* sin, int64_t hq, int64_t hkv, int64_t D,
-                          float* q_out, void* k_dst, void* v_dst, int64_t head_stride, int kv_bf16, float* scratch) {
-    if (D % 2 || D < 2 || head_stride < D || hq < 0 || hkv < 0) return -2;
+// qkv: `rows` tokens' [hq + 2 * hkv heads, D] float32 (q heads, then k, then v), row t at t * (hq + 2 hkv) * D;
+// cos / sin: each row's D values. q_out [rows, hq, D] = RoPE(q) (the memory order of transformers'
+// `view(...).transpose(1, 2)` q). The k heads' RoPE and the v heads are written at k_dst / v_dst: head h,
+// row t at h * head_stride + t * D elements (consecutive positions of a cache's buffers), as float32
+// (kv_bf16 == 0) or rounded to bfloat16 (1). `scratch` is hkv * D floats. Returns 0, or -2 for an odd
+// D, a head stride shorter than rows * D, or negative sizes.
+int kvm_decode_rope_write(const float* qkv, const float* cos, const float* sin, int64_t rows, int64_t hq,
+                          int64_t hkv, int64_t D, float* q_out, void* k_dst, void* v_dst, int64_t head_stride,
+                          int kv_bf16, float* scratch) {
+    if (D % 2 || D < 2 || rows < 0 || hq < 0 || hkv < 0 || (hkv > 1 && head_stride < rows * D)) return -2;
     const int64_t half = D / 2;
-    auto rope = [&](const float* x, float* y) {
-        for (int64_t d = 0; d < D; ++d) {
-            const float rotated = d < half ? -x[d + half] : x[d - half];
-            const float a = x[d] * cos[d];
-            const float b = rotated * sin[d];
-            y[d] = a + b;
+    const int64_t width = (hq + 2 * hkv) * D;
+    for (int64_t t = 0; t < rows; ++t) {
+        const float* x = qkv + t * width;
+        const float* c = cos + t * D;
+        const float* s = sin + t * D;
+        auto rope = [&](const float* in, float* y) {
+            for (int64_t d = 0; d < D; ++d) {
+                const float rotated = d < half ? -in[d + half] : in[d - half];
+                const float a = in[d] * c[d];
+                const float b = rotated * s[d];
+                y[d] = a + b;
+            }
+        };
+        for (int64_t h = 0; h < hq; ++h) rope(x + h * D, q_out + (t * hq + h) * D);
+        for (int64_t h = 0; h < hkv; ++h) rope(x + (hq + h) * D, scratch + h * D);
+        const float* v = x + (hq + hkv) * D;
+        const int64_t at = t * D;
+        if (kv_bf16) {
+            write_rows(scratch, static_cast<kvm::bf16*>(k_dst) + at, hkv, D, head_stride);
+            write_rows(v, static_cast<kvm::bf16*>(v_dst) + at, hkv, D, head_stride);
+        } else {
+            write_rows(scratch, static_cast<float*>(k_dst) + at, hkv, D, head_stride);
+            write_rows(v, static_cast<float*>(v_dst) + at, hkv, D, head_stride);
         }
-    };
-    for (int64_t h = 0; h < hq; ++h) rope(qkv + h * D, q_out + h * D);
-    for (int64_t h = 0; h < hkv; ++h) rope(qkv + (hq + h) * D, scratch + h * D);
-    const float* v = qkv + (hq + hkv) * D;
-    if (kv_bf16) {
-        write_rows(scratch, static_cast<kvm::bf16*>(k_dst), hkv, D, head_stride);
-        write_rows(v, static_cast<kvm::bf16*>(v_dst), hkv, D, head_stride);
-    } else {
-        write_rows(scratch, static_cast<float*>(k_dst), hkv, D, head_stride);
-        write_rows(v, static_cast<float*>(v_dst), hkv, D, head_stride);
     }
     return 0;
 }
