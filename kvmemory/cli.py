@@ -1,7 +1,8 @@
 """The `kvmemory` command line.
 
 Every reporting command takes `--json`; the store is chosen by `--store PATH`, else `KVMEMORY_STORE`,
-else a per-user data folder. Long work shows progress bars (on stderr, so `--json` output stays clean).
+else a per-user data folder. Long work shows progress bars on stderr (with `--json`, where stderr is a
+terminal: the JSON on stdout stays clean).
 """
 
 from __future__ import annotations
@@ -201,7 +202,7 @@ def cmd_forget(args) -> int:
 def cmd_reindex(args) -> int:
     mem = _memory(args)
     # --embedder given: the router is rebuilt with it and the store records it (later opens use it)
-    n = mem.reindex(progress=not args.json, embedder=args.embedder)
+    n = mem.reindex(progress=_progress(args), embedder=args.embedder)
     name = mem.router.embedder.identity.get("name")
     _emit(args, {"reindexed": n, "embedder": mem.router.embedder.identity},
           f"router rebuilt with {name}: {n} entries routed")
@@ -225,14 +226,14 @@ def bench_recurring(args) -> int:
             load_problems(1)  # a missing reasoning-gym is one clear line before the model loads
             mem = _memory(args)
             r = run_outside_bench(mem, dataset=args.dataset, problems=args.problems, seed=args.seed,
-                                  base_budget=args.base_budget, progress=not args.json)
+                                  base_budget=args.base_budget, progress=_progress(args))
         else:
             from kvmemory.bench.recurring import format_table, run_recurring_bench
 
             mem = _memory(args)
             r = run_recurring_bench(mem, problems=args.problems, rewordings=args.rewordings,
                                     unrelated=args.unrelated, seed=args.seed, base_budget=args.base_budget,
-                                    progress=not args.json)
+                                    progress=_progress(args))
     _emit(args, r, format_table(r))
     return 0
 
@@ -241,7 +242,7 @@ def bench_router(args) -> int:
     _quiet_transformers()
     from kvmemory.bench.router import run_router_bench
 
-    r = run_router_bench(sizes=args.sizes, queries=args.queries, seed=args.seed, progress=not args.json)
+    r = run_router_bench(sizes=args.sizes, queries=args.queries, seed=args.seed, progress=_progress(args))
     _emit(args, r, json.dumps(r, indent=2, default=str))
     return 0
 
@@ -253,7 +254,7 @@ def bench_graft(args) -> int:
     r = run_graft_bench(args.lengths or DEFAULT_LENGTHS, repeats=args.repeats,
                         model=args.model, dtype=args.dtype,
                         kv_dtype=args.kv_dtype, linears=args.linears, llamacpp=not args.no_llamacpp, seed=args.seed,
-                        progress=not args.json)
+                        progress=_progress(args))
     _plot(args, r, plot)
     _emit(args, r, format_table(r))
     return 0
@@ -272,7 +273,7 @@ def bench_capacity(args) -> int:
     _quiet_transformers()
     from kvmemory.bench.capacity import format_table, plot, run_capacity_bench
 
-    r = run_capacity_bench(target_tokens=args.target_tokens, progress=not args.json)
+    r = run_capacity_bench(target_tokens=args.target_tokens, progress=_progress(args))
     _plot(args, r, plot)
     _emit(args, r, format_table(r))
     return 0
@@ -284,7 +285,7 @@ def bench_serve(args) -> int:
 
     r = run_serve_bench(args.clients or DEFAULT_CLIENTS, per_kind=args.per_kind, repeats=args.repeats,
                         max_tokens=args.max_tokens, threads=args.threads, seed=args.seed,
-                        check_per_kind=args.check_per_kind, llamacpp=not args.no_llamacpp, progress=not args.json)
+                        check_per_kind=args.check_per_kind, llamacpp=not args.no_llamacpp, progress=_progress(args))
     _plot(args, r, plot)
     _emit(args, r, format_table(r))
     return 0 if r["ok"] else 1  # a failed request or an answer whose logits differ from the recompute
@@ -296,7 +297,7 @@ def bench_answer(args) -> int:
 
     r = run_answer_bench(args.lengths or DEFAULT_LENGTHS, new_tokens=args.new_tokens, repeats=args.repeats,
                          threads=args.threads, llamacpp_sides=not args.no_llamacpp,
-                         llamacpp_setting=args.llamacpp_setting, seed=args.seed, progress=not args.json)
+                         llamacpp_setting=args.llamacpp_setting, seed=args.seed, progress=_progress(args))
     _plot(args, r, plot)
     _emit(args, r, format_table(r))
     return 0 if all(row["tokens_equal_recompute"] for row in r["rows"]) else 1  # a graft that decoded otherwise
@@ -308,7 +309,7 @@ def bench_agent_loop(args) -> int:
 
     r = run_agent_loop_bench(args.turns, repeats=args.repeats, restart_turns=() if args.no_restart else args.restart_turns,
                              threads=args.threads, llamacpp_sides=not args.no_llamacpp,
-                             llamacpp_setting=args.llamacpp_setting, progress=not args.json)
+                             llamacpp_setting=args.llamacpp_setting, progress=_progress(args))
     _plot(args, r, plot)
     _emit(args, r, format_table(r))
     return 0 if all(all(row["first_token_equal_recompute"]) for row in r["rows"]) else 1
@@ -341,7 +342,7 @@ def cmd_verify(args) -> int:
     if not args.all and not args.entry:
         raise KVMemoryError("give --all or --entry ID (or --fidelity)")
     ids = None if args.all else args.entry
-    summary = mem.verify(ids, single_pass=not args.no_diagnostic, progress=not args.json)
+    summary = mem.verify(ids, single_pass=not args.no_diagnostic, progress=_progress(args))
     s = summary.to_json()
     if not args.details:
         s.pop("entries")
@@ -476,7 +477,7 @@ def cmd_export(args) -> int:
     from kvmemory.store.bundle import write_bundle
 
     store = _existing_store(args)
-    r = write_bundle(store, args.out, entry_ids=args.entry, namespace=args.namespace, progress=not args.json)
+    r = write_bundle(store, args.out, entry_ids=args.entry, namespace=args.namespace, progress=_progress(args))
     text = (f"exported {len(r.entry_ids)} entries ({r.blocks} blocks, {r.payload_bytes / 2**20:.1f} MiB of K/V) "
             f"to {r.out} ({r.bytes / 2**20:.1f} MiB)\nsha256 {r.sha256}")
     if r.left_out:
@@ -490,9 +491,9 @@ def cmd_import(args) -> int:
     from kvmemory.store.bundle import read_bundle
 
     # A damaged bundle is refused before the model loads or the target store is opened.
-    bundle = read_bundle(args.file, progress=not args.json)
+    bundle = read_bundle(args.file, progress=_progress(args))
     mem = _memory(args)
-    r = mem.import_bundle(bundle, sample=args.sample, verify_all=args.verify_all, progress=not args.json)
+    r = mem.import_bundle(bundle, sample=args.sample, verify_all=args.verify_all, progress=_progress(args))
     v = r.verify
     lines = [f"bundle {r.bundle}: {len(r.entry_ids)} entries, {r.blocks} blocks, sha256 {r.sha256}"]
     if r.failed:
@@ -560,9 +561,15 @@ def _shared_options() -> dict[str, tuple[str, tuple[str, ...], dict]]:
             "multilingual (needs kvmemory[multilingual]), a sentence-transformers folder, or a hub id in the "
             "local cache (default: the one the store's router recorded; minilm for a new store). A store "
             "indexed with another one is refused: `kvmemory reindex --embedder` switches it")),
-        "json": ("output", ("--json",), dict(action="store_true", help="print JSON on stdout (progress and "
-                                                                          "errors go to stderr)")),
+        "json": ("output", ("--json",), dict(action="store_true", help="print JSON on stdout (errors go to "
+                                                                          "stderr, and progress bars where stderr is a terminal)")),
     }
+
+
+def _progress(args: argparse.Namespace) -> bool:
+    """Whether long work shows progress bars (on stderr): always without --json; with --json, where
+    stderr is a terminal (someone is watching; stdout, the JSON, stays clean either way)."""
+    return not args.json or sys.stderr.isatty()
 
 
 def _parent(*names: str) -> argparse.ArgumentParser:

@@ -52,7 +52,9 @@ def test_tiny_run_reports_every_kind(real_memory):
     assert verbatim["kvmemory"]["grafted_tokens_per_question"] > 0
     # A sibling writes other numbers: the number check keeps it away from the original's entry.
     assert r["kinds"]["sibling"]["kvmemory"]["used_memory"] == 0.0
-    assert r["sibling_leaks"] == len(r["sibling_leak_details"]) and r["sibling_leaks_via_memory"] == 0
+    assert r["sibling_leaks"] == 0 and r["sibling_leak_rate"] == 0.0
+    given = r["siblings_given_the_originals_answer_details"]
+    assert r["siblings_given_the_originals_answer"] == len(given) and not any(x["used_memory"] for x in given)
     for kind in KINDS:
         assert r["kinds"][kind]["model_alone"]["used_memory"] == 0.0
         assert r["kinds"][kind]["model_alone"]["decode_tokens_per_question"] <= 8
