@@ -20,7 +20,7 @@ from kvmemory.engine import profile as profile_mod
 from kvmemory.engine.graft import plan_chain
 from kvmemory.engine.profile import ExecutionProfile
 from kvmemory.kernels import build, native
-from kvmemory.kernels import few_query_attention
+from kvmemory.kernels import decode_ops, few_query_attention
 from kvmemory.models import attention
 
 from tiny_models import tiny_engine
@@ -66,6 +66,8 @@ def test_the_profile_names_the_kernel_builds_that_ran(tmp_path):
     assert p.kernels["fewq"]["flags"] == info["flags"] and p.kernels["fewq"]["variant"] == FEWQ_VARIANT
     assert p.kernels["fewq"]["compiler_version"] == info["compiler_version"]
     assert "qlinear" not in p.kernels  # this model computes its linears with oneDNN, not the GGUF kernel
+    decode = decode_ops.build_info()  # the lean llama step's norms / RoPE (built with the others)
+    assert decode is not None and p.kernels["decode"]["source_digest"] == decode["source_digest"]
     assert p.code_sha256 == profile_mod.code_sha256() and len(p.code_sha256) == 64
     assert any("MKL" in lib or "OpenMP" in lib for lib in p.math_libraries["libraries"])
     assert p.accelerator == {}  # the CPU

@@ -232,10 +232,11 @@ def kernel_identities(attn_implementation: str, linear_impl: str) -> dict:
             raise ProfileMismatch(f"the {lib.kernel} kernel the model was loaded with does not run here: "
                                   f"{lib.why_unavailable()}")
         out[lib.kernel] = {k: info.get(k) for k in _BUILD_IDENTITY}
-    # The lean llama decode step (under kvmemory's attentions) runs this kernel where it loads, else
-    # torch's ops (the same bits, by test): recorded where it runs, like the others.
-    if attn_implementation in (attention.NAME, attention.FEWQ) and decode_ops.build_info() is not None:
-        out[decode_ops.KERNEL] = {k: v for k, v in decode_ops.build_info().items() if k in _BUILD_IDENTITY}
+    # The lean llama step (under kvmemory's attentions) runs this kernel where it loads, else torch's
+    # ops (the same bits, by test): recorded where it runs, like the others.
+    info = decode_ops.build_info() if attn_implementation in (attention.NAME, attention.FEWQ) else None
+    if info is not None:
+        out[decode_ops.KERNEL] = {k: info.get(k) for k in _BUILD_IDENTITY}
     return out
 
 

@@ -64,6 +64,30 @@ def _check_rc(rc: int) -> None:
         raise ValueError(f"the decode-step kernel refused its arguments ({rc})")
 
 
+# The calls themselves, without the tensor checks: the lean step (models/llama_step.py) makes ~90 of
+# them per token with tensors it made itself, where the checks below would cost more than the work.
+def norm_into(lib: ctypes.CDLL, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
+              width: int, scratch: torch.Tensor, out: torch.Tensor) -> None:
+    """`add_rms_norm` into `out`, unchecked (`scratch`: weight.numel() floats)."""
+    n = weight.numel()
+    _check_rc(lib.kvm_decode_add_rms_norm(h.data_ptr(), delta.data_ptr() if delta is not None else None,
+                                          weight.data_ptr(), h.numel() // n, n, eps, width, scratch.data_ptr(),
+                                          out.data_ptr()))
+
+
+def rope_into(lib: ctypes.CDLL, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, hq: int, hkv: int,
+              k_dst: torch.Tensor, v_dst: torch.Tensor) -> torch.Tensor:
+    """`rope_write`, unchecked: q [1, hq, T, D]."""
+    D = cos.shape[-1]
+    T = cos.numel() // D
+    q = torch.empty((1, T, hq, D), dtype=torch.float32)  # transformers' q layout: [1, T, H, D] transposed
+    scratch = torch.empty(hkv * D, dtype=torch.float32)  # held here while the kernel writes into it
+    _check_rc(lib.kvm_decode_rope_write(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), T, hq, hkv, D, q.data_ptr(),
+                                        k_dst.data_ptr(), v_dst.data_ptr(), k_dst.stride(0),
+                                        int(k_dst.dtype == torch.bfloat16), scratch.data_ptr()))
+    return q.transpose(1, 2)
+
+
 def _floats(t: torch.Tensor, name: str) -> None:
     if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu":
         raise ValueError(f"{name} must be float32, contiguous, on the CPU")
@@ -82,10 +106,7 @@ def add_rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch
         if t.shape[-1] != n or t.numel() != h.numel():
             raise ValueError(f"{name} must be rows of {n} floats, as h")
     out = torch.empty_like(h)
-    sq = torch.empty(n, dtype=torch.float32)
-    _check_rc(lib.kvm_decode_add_rms_norm(h.data_ptr(), delta.data_ptr() if delta is not None else None,
-                                          weight.data_ptr(), h.numel() // n, n, eps, width, sq.data_ptr(),
-                                          out.data_ptr()))
+    norm_into(lib, h, delta, weight, eps, width, torch.empty(n, dtype=torch.float32), out)
     return out
 
 
@@ -107,9 +128,4 @@ def rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, hq: int,
                 or t.stride(1) != D or t.dtype != k_dst.dtype or t.stride() != k_dst.stride()
                 or t.device.type != "cpu"):
             raise ValueError("k_dst / v_dst must be [hkv, T, D] float32 or bfloat16 views of consecutive positions")
-    q = torch.empty((1, T, hq, D), dtype=torch.float32)
-    scratch = torch.empty(hkv * D, dtype=torch.float32)
-    _check_rc(lib.kvm_decode_rope_write(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), T, hq, hkv, D, q.data_ptr(),
-                                        k_dst.data_ptr(), v_dst.data_ptr(), k_dst.stride(0),
-                                        int(k_dst.dtype == torch.bfloat16), scratch.data_ptr()))
-    return q.transpose(1, 2)
+    return rope_into(lib, qkv, cos, sin, hq, hkv, k_dst, v_dst)

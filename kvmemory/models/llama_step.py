@@ -116,15 +116,10 @@ class LlamaLeanStep:
         """h += delta (the residual add, in place; none where delta is None), then norm(h)."""
         if self.kernel is None:
             if delta is not None:
-                h.copy_(h + delta)  # transformers' `residual + hidden_states`, kept in h's memory
+                h.add_(delta)  # transformers' `residual + hidden_states` (the same add), kept in h's memory
             return norm.forward(h)
         x = torch.empty_like(h)
-        n = h.shape[-1]
-        rc = self.kernel.kvm_decode_add_rms_norm(h.data_ptr(), delta.data_ptr() if delta is not None else None,
-                                                 norm.weight.data_ptr(), h.numel() // n, n, norm.variance_epsilon,
-                                                 self.width, scratch.data_ptr(), x.data_ptr())
-        if rc:
-            raise ValueError(f"the decode-step kernel refused the norm ({rc})")
+        decode_ops.norm_into(self.kernel, h, delta, norm.weight, norm.variance_epsilon, self.width, scratch, x)
         return x
 
     def _rope_cache(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, layer_idx: int):
@@ -138,16 +133,10 @@ class LlamaLeanStep:
         where = getattr(layer, "next_position", None)
         at = where(T, Hkv, D, qkv.dtype) if where is not None else None
         if at is not None:
-            q = torch.empty((1, T, Hq, D), dtype=torch.float32)  # transformers' q layout: [1, T, H, D] transposed
-            k_rope = torch.empty(Hkv * D, dtype=torch.float32)  # held here: the kernel writes into it
-            k_dst, v_dst = layer.k_buf[0, :, at], layer.v_buf[0, :, at]
-            rc = self.kernel.kvm_decode_rope_write(
-                qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), T, Hq, Hkv, D, q.data_ptr(), k_dst.data_ptr(),
-                v_dst.data_ptr(), k_dst.stride(0), int(k_dst.dtype == torch.bfloat16), k_rope.data_ptr())
-            if rc:
-                raise ValueError(f"the decode-step kernel refused RoPE ({rc})")
+            q = decode_ops.rope_into(self.kernel, qkv, cos, sin, Hq, Hkv, layer.k_buf[0, :, at : at + T],
+                                     layer.v_buf[0, :, at : at + T])
             k, v = layer.filled(at + T)
-            return q.transpose(1, 2), k, v
+            return q, k, v
         # transformers' own: views of the projections, its apply_rotary_pos_emb, the cache's update
         heads = lambda a, b: qkv[..., a:b].view(1, T, -1, D).transpose(1, 2)  # noqa: E731
         q, k = apply_rotary_pos_emb(heads(0, self.q_size), heads(self.q_size, self.q_size + self.kv_size), cos, sin)
