@@ -31,8 +31,13 @@ def test_bench_graft_tiny(tmp_path):
         assert row["first_token_equal_recompute"] is True
         # every timing is kept: the medians reported are the samples' medians (the tables print the spread)
         samples = row["samples_s"]
-        assert [len(samples[k]) for k in ("graft", "recompute", "single_pass")] == [2, 2, 2]
+        assert [len(samples[k]) for k in ("graft", "graft_cold", "recompute", "single_pass")] == [2, 2, 2, 2]
         assert row["graft_ttft_s"] == statistics.median(samples["graft"])
+        # the same graft with its block files dropped from the page cache, held to the floor in that state
+        assert row["graft_cold_ttft_s"] == statistics.median(samples["graft_cold"])
+        assert row["graft_cold_over_floor"] == row["graft_cold_ttft_s"] / (
+            row["read_hash_cold_floor_s"] + row["graft_cold_compute_s"])
+        assert row["read_hash_cold_floor_s"] == row["bytes_grafted"] / row["raw_read_hash_cold_gb_s"] / 1e9
         assert row["recompute_ttft_s"] == statistics.median(samples["recompute"])
         assert _positive(row["graft_compute_s"], row["read_hash_floor_s"], row["ceiling_vs_recompute"])
         # The ceiling is the recompute over the floor's two parts: the graft's own step and its bytes
@@ -48,6 +53,7 @@ def test_bench_graft_tiny(tmp_path):
     assert r["machine"]["cpu_isa"] == isa() and r["machine"]["sha256_lanes"] == sha256_lanes.kind()
     assert len(r["machine"]["cpu_vendor_family_model"].split()) == 3
     assert "| 128 |" in format_table(r) and "median [min-max]" in format_table(r)
+    assert "files cold" in format_table(r)
     plot(r, str(tmp_path / "graft.png"))
     assert (tmp_path / "graft.png").read_bytes()[:4] == b"\x89PNG"
 
@@ -62,16 +68,18 @@ def test_bench_graft_llamacpp_baselines_are_all_timed_interleaved():
     torch.set_num_threads(threads)
     json.dumps(r)
     row = r["rows"][0]
-    sides = {f"llamacpp_{kind}:{name}" for kind in ("prefill", "restore") for name in LLAMACPP_CONFIGS}
-    assert sides | {"graft", "recompute", "single_pass"} == set(row["samples_s"])
+    sides = {f"llamacpp_{kind}:{name}" for kind in ("prefill", "restore", "restore_cold") for name in LLAMACPP_CONFIGS}
+    assert sides | {"graft", "graft_cold", "recompute", "single_pass"} == set(row["samples_s"])
     assert all(len(v) == 2 for v in row["samples_s"].values())  # every side at every repeat
-    for kind in ("prefill", "restore"):
+    for kind in ("prefill", "restore", "restore_cold"):
         by_config = row[f"llamacpp_{kind}_ttft_s_by_config"]
         assert by_config == {n: statistics.median(row["samples_s"][f"llamacpp_{kind}:{n}"]) for n in LLAMACPP_CONFIGS}
         # compared at llama.cpp's fastest setting
         assert row[f"llamacpp_{kind}_ttft_s"] == min(by_config.values())
         assert by_config[row[f"llamacpp_{kind}_config"]] == row[f"llamacpp_{kind}_ttft_s"]
     assert row["speedup_vs_llamacpp_prefill"] == row["llamacpp_prefill_ttft_s"] / row["graft_ttft_s"]
+    # cold against cold: both sides' files dropped from the page cache before each timing
+    assert row["speedup_vs_llamacpp_cold"] == row["llamacpp_restore_cold_ttft_s"] / row["graft_cold_ttft_s"]
     # a Q8_0 K/V cache saves a smaller state than F16
     assert row["llamacpp_state_bytes"]["flash-q8_0"] < row["llamacpp_state_bytes"]["flash-f16"]
     assert {t["target"].split(" faster")[0] for t in r["targets"]} >= {"graft >= 1.3x"}

@@ -27,8 +27,14 @@ the machine's raw read-and-hash bandwidth over the same block files with the sam
 once after each timed graft (interleaved, so that drift in the machine's speed hits both alike): the
 better of reading each file and hashing it with hashlib, and reading the payloads and hashing them
 with the lanes' SHA-256 the graft itself uses (sha256_lanes.py: 16 at a time with AVX-512, each by the
-SHA instructions without), so the graft is held to the fastest hash on the machine, not to a slower one. The block files are hot in the page cache (just
-written), as they are for a store in regular use.
+SHA instructions without), so the graft is held to the fastest hash on the machine, not to a slower one.
+
+Page cache: every side that reads files (the graft and the floor: the block files; llama.cpp's restore:
+its state file) is timed twice per round, once with its files read into the page cache just before
+(warm: a store in regular use; the targets) and once with them dropped from it (cold: read from the
+disk), each against the floor in the same state (page_cache.py: this VM pages out idle file pages
+after a minute, so leaving the state to chance made whichever side ran first after an idle spell
+read from the disk).
 
 And, per L, the ceiling of the graft on this machine with this runner: the graft's own 16-token step
 (the runner over the grafted cache, the step the recompute ends with too) plus the chain's bytes read
@@ -51,7 +57,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from kvmemory.bench import llamacpp
+from kvmemory.bench import llamacpp, page_cache
 from kvmemory.bench.llamacpp import LLAMACPP_CONFIGS
 
 DEFAULT_LENGTHS = (256, 512, 1024, 2048, 4096, 8192, 16384)
@@ -74,17 +80,8 @@ def machine_info() -> dict:
             "cpu_isa": isa(), "sha256_lanes": sha256_lanes.kind(),
             "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
-            "memory_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)}
-
-
-def _samples(fn, repeats: int) -> list[float]:
-    """Seconds of each of `repeats` calls (the report keeps them all: medians and spread come from them)."""
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return times
+            "memory_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+            "idle_file_pages_reclaimed_by": page_cache.reclaimer()}
 
 
 def spread(samples: list[float]) -> dict:
@@ -236,71 +233,103 @@ def run_graft_bench(lengths=DEFAULT_LENGTHS, *, new_tokens: int = 16, repeats: i
                     out = plain(input_ids=torch.tensor([prompt]), logits_to_keep=1)
                 first["single"] = int(out.logits[0, -1].argmax())
 
-            # The timed sides after the graft, in the order each round runs them.
+            # The timed sides after the graft, in the order each round runs them, and the files each reads
+            # (put in the page cache, or dropped from it, before each timing: page_cache.py says why).
             sides = {"recompute": recompute, "single_pass": single_pass}
+            reads: dict[str, list[Path]] = {}
             for name, lc in lcpp.items():
                 state = Path(tmp.name) / f"llamacpp-{name}-{L}.state"
                 lc.save(ids[:L], state)
-                sides[f"llamacpp_restore:{name}"] = (
-                    lambda lc=lc, state=state, name=name: first.__setitem__(
-                        f"llamacpp_restore:{name}", lc.restore_and_eval(state, ids[L : L + new_tokens])))
+                restore = (lambda lc=lc, state=state, name=name: first.__setitem__(
+                    f"llamacpp_restore:{name}", lc.restore_and_eval(state, ids[L : L + new_tokens])))
+                sides[f"llamacpp_restore:{name}"] = sides[f"llamacpp_restore_cold:{name}"] = restore
+                reads[f"llamacpp_restore:{name}"] = reads[f"llamacpp_restore_cold:{name}"] = [state]
                 sides[f"llamacpp_prefill:{name}"] = (
                     lambda lc=lc, name=name: first.__setitem__(f"llamacpp_prefill:{name}", lc.prefill(prompt)))
-                sides[f"llamacpp_restore:{name}"]()  # warm: the first load of a state file pays for more
+                restore()  # warm: the first load of a state file pays for more
 
             graft()  # warm (first call allocates)
             files = [eng.store.block_path(h) for h in reports[-1].blocks_used]
             reports.clear()
-            # Rounds: each timed graft is followed by one raw read + SHA-256 of the same files and one
-            # timing of every other side. This VM's speed drifts by up to a quarter between runs;
-            # interleaving makes the drift hit every side alike.
-            samples: dict[str, list[float]] = {"graft": [], **{k: [] for k in sides}}
-            raws, lanes = [], []
-            for _ in range(repeats):
+            reads["graft"], reads["graft_cold"] = files, files
+
+            def timed(name: str, fn) -> float:
+                """`fn`'s seconds, its files warm (cold for a `_cold` side) when the clock starts."""
+                if name.split(":")[0].endswith("_cold"):
+                    page_cache.drop(reads[name])
+                else:
+                    page_cache.warm(reads.get(name, ()))
                 t = time.perf_counter()
-                graft()
-                samples["graft"].append(time.perf_counter() - t)
-                raws.append(raw_read_hash_bandwidth(files, _READ_THREADS))
-                lanes.append(raw_read_hash_lanes_bandwidth(files, reports[-1].bytes_read // len(files), _READ_THREADS))
+                fn()
+                return time.perf_counter() - t
+
+            # Rounds: each timed graft (files warm, then cold) is followed by raw reads + SHA-256 of the
+            # same files in the same state, then one timing of every other side. This VM's speed drifts
+            # by up to a quarter between runs; interleaving makes the drift hit every side alike.
+            samples: dict[str, list[float]] = {"graft": [], "graft_cold": [], **{k: [] for k in sides}}
+            raw = {"warm": {"hashlib": [], "lanes": []}, "cold": {"hashlib": [], "lanes": []}}
+            cold_reports = []
+            payload = None
+            for _ in range(repeats):
+                for state, side in (("warm", "graft"), ("cold", "graft_cold")):
+                    samples[side].append(timed(side, graft))
+                    if side == "graft_cold":
+                        cold_reports.append(reports.pop())
+                    payload = payload or (reports or cold_reports)[-1].bytes_read // len(files)
+                    prepare = page_cache.warm if state == "warm" else page_cache.drop
+                    prepare(files)
+                    raw[state]["hashlib"].append(raw_read_hash_bandwidth(files, _READ_THREADS))
+                    prepare(files)
+                    raw[state]["lanes"].append(raw_read_hash_lanes_bandwidth(files, payload, _READ_THREADS))
                 for name, fn in sides.items():
-                    samples[name] += _samples(fn, 1)
+                    samples[name].append(timed(name, fn))
             rep = reports[-1]
-            raw_hashlib = statistics.median(raws)
-            raw_lanes = statistics.median(lanes) if None not in lanes else None
-            # The machine's raw bandwidth is the better of the two hashes: the graft is held to the fastest.
-            t_graft, raw_bw = statistics.median(samples["graft"]), max(raw_hashlib, raw_lanes or 0.0)
-            parts = {k: statistics.median(getattr(r, k) for r in reports)
-                     for k in ("read_verify_seconds", "copy_seconds", "compute_seconds")}
-            t_floor = rep.bytes_read / raw_bw / 1e9
-            assert rep.tokens_grafted == L, (rep.tokens_grafted, L)
+            assert rep.tokens_grafted == L and cold_reports[-1].tokens_grafted == L, (rep.tokens_grafted, L)
             t_rec, t_single = statistics.median(samples["recompute"]), statistics.median(samples["single_pass"])
             row = {
                 "L": L, "tokens_grafted": rep.tokens_grafted, "tokens_computed": rep.tokens_computed,
-                "bytes_grafted": rep.bytes_read,
-                "graft_ttft_s": t_graft, "recompute_ttft_s": t_rec, "single_pass_ttft_s": t_single,
-                # medians over the timed grafts, as the TTFT is
-                "graft_read_verify_s": parts["read_verify_seconds"], "graft_copy_s": parts["copy_seconds"],
-                "graft_compute_s": parts["compute_seconds"],
-                "speedup_vs_recompute": t_rec / t_graft, "speedup_vs_single_pass": t_single / t_graft,
+                "bytes_grafted": rep.bytes_read, "recompute_ttft_s": t_rec, "single_pass_ttft_s": t_single,
                 "first_token_equal_recompute": first["graft"] == first["recompute"],
-                "raw_read_hash_gb_s": raw_bw, "raw_read_hashlib_gb_s": raw_hashlib,
-                "raw_read_hash_lanes_gb_s": raw_lanes, "read_hash_floor_s": t_floor,
-                "ceiling_vs_recompute": t_rec / (t_floor + parts["compute_seconds"]),
-                "graft_over_floor": t_graft / (t_floor + parts["compute_seconds"]),
+            }
+            # Per page-cache state: the graft, its parts (medians over the timed grafts, as the TTFT is),
+            # the raw bandwidth (the better of the two hashes: the graft is held to the fastest) and the floor.
+            for state, side, reps_ in (("warm", "graft", reports), ("cold", "graft_cold", cold_reports)):
+                sfx = "" if state == "warm" else "_cold"
+                t_graft = statistics.median(samples[side])
+                parts = {k: statistics.median(getattr(r, k) for r in reps_)
+                         for k in ("read_verify_seconds", "copy_seconds", "compute_seconds")}
+                hashlib_bw = statistics.median(raw[state]["hashlib"])
+                lanes_bw = statistics.median(raw[state]["lanes"]) if None not in raw[state]["lanes"] else None
+                raw_bw = max(hashlib_bw, lanes_bw or 0.0)
+                t_floor = rep.bytes_read / raw_bw / 1e9
+                row.update({
+                    f"graft{sfx}_ttft_s": t_graft, f"graft{sfx}_read_verify_s": parts["read_verify_seconds"],
+                    f"graft{sfx}_copy_s": parts["copy_seconds"], f"graft{sfx}_compute_s": parts["compute_seconds"],
+                    f"raw_read_hash{sfx}_gb_s": raw_bw, f"raw_read_hashlib{sfx}_gb_s": hashlib_bw,
+                    f"raw_read_hash_lanes{sfx}_gb_s": lanes_bw, f"read_hash{sfx}_floor_s": t_floor,
+                    f"graft{sfx}_over_floor": t_graft / (t_floor + parts["compute_seconds"]),
+                })
+            row.update({
+                "speedup_vs_recompute": t_rec / row["graft_ttft_s"],
+                "speedup_vs_single_pass": t_single / row["graft_ttft_s"],
+                "ceiling_vs_recompute": t_rec / (row["read_hash_floor_s"] + row["graft_compute_s"]),
                 "spread_s": {k: spread(v) for k, v in samples.items()},
                 "samples_s": samples,
-            }
+            })
             if lcpp:
-                for kind in ("restore", "prefill"):
+                for kind in ("restore", "prefill", "restore_cold"):
                     medians = {name: statistics.median(samples[f"llamacpp_{kind}:{name}"]) for name in lcpp}
                     best = min(medians, key=medians.get)
                     row[f"llamacpp_{kind}_ttft_s"] = medians[best]  # llama.cpp at its fastest setting
                     row[f"llamacpp_{kind}_config"] = best
                     row[f"llamacpp_{kind}_ttft_s_by_config"] = medians
+                for kind in ("restore", "prefill"):
+                    best = row[f"llamacpp_{kind}_config"]
                     # Other kernels, other numerics: the same first token is likely, not owed.
                     row[f"llamacpp_{kind}_first_token_equal_graft"] = first[f"llamacpp_{kind}:{best}"] == first["graft"]
-                row["speedup_vs_llamacpp"] = row["llamacpp_restore_ttft_s"] / t_graft
-                row["speedup_vs_llamacpp_prefill"] = row["llamacpp_prefill_ttft_s"] / t_graft
+                row["speedup_vs_llamacpp"] = row["llamacpp_restore_ttft_s"] / row["graft_ttft_s"]
+                row["speedup_vs_llamacpp_cold"] = row["llamacpp_restore_cold_ttft_s"] / row["graft_cold_ttft_s"]
+                row["speedup_vs_llamacpp_prefill"] = row["llamacpp_prefill_ttft_s"] / row["graft_ttft_s"]
                 row["llamacpp_state_bytes"] = {name: (Path(tmp.name) / f"llamacpp-{name}-{L}.state").stat().st_size
                                                for name in lcpp}
             rows.append(row)
@@ -370,6 +399,21 @@ def format_table(r: dict) -> str:
             cells += [f"{x['speedup_vs_llamacpp_prefill']:.1f}x", f"{x['speedup_vs_llamacpp']:.2f}x"]
         cells += [f"{x['read_hash_floor_s']:.3f} + {x['graft_compute_s']:.3f}", f"{x['graft_over_floor']:.2f}"]
         out.append("| " + " | ".join(cells) + " |")
+    if "graft_cold_ttft_s" in r["rows"][0]:
+        head = "| L | graft TTFT s, files cold |" + (" llama.cpp restore s, state file cold (setting) | vs llama.cpp "
+                                                   "restore, both cold |" if has_l else "") + \
+               " floor s, cold (read+hash, 16-token step) | graft / floor, cold |"
+        out += ["", "The same with every file the side reads dropped from the page cache before each timing "
+                "(posix_fadvise DONTNEED: read from the disk):", "", head, "|" + "---|" * (head.count("|") - 1)]
+        for x in r["rows"]:
+            cells = [str(x["L"]), cell(x, "graft_cold", "graft_cold_ttft_s", 4)]
+            if has_l:
+                cfg = x["llamacpp_restore_cold_config"]
+                cells += [f"{cell(x, f'llamacpp_restore_cold:{cfg}', 'llamacpp_restore_cold_ttft_s', 4)} ({cfg})",
+                          f"{x['speedup_vs_llamacpp_cold']:.2f}x"]
+            cells += [f"{x['read_hash_cold_floor_s']:.3f} + {x['graft_cold_compute_s']:.3f}",
+                      f"{x['graft_cold_over_floor']:.2f}"]
+            out.append("| " + " | ".join(cells) + " |")
     missed = [t for t in r.get("targets", []) if not t["met"]]
     out.append("")
     out.append(f"targets: {len(r.get('targets', [])) - len(missed)} of {len(r.get('targets', []))} met" +
