@@ -12,7 +12,7 @@ import torch
 from tiny_models import ARCHS, tiny_engine, tiny_model
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
-from kvmemory.errors import NotOnGrid, ProfileMismatch, UnsupportedArchitecture
+from kvmemory.errors import InvalidInput, NotOnGrid, ProfileMismatch, UnsupportedArchitecture
 from kvmemory.engine.graft import GraftReport, load_chain, plan_chain
 from kvmemory.engine.runner import CanonicalRunner
 
@@ -40,6 +40,27 @@ def test_graft_plus_suffix_is_bit_identical(arch, dtype, store_dir):
     assert got.generated == ref.generated
     vr = eng.verify_tokens(ids, decode_tokens=3)
     assert vr.bit_identical and vr.comparison.kl_max == 0.0 and vr.comparison.argmax_agreement == 1.0
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_last_logits_mode_grafts_bit_identical(arch, dtype, store_dir):
+    """logits="last" (what answers compute: the rows a token is chosen from): the graft's and the
+    recompute's rows are the same bytes, so their hashes over every row computed are equal."""
+    eng = tiny_engine(arch, store_dir, dtype)
+    ids = _ids(130)
+    eng.store_prefix(ids[:100])
+    got, report = eng.forward(ids, max_new_tokens=5, stop_token_ids=(), logits="last")
+    ref = eng.recompute(ids, max_new_tokens=5, stop_token_ids=(), keep_logits=False, logits="last")
+    assert report.tokens_grafted == 96 and got.prefill_logits is None
+    assert got.logits_sha256 == ref.logits_sha256 and got.generated == ref.generated
+    assert len(got.argmax) == len(ref.argmax) == 5  # the prompt's last row, then 4 decode steps
+    full = eng.recompute(ids, max_new_tokens=5, stop_token_ids=())
+    assert got.generated == full.generated  # the same tokens as the all-rows reference
+    with pytest.raises(InvalidInput):
+        eng.forward(ids, max_new_tokens=1, keep_logits=True, logits="last")  # no prefill rows to keep
+    with pytest.raises(InvalidInput):
+        eng.recompute(ids, logits="first")
 
 
 @pytest.mark.parametrize("arch", ARCHS)

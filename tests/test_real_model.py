@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+
 import pytest
 import torch
 
@@ -63,6 +65,13 @@ def test_grafted_logits_equal_recompute_on_unseen_text(real_memory):
     vr = eng.verify_tokens(ids, decode_tokens=6)
     assert vr.bit_identical and vr.comparison.kl_max == 0.0
     assert vr.single_pass_max_abs_diff is not None  # reported, never asserted
+    # logits="last", as answers run: only the rows tokens are chosen from, the same bytes as those rows of
+    # the all-rows run where every row is computed on its own (the GGUF-block linears, the lean step)
+    last, rep_last = eng.forward(ids, max_new_tokens=6, stop_token_ids=(), logits="last")
+    assert rep_last.tokens_grafted == g and last.generated == ref.generated
+    if eng.profile.linear_impl == "gguf-blocks":
+        rows = torch.cat([ref.prefill_logits[-1:], ref.decode_logits]).contiguous()
+        assert last.logits_sha256 == hashlib.sha256(rows.numpy().tobytes()).hexdigest()
 
 
 def test_bad_input_is_refused_before_the_model(real_memory):

@@ -95,7 +95,8 @@ def _kvmemory_run(eng, prompt: list[int], new_tokens: int) -> dict:
         return False  # never stop early: N tokens on every side
 
     t0 = time.perf_counter()
-    res, rep = eng.forward(prompt, max_new_tokens=new_tokens, stop_token_ids=(), keep_logits=False, on_token=on_token)
+    res, rep = eng.forward(prompt, max_new_tokens=new_tokens, stop_token_ids=(), keep_logits=False, on_token=on_token,
+                           logits="last")
     t2 = time.perf_counter()
     return {"tokens": list(res.generated), "ttft_s": marks[0] - t0, "decode_s": marks[-1] - marks[0],
             "total_s": t2 - t0, "tokens_grafted": rep.tokens_grafted, "tokens_computed": rep.tokens_computed,
@@ -169,7 +170,7 @@ def run_answer_bench(lengths=DEFAULT_LENGTHS, *, new_tokens: int = 64, repeats: 
             ctx, prompt = lib[:L], lib[:L] + q
             # The reference: kvmemory's recompute from scratch, once per L (exactness, not speed).
             t = time.perf_counter()
-            ref = eng.recompute(prompt, max_new_tokens=new_tokens, stop_token_ids=(), keep_logits=False)
+            ref = eng.recompute(prompt, max_new_tokens=new_tokens, stop_token_ids=(), keep_logits=False, logits="last")
             recompute_s = time.perf_counter() - t
 
             state = Path(tmp.name) / f"llamacpp-{L}.state"

@@ -4,8 +4,9 @@ Workload: a prompt whose first L tokens are already stored (L on the grid) follo
 on the embedded model. Measured side by side in one process (one run, one machine):
 
 - graft: `Engine.forward` — plan the chain, read + SHA-256-verify + copy the blocks into the cache
-  (verification on, always), compute the 16 new tokens on the grid, pick the first token;
-- canonical recompute: the reference runner from scratch over L + 16 tokens;
+  (verification on, always), compute the 16 new tokens on the grid, pick the first token; with
+  `logits="last"` as `KVMemory` answers (the lm_head on the last position only, as every other side);
+- canonical recompute: the reference runner from scratch over L + 16 tokens, in the same mode;
 - single pass: a plain transformers forward `model(ids, logits_to_keep=1)` on the same weights loaded
   as transformers loads them (its own sdpa, plain linears: what a user without kvmemory would run;
   not bit-comparable, shown for scale);
@@ -220,12 +221,12 @@ def run_graft_bench(lengths=DEFAULT_LENGTHS, *, new_tokens: int = 16, repeats: i
             reports = []  # the timed grafts' reports
 
             def graft():
-                res, rep = eng.forward(prompt, max_new_tokens=1, keep_logits=False, stop_token_ids=())
+                res, rep = eng.forward(prompt, max_new_tokens=1, keep_logits=False, stop_token_ids=(), logits="last")
                 first["graft"] = res.generated[0]
                 reports.append(rep)
 
             def recompute():
-                res = eng.recompute(prompt, max_new_tokens=1, keep_logits=False)
+                res = eng.recompute(prompt, max_new_tokens=1, keep_logits=False, logits="last")
                 first["recompute"] = res.generated[0]
 
             def single_pass():

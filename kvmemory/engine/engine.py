@@ -179,10 +179,10 @@ class Engine:
     # ------------------------------------------------------------------ compute
     @_pinned
     def recompute(self, token_ids: Sequence[int], *, max_new_tokens: int = 0, sampling: Sampling = GREEDY,
-                  stop_token_ids: Sequence[int] = (), keep_logits: bool = True) -> ForwardResult:
-        """The reference: the canonical runner from scratch, no graft."""
+                  stop_token_ids: Sequence[int] = (), keep_logits: bool = True, logits: str = "all") -> ForwardResult:
+        """The reference: the canonical runner from scratch, no graft (`logits`: runner.forward's)."""
         return self.runner.forward(token_ids, max_new_tokens=max_new_tokens, sampling=sampling,
-                                   stop_token_ids=stop_token_ids, keep_logits=keep_logits)
+                                   stop_token_ids=stop_token_ids, keep_logits=keep_logits, logits=logits)
 
     def _capture(self, token_ids: Sequence[int], sink: list, upto: int | None = None) -> Callable:
         """An on_chunk callback that turns each full prefill chunk into a block (meta, payload)."""
@@ -206,17 +206,18 @@ class Engine:
 
     @_pinned
     def compute_blocks(self, token_ids: Sequence[int], *, max_new_tokens: int = 0, keep_logits: bool = True,
-                       sampling: Sampling = GREEDY) -> tuple[ForwardResult, list[tuple[BlockMeta, torch.Tensor]]]:
-        """Recompute from scratch and capture every full block of the prompt."""
+                       sampling: Sampling = GREEDY, logits: str = "all") -> tuple[ForwardResult, list[tuple[BlockMeta, torch.Tensor]]]:
+        """Recompute from scratch and capture every full block of the prompt (`logits`: runner.forward's;
+        the blocks hold K/V, the same in either mode)."""
         blocks: list = []
         result = self.runner.forward(token_ids, max_new_tokens=max_new_tokens, keep_logits=keep_logits,
-                                     sampling=sampling, on_chunk=self._capture(token_ids, blocks))
+                                     sampling=sampling, on_chunk=self._capture(token_ids, blocks), logits=logits)
         return result, blocks
 
     def store_prefix(self, token_ids: Sequence[int], *, pinned: bool = True) -> int:
         """Compute a prefix once (from scratch) and keep its full blocks (pinned by default: a system
         prompt or few-shot block the user wants kept). Returns how many blocks it holds."""
-        _, blocks = self.compute_blocks(token_ids, keep_logits=False)
+        _, blocks = self.compute_blocks(token_ids, keep_logits=False, logits="last")  # K/V only: no logits needed
         self.store.put_blocks(blocks, pinned=pinned)
         return len(blocks)
 
@@ -234,8 +235,9 @@ class Engine:
                 sampling: Sampling = GREEDY, stop_token_ids: Sequence[int] | None = None,
                 keep_logits: bool = False, store_new_blocks: bool = False, entries_used: Sequence[str] = (),
                 on_token: Callable[[int], bool] | None = None,
-                rows: Sequence[BlockRow] | None = None) -> tuple[ForwardResult, GraftReport]:
-        """Canonical forward with the longest stored chain grafted; logits equal to `recompute`'s.
+                rows: Sequence[BlockRow] | None = None, logits: str = "all") -> tuple[ForwardResult, GraftReport]:
+        """Canonical forward with the longest stored chain grafted; logits equal to `recompute`'s (in the
+        same `logits` mode: "all" rows, or "last", the rows a token is chosen from; runner.forward).
         `rows` grafts these blocks (written, not yet catalogued) instead of the catalogue's chain."""
         token_ids = [int(t) for t in token_ids]
         self.runner.check_ids(token_ids, max_new_tokens)
@@ -246,7 +248,7 @@ class Engine:
             token_ids, start=start, cache=cache, max_new_tokens=max_new_tokens, sampling=sampling,
             stop_token_ids=self.eos_token_ids if stop_token_ids is None else stop_token_ids,
             keep_logits=keep_logits, on_token=on_token,
-            on_chunk=self._capture(token_ids, new_blocks) if store_new_blocks else None,
+            on_chunk=self._capture(token_ids, new_blocks) if store_new_blocks else None, logits=logits,
         )
         report.tokens_grafted = start
         report.tokens_computed = n - start

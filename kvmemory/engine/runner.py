@@ -19,8 +19,13 @@ steps with few query rows (a graft's tail, decoding) kvmemory's own attention ke
 (gguf_linear.py) or with oneDNN-packed weights (packed_linear.py); all are chosen at load and recorded in
 the profile.
 
-Logits are computed for every position of every prefill chunk: the lm_head GEMM shape then depends
-only on the chunk, which keeps prefill logits comparable between a grafted run and a full one.
+Logits (`logits="all"`, the default): computed for every position of every prefill chunk, so the lm_head
+GEMM shape depends only on the chunk, which keeps prefill logits comparable between a grafted run and a
+full one (what `verify` compares and `/v1/completions` hashes). `logits="last"`: only the rows a token is
+chosen from, the prompt's last position and each decode step, as llama.cpp and transformers' `generate`
+compute them; what answering needs (`KVMemory.generate`), and the lm_head over a chunk's other rows is
+skipped (at 16 new tokens after a graft, ~15 rows of a 49152 x 576 product and their hashes). A grafted
+run and a recompute in the same mode compute the same rows with the same shapes: the same bits.
 
 Cache layout (transformers' `DynamicCache`, full-attention layers writing into room reserved for the
 whole forward, cache.py): per layer K and V of shape `[batch=1, H_kv, S, D]` (views of
@@ -90,7 +95,7 @@ class ForwardResult:
     generated: list[int]  # decoded tokens
     prefill_logits: torch.Tensor | None  # [n - start, V] when kept
     decode_logits: torch.Tensor | None  # [len(generated) - 1, V] when kept (the logits fed by each new token)
-    logits_sha256: str  # over the bytes of every logit computed, prefill then decode, in order
+    logits_sha256: str  # over the bytes of every logit computed (`logits` mode), prefill then decode, in order
     argmax: list[int]  # argmax of every logit row computed, in order
     prefill_seconds: float
     decode_seconds: float
@@ -230,6 +235,8 @@ class CanonicalRunner:
         self.full_attention_only = all(w is None for w in self.sliding_windows)
         self.kv_dtype = resolve_kv_dtype(model, kv_dtype, self.full_attention_only)  # runner.new_cache keeps K/V in it
         self._lean_step = llama_step.for_model(model)  # None: every step runs transformers' forward
+        # transformers' models that compute the lm_head on the last rows only when asked (logits="last")
+        self._keeps_logits = "logits_to_keep" in inspect.signature(type(model).forward).parameters
 
     def new_cache(self, capacity: int = 0):
         """An empty cache whose full-attention layers reserve `capacity` positions (cache.py)."""
@@ -254,14 +261,20 @@ class CanonicalRunner:
             raise InvalidInput(f"token ids out of the vocabulary [0, {self.vocab_size}): {bad[:5]}")
 
     @torch.inference_mode()
-    def _step(self, ids: torch.Tensor, start: int, cache) -> torch.Tensor:
-        """One forward over `ids` (shape [1, T]) at absolute positions start..start+T-1; returns [T, V].
-        On a plain llama model it goes through the lean step (the same bits: llama_step.py)."""
+    def _step(self, ids: torch.Tensor, start: int, cache, rows: int | None = None) -> torch.Tensor:
+        """One forward over `ids` (shape [1, T]) at absolute positions start..start+T-1; returns the
+        logits of the last `rows` positions [rows, V] (None: all T). On a plain llama model it goes
+        through the lean step (the same bits: llama_step.py)."""
         if self._lean_step is not None:
-            return self._lean_step.step(ids, start, cache)
-        pos = torch.arange(start, start + ids.shape[1], device=self.device).unsqueeze(0)
-        out = self.model(input_ids=ids, position_ids=pos, use_cache=True, **{self._cache_kwarg: cache})
-        return out.logits[0]
+            return self._lean_step.step(ids, start, cache, rows=rows)
+        T = ids.shape[1]
+        pos = torch.arange(start, start + T, device=self.device).unsqueeze(0)
+        keep = {}
+        if rows is not None and rows < T and self._keeps_logits:
+            keep["logits_to_keep"] = max(rows, 1)  # transformers reads 0 as "all"
+        out = self.model(input_ids=ids, position_ids=pos, use_cache=True, **{self._cache_kwarg: cache}, **keep)
+        logits = out.logits[0]
+        return logits if rows is None else logits[logits.shape[0] - rows :]
 
     @torch.inference_mode()
     def forward(
@@ -276,12 +289,20 @@ class CanonicalRunner:
         keep_logits: bool = True,
         on_chunk: Callable[[int, int, object], None] | None = None,
         on_token: Callable[[int], bool] | None = None,
+        logits: str = "all",
     ) -> ForwardResult:
         """Prefill `token_ids[start:]` on the grid (over `cache`, which holds positions < start), then decode.
 
         `on_chunk(chunk_start, chunk_end, cache)` is called after each prefill chunk (used to capture
         blocks). `on_token(token_id)` is called for each decoded token; returning True stops decoding.
+        `logits`: "all" (every prefill position's, hashed and kept) or "last" (only the rows a token is
+        chosen from; nothing to keep, so `keep_logits` must be False): see the module docstring.
         """
+        if logits not in ("all", "last"):
+            raise InvalidInput(f"logits must be 'all' or 'last', got {logits!r}")
+        if logits == "last" and keep_logits:
+            raise InvalidInput("logits='last' computes no prefill rows to keep: pass keep_logits=False, "
+                               "or logits='all' to keep every row")
         self.check_ids(token_ids, max_new_tokens)
         n = len(token_ids)
         if start % self.chunk or not 0 <= start < n:
@@ -304,7 +325,8 @@ class CanonicalRunner:
         t0 = time.perf_counter()
         last = None
         for s, e in chunk_spans(start, n, self.chunk):
-            last = self._step(ids[:, s:e], s, cache)
+            # "last": the lm_head runs only on the prompt's last position (in the last chunk)
+            last = self._step(ids[:, s:e], s, cache, rows=None if logits == "all" else int(e == n))
             account(last)
             if on_chunk is not None:
                 on_chunk(s, e, cache)

@@ -620,9 +620,10 @@ class KVMemory:
                 on_text(delta)
             return any(s and s in decoded.text for s in stop)
 
+        # logits="last": an answer needs the rows its tokens are chosen from, not the prompt's others
         result, report = eng.forward(ids, max_new_tokens=max_new_tokens, sampling=sampling,
                                      store_new_blocks=store_new_blocks, entries_used=[e.id for e in entries],
-                                     on_token=on_token)
+                                     on_token=on_token, logits="last")
         if on_text is not None and (held := decoded.rest()):
             on_text(held)
         text = eng.decode([t for t in result.generated if t not in eng.eos_token_ids])

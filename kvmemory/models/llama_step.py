@@ -145,8 +145,11 @@ class LlamaLeanStep:
         return q, k, v
 
     @torch.inference_mode()
-    def step(self, ids: torch.Tensor, position: int, cache, marks: list | None = None) -> torch.Tensor:
-        """`marks`: a list to which (part, perf_counter()) is appended as each part of the step ends
+    def step(self, ids: torch.Tensor, position: int, cache, marks: list | None = None,
+             rows: int | None = None) -> torch.Tensor:
+        """`rows`: the logits of the last `rows` positions only ([rows, V]; the final norm and lm_head
+        skip the others: each row is normed and multiplied on its own, so the same bits); None, all T.
+        `marks`: a list to which (part, perf_counter()) is appended as each part of the step ends
         (bench/decode_parts.py times them); None, the default, times nothing."""
         from transformers.masking_utils import create_causal_mask
 
@@ -191,6 +194,11 @@ class LlamaLeanStep:
                 gate, up = mlp.gate_proj.forward(x), mlp.up_proj.forward(x)
             delta = mlp.down_proj.forward(mlp.act_fn(gate) * up)
             mark("mlp (gate/up, silu, down)")
+        if rows is not None and rows < T:
+            if rows == 0:
+                mark("final norm + lm_head")
+                return h.new_empty(0, self.model.lm_head.out_features)
+            h, delta = h[:, T - rows :], delta[:, T - rows :]  # contiguous: the last rows of [1, T, hidden]
         h = self._norm(m.norm, h, delta, scratch)
         logits = self.model.lm_head.forward(h)[0]
         mark("final norm + lm_head")
