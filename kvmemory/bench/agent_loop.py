@@ -14,7 +14,8 @@ threads), each turn run by every side once per repeat, the order rotated per tur
   framework adapter / `kvmemory serve` does with `store_new_blocks` / `cache_prefixes`: the blocks a
   call computes are stored), then `Engine.forward`: turn k grafts the full blocks turns 1..k-1 stored
   and computes the rest; the new full blocks are stored after the first token (timed apart: `call_s`);
-- **kvmemory recompute**: the canonical runner from scratch over the same prompt (no store);
+  `logits="last"`, as `KVMemory.generate` answers (the lm_head on the prompt's last position only);
+- **kvmemory recompute**: the canonical runner from scratch over the same prompt (no store), in the same mode;
 - **llama.cpp RAM cache**: `Llama.set_cache(LlamaRAMCache())`, `create_completion(ids, max_tokens=1,
   temperature=0, stream=True)`; the cache saves each call's state after it (not in the TTFT). The
   Llama object is `reset()` before each call, so its state comes from the cache, not from the live
@@ -174,7 +175,9 @@ def _kvmemory_turn(mem, ids: list[int], store: bool) -> dict:
         return False
 
     t0 = time.perf_counter()
-    res, rep = eng.forward(ids, max_new_tokens=1, stop_token_ids=(), store_new_blocks=store, on_token=on_token)
+    # logits="last", as the adapters' and the server's chat answers run (KVMemory.generate)
+    res, rep = eng.forward(ids, max_new_tokens=1, stop_token_ids=(), store_new_blocks=store, on_token=on_token,
+                           logits="last")
     t1 = time.perf_counter()
     return {"ttft_s": marks[0] - t0, "call_s": t1 - t0, "first_token": res.generated[0],
             "tokens_grafted": rep.tokens_grafted, "tokens_computed": rep.tokens_computed,
@@ -183,7 +186,7 @@ def _kvmemory_turn(mem, ids: list[int], store: bool) -> dict:
 
 def _recompute_turn(eng, ids: list[int]) -> dict:
     t0 = time.perf_counter()
-    res = eng.recompute(ids, max_new_tokens=1, keep_logits=False)
+    res = eng.recompute(ids, max_new_tokens=1, keep_logits=False, logits="last")
     t = time.perf_counter() - t0
     return {"ttft_s": t, "call_s": t, "first_token": res.generated[0]}
 

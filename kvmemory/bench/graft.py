@@ -446,6 +446,12 @@ def plot(r: dict, path: str) -> None:
         ax.plot(Ls, [x.get("llamacpp_restore_ttft_s") for x in r["rows"]], "^-",
                 label="llama.cpp state restore (fastest setting)")
     ax.plot(Ls, [x["graft_ttft_s"] for x in r["rows"]], "D-", label="kvmemory graft (SHA-256 verified)")
+    if all("graft_cold_ttft_s" in x for x in r["rows"]):  # the same with the files read from the disk
+        ax.plot(Ls, [x["graft_cold_ttft_s"] for x in r["rows"]], "D--", color="tab:purple", alpha=0.6,
+                label="kvmemory graft, block files cold (not in the page cache)")
+        if all("llamacpp_restore_cold_ttft_s" in x for x in r["rows"]):
+            ax.plot(Ls, [x["llamacpp_restore_cold_ttft_s"] for x in r["rows"]], "^--", color="tab:red", alpha=0.6,
+                    label="llama.cpp state restore, state file cold")
     ax.plot(Ls, [x["read_hash_floor_s"] + x["graft_compute_s"] for x in r["rows"]], "k:",
             label="floor: raw read + SHA-256 of the bytes, + the 16-token step")
     ax.set_xscale("log", base=2)

@@ -111,7 +111,8 @@ def run_outside_bench(mem=None, *, dataset: str = "gsm-symbolic", problems: int 
         def alone(q: str) -> _Alone:
             # Everything computed: no solution in context and no stored prefix grafted either (the
             # remembered problems' own prompt blocks would otherwise be reused, a kvmemory saving).
-            result, report = eng.forward(mem.question_ids(q), graft=False, max_new_tokens=base_budget)
+            result, report = eng.forward(mem.question_ids(q), graft=False, max_new_tokens=base_budget,
+                                         logits="last")  # as KVMemory.generate answers
             return _Alone(eng.decode([t for t in result.generated if t not in eng.eos_token_ids]), report)
 
         def with_memory(q: str):
