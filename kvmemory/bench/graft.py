@@ -251,6 +251,7 @@ def run_graft_bench(lengths=DEFAULT_LENGTHS, *, new_tokens: int = 16, repeats: i
 
             graft()  # warm (first call allocates)
             files = [eng.store.block_path(h) for h in reports[-1].blocks_used]
+            payload = reports[-1].bytes_read // len(files)  # one block's payload bytes (every block alike)
             reports.clear()
             reads["graft"], reads["graft_cold"] = files, files
 
@@ -270,13 +271,11 @@ def run_graft_bench(lengths=DEFAULT_LENGTHS, *, new_tokens: int = 16, repeats: i
             samples: dict[str, list[float]] = {"graft": [], "graft_cold": [], **{k: [] for k in sides}}
             raw = {"warm": {"hashlib": [], "lanes": []}, "cold": {"hashlib": [], "lanes": []}}
             cold_reports = []
-            payload = None
             for _ in range(repeats):
                 for state, side in (("warm", "graft"), ("cold", "graft_cold")):
                     samples[side].append(timed(side, graft))
                     if side == "graft_cold":
                         cold_reports.append(reports.pop())
-                    payload = payload or (reports or cold_reports)[-1].bytes_read // len(files)
                     prepare = page_cache.warm if state == "warm" else page_cache.drop
                     prepare(files)
                     raw[state]["hashlib"].append(raw_read_hash_bandwidth(files, _READ_THREADS))

@@ -148,7 +148,9 @@ class LlamaLeanStep:
     def step(self, ids: torch.Tensor, position: int, cache, marks: list | None = None,
              rows: int | None = None) -> torch.Tensor:
         """`rows`: the logits of the last `rows` positions only ([rows, V]; the final norm and lm_head
-        skip the others: each row is normed and multiplied on its own, so the same bits); None, all T.
+        skip the others); None, all T. A norm works row by row, so its rows keep their bits; the lm_head's
+        do where its linear computes each row on its own (the GGUF-block kernel), else only a step with
+        the same `rows` gives the same bits (what the runner's logits="last" compares).
         `marks`: a list to which (part, perf_counter()) is appended as each part of the step ends
         (bench/decode_parts.py times them); None, the default, times nothing."""
         from transformers.masking_utils import create_causal_mask
