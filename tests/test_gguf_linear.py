@@ -53,6 +53,37 @@ def test_expanded_weights_are_gguf_pys_float32_weights(kind):
 
 
 @needs_kernel
+def test_q4_1_weights_expand_exactly_over_every_float16_scale_and_minimum():
+    """The kernel expands a Q4_1 weight with one FMA, fma(q, d, m), where gguf-py rounds d * q and then
+    the sum: equal because d * q is exact for a float16 d. Checked on blocks whose d and m are drawn
+    from every finite float16 (subnormals, both signs, the largest) against gguf-py's own expansion."""
+    from gguf import GGMLQuantizationType, quants
+
+    n, k = 64, 1024
+    rng = np.random.default_rng(7)
+    raw = rng.integers(0, 256, size=(n, k // 32, 20), dtype=np.uint8)
+    halves = rng.integers(0, 1 << 16, size=(n, k // 32, 2), dtype=np.uint16)
+    halves[(halves & 0x7C00) == 0x7C00] &= 0xBBFF  # inf / nan bit patterns -> finite ones
+    raw[..., 0:4] = halves.view(np.uint8).reshape(n, k // 32, 4)
+    raw = raw.reshape(n, -1)
+    ref = quants.dequantize(raw, GGMLQuantizationType.Q4_1).reshape(n, k)
+    plain = torch.nn.Linear(k, n, bias=False)
+    plain.weight.data = torch.from_numpy(ref.copy())
+    layer = gguf_linear.GGUFLinear(plain, "Q4_1", *gguf_linear.panels("Q4_1", raw, n, k))
+    assert torch.equal(layer.dequantized(), plain.weight.detach())
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        assert torch.equal(layer(x), layer(x.repeat(5, 1))[:1])  # the one-row path expands them alike
+
+
+@needs_kernel
+def test_a_scale_that_is_not_a_float16_is_refused():
+    layer = _layer("Q4_1", 32, 64)
+    with pytest.raises(ValueError, match="float16 values"):
+        quantized_linear.linear(torch.randn(3, 64), layer.q, layer.d + 1e-7, layer.m, layer.kind)
+
+
+@needs_kernel
 @pytest.mark.parametrize("kind,n,k", [("Q4_1", 48, 96), ("Q8_0", 64, 64), ("Q4_1", 32, 1536), ("Q8_0", 208, 64)])
 def test_a_row_has_the_same_bytes_among_any_rows(kind, n, k):
     """48 outputs = 3 panels: on AVX-512 a tile pairs two panels, so the odd one takes its own path."""

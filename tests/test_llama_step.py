@@ -9,6 +9,8 @@ RoPE (kernels/decode_ops.py) where it runs, and with torch's ops in their place.
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 from tiny_models import tiny_model
@@ -99,6 +101,54 @@ def test_the_decode_kernel_is_taken_and_torch_ops_give_the_same_bits(smollm):
         runner._lean_step.kernel, runner._lean_step.width = kernel, width
 
 
+def _steps(lean, runner, prompt, steps, kv_dtype, python_path: bool):
+    """Logits of `steps` greedy decode steps after a prefill, and the cache; python_path: the step's
+    own Python loop (marks on), else whichever path it takes."""
+    cache = runner.new_cache(len(prompt) + steps)
+    runner.forward(prompt, cache=cache, keep_logits=False)
+    out, tok, n = [], prompt[-1], len(prompt)
+    for i in range(steps):
+        logits = lean.step(torch.tensor([[tok]]), n + i, cache, marks=[] if python_path else None)
+        out.append(logits)
+        tok = int(logits[-1].argmax())
+    return out, cache
+
+
+@needs_decode_kernel
+@pytest.mark.parametrize("kv_dtype", [None, torch.bfloat16])
+@pytest.mark.parametrize("variant", [None, "avx2"])
+def test_the_c_layer_loop_gives_the_python_loops_bits(smollm, kv_dtype, variant, monkeypatch):
+    """Decode steps whose layers run through kvm_decode_layer (C calling the same kernels) give the
+    bytes of the Python loop's calls: logits and every layer's K/V, float32 and bfloat16 caches. `variant`: the AVX2 builds of all three kernels
+    (on an AVX-512 CPU too; they give the AVX-512 builds' bits, tests/test_gguf_linear.py)."""
+    from kvmemory.kernels import cpu, few_query_attention, quantized_linear
+
+    runner = CanonicalRunner(smollm.model, kv_dtype=kv_dtype)
+    lean = runner._lean_step
+    if lean.c_layers is None:
+        pytest.skip("the embedded model's linears are not GGUF blocks here (no GGUF-block kernel)")
+    if variant is not None:
+        if cpu.isa() not in ("AVX512", "AVX2"):
+            pytest.skip("no AVX2 here")
+        libs = [decode_ops.load_variant(variant), quantized_linear.load_variant(variant),
+                few_query_attention.load_variant(variant)]
+        assert all(lib is not None for lib in libs)
+        monkeypatch.setattr(lean, "kernel", libs[0])
+        monkeypatch.setattr(lean, "_c_fns", (ctypes.cast(libs[1].kvm_qlinear_linear, ctypes.c_void_p).value,
+                                             ctypes.cast(libs[2].kvm_fewq_attention, ctypes.c_void_p).value))
+    taken = []
+    c_step = lean._c_step
+    monkeypatch.setattr(lean, "_c_step", lambda *a: taken.append(1) or c_step(*a))
+    prompt = torch.randint(0, 49152, (70,), generator=torch.Generator().manual_seed(5)).tolist()
+    mine, mine_cache = _steps(lean, runner, prompt, 6, kv_dtype, python_path=False)
+    assert len(taken) == 6  # every decode step took the C loop
+    theirs, their_cache = _steps(lean, runner, prompt, 6, kv_dtype, python_path=True)
+    assert len(taken) == 6  # marks on: the Python loop
+    assert all(torch.equal(a, b) for a, b in zip(mine, theirs))
+    for a, b in zip(mine_cache.layers, their_cache.layers):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
 @needs_decode_kernel
 def test_a_cache_without_room_takes_the_cache_update_path():
     """A cache whose reserved room is full (or is not kvmemory's) gets its K/V through `update`, with
@@ -141,4 +191,5 @@ def test_decode_parts_times_every_part_of_the_step():
                                      "rope + cache write", "attention", "o linear", "mlp (gate/up, silu, down)",
                                      "final norm + lm_head"]
     assert all(v > 0 for v in row["parts_ms"].values()) and row["step_ms"] > 0 and row["runner_ms_per_token"] > 0
+    assert row["unmarked_step_ms"] > 0 and isinstance(row["layers_from_c"], bool)
     assert "| **step** |" in decode_parts.format_table(r)

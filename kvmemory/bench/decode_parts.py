@@ -6,8 +6,11 @@ is prefilled once, then `steps` single-token steps run through the lean llama st
 the cache write, attention, the o linear, the MLP, the final norm and lm_head. Each part's time is
 summed over the layers within a step; the report gives each part's median over the steps (ms per
 token) and the whole step's, next to the runner's own time per decoded token (`Engine.forward`'s
-decode, which adds choosing the token and hashing its logits). The marks cost a few microseconds a
-step; their figures are for finding the largest parts, `bench answer` is the speed reference.
+decode, which adds choosing the token and hashing its logits). With the marks on, the step makes its
+calls from Python; a decode step without them makes a layer's calls from C where it can
+(llama_step.py's `kvm_decode_layer`): the same steps are timed that way too ("step, layers from C").
+The marks cost a few microseconds a step; their figures are for finding the largest parts, `bench
+answer` is the speed reference.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ def run(lengths=DEFAULT_LENGTHS, steps: int = 40, seed: int = 0) -> dict:
         raise InvalidInput(f"steps must be at least 2, got {steps}")
     tmp = tempfile.TemporaryDirectory(prefix="kvmemory-bench-decode-parts-")
     # room past the model's 8192 positions for the 8k context + question + steps, as `bench answer` opens it
-    eng = Engine.open(DEFAULT_MODEL, f"{tmp.name}/store", max_positions=max(lengths) + 512 + steps)
+    eng = Engine.open(DEFAULT_MODEL, f"{tmp.name}/store", max_positions=max(lengths) + 512 + 3 * steps)
     runner = eng.runner
     lean = runner._lean_step
     if lean is None:
@@ -44,7 +47,7 @@ def run(lengths=DEFAULT_LENGTHS, steps: int = 40, seed: int = 0) -> dict:
     for L in lengths:
         prompt = library_ids(eng.tokenizer, L, seed)[:L] + q
         # one prefill; its own decode gives the runner's time per token, the marked steps continue it
-        cache = runner.new_cache(len(prompt) + 2 * steps)
+        cache = runner.new_cache(len(prompt) + 3 * steps)
         first = runner.forward(prompt, cache=cache, max_new_tokens=steps, stop_token_ids=(), keep_logits=False)
         tok, n = first.generated[-1], len(prompt) + steps - 1
         per_step: list[dict[str, float]] = []
@@ -58,8 +61,16 @@ def run(lengths=DEFAULT_LENGTHS, steps: int = 40, seed: int = 0) -> dict:
             per_step.append(parts)
             totals.append(marks[-1][1] - marks[0][1])
             tok = int(logits[-1].argmax())
+        unmarked = []  # the same number of steps again, as decoding runs them (no marks)
+        for i in range(steps):
+            t0 = time.perf_counter()
+            logits = lean.step(torch.tensor([[tok]]), n + steps + i, cache)
+            unmarked.append(time.perf_counter() - t0)
+            tok = int(logits[-1].argmax())
         out["lengths"][str(L)] = {
             "step_ms": statistics.median(totals) * 1e3,
+            "unmarked_step_ms": statistics.median(unmarked) * 1e3,
+            "layers_from_c": lean.c_layers is not None,
             "parts_ms": {p: statistics.median(s[p] for s in per_step) * 1e3 for p in per_step[0]},
             "runner_ms_per_token": first.decode_seconds / (steps - 1) * 1e3,
         }
@@ -75,6 +86,8 @@ def format_table(r: dict) -> str:
     for p in parts:
         lines.append(f"| {p} | " + " | ".join(f"{r['lengths'][L]['parts_ms'][p]:.2f}" for L in lengths) + " |")
     lines.append("| **step** | " + " | ".join(f"**{r['lengths'][L]['step_ms']:.2f}**" for L in lengths) + " |")
+    lines.append("| step without marks" + (", layers from C" if r["lengths"][lengths[0]]["layers_from_c"] else "")
+                 + " | " + " | ".join(f"{r['lengths'][L]['unmarked_step_ms']:.2f}" for L in lengths) + " |")
     lines.append("| runner's time per decoded token | " + " | ".join(
         f"{r['lengths'][L]['runner_ms_per_token']:.2f}" for L in lengths) + " |")
     return "\n".join(lines)

@@ -1,7 +1,10 @@
 """The lean step's norm and RoPE kernel (csrc/decode_ops.cpp): transformers' `LlamaRMSNorm` (with the
 residual add before it) and RoPE on q / k plus the K/V write into the cache, for a few tokens, each the
 same bits as the torch ops it replaces (models/llama_step.py calls it; tests/test_decode_ops.py
-compares it with torch's own ops under AVX-512 and AVX2).
+compares it with torch's own ops under AVX-512 and AVX2). And `kvm_decode_layer`: one decoder layer's
+calls (norms, the GGUF-block linears, RoPE and the cache write, the few-query attention) made from C,
+in the order and with the arguments the lean step makes them from Python (`Layer` / `Step` below are
+its structs), so that a decode step costs 30 calls instead of ~300.
 
 The norm's mean is a sum whose order is torch's: SumKernel.cpp's cascade over vectors of W floats, W
 the width of the build of that kernel torch runs. That is not simply torch's capability (torch 2.13 on
@@ -32,6 +35,31 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kvm_decode_add_rms_norm.restype = c_int
     lib.kvm_decode_rope_write.argtypes = [vp, vp, vp, i64, i64, i64, i64, vp, vp, vp, i64, c_int, vp]
     lib.kvm_decode_rope_write.restype = c_int
+    lib.kvm_decode_layer.argtypes = [ctypes.POINTER(Step), ctypes.POINTER(Layer), vp, ctypes.POINTER(Layer), vp, vp]
+    lib.kvm_decode_layer.restype = c_int
+    lib.kvm_decode_layer_scratch.argtypes = [ctypes.POINTER(Step)]
+    lib.kvm_decode_layer_scratch.restype = i64
+
+
+class Linear(ctypes.Structure):
+    """csrc/decode_ops.cpp's KvmLinear: a GGUF-block linear's kernel arguments."""
+    _fields_ = [("kind", ctypes.c_int64), ("q", ctypes.c_void_p), ("d", ctypes.c_void_p), ("m", ctypes.c_void_p),
+                ("panels", ctypes.c_int64), ("in_features", ctypes.c_int64)]
+
+
+class Layer(ctypes.Structure):
+    """KvmLayer: what a layer's calls need that no step changes (norm weights, linears)."""
+    _fields_ = [("norm1", ctypes.c_void_p), ("norm2", ctypes.c_void_p), ("eps1", ctypes.c_double),
+                ("eps2", ctypes.c_double), ("qkv", Linear), ("o", Linear), ("gate_up", Linear), ("down", Linear)]
+
+
+class Step(ctypes.Structure):
+    """KvmStep: one step's shapes, positions and buffers, shared by its layers' calls."""
+    _fields_ = [("linear", ctypes.c_void_p), ("attend", ctypes.c_void_p)] + [
+        (name, ctypes.c_int64) for name in ("T", "hq", "hkv", "D", "hidden", "ffn", "lanes", "threads", "position",
+                                             "head_stride", "kv_bf16", "causal", "keys")] + [
+        ("scale", ctypes.c_double), ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("h", ctypes.c_void_p),
+        ("scratch", ctypes.c_void_p), ("gate_up", ctypes.c_void_p)]
 
 
 KERNEL_LIB = native.Kernel(KERNEL, _declare)

@@ -5,9 +5,10 @@ multiplies (models/gguf_linear.py makes model layers of it).
 Layout (the contract with the C code): for N output rows and K inputs, `q` [N/16, K/2, 16] uint8 (Q4_1:
 weights 2t and 2t + 1 of a row in one byte, low nibble first) or [N/16, K, 16] int8 (Q8_0), `d` and
 `m` [N/16, K/32, 16] float32 (the blocks' scales and, Q4_1 only, minimums). Every weight is expanded to
-gguf-py's `d * q + m` exactly (-ffp-contract=off) and each output is one fixed sum (k ascending, one FMA
-each), so a row's bytes depend on nothing else: not the rows beside it, the thread count, nor AVX-512
-vs AVX2.
+gguf-py's `d * q + m` exactly: d holds float16 values, as the GGUF's blocks do (checked here), so `d * q`
+is exact and the kernel's one FMA rounds as gguf-py's product-then-sum does. Each output is one fixed
+sum (k ascending, one FMA each), so a row's bytes depend on nothing else: not the rows beside it, the
+thread count, nor AVX-512 vs AVX2.
 
 A plain C library built into the package at install time (build.py: AVX-512 and AVX2 builds), picked
 and loaded by native.py; where none runs, `load()` is None and says why once.
@@ -57,6 +58,9 @@ def in_features(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, kind: int) ->
     if (d.dtype != torch.float32 or not d.is_contiguous() or d.dim() != 3 or d.device.type != "cpu"
             or tuple(d.shape) != (q.shape[0], K // BLOCK, PANEL)):
         raise ValueError("d must be [N/16, K/32, 16] float32 contiguous")
+    if not torch.equal(d.to(torch.float16).to(torch.float32), d):  # csrc/quantized_linear.cpp: exact weights
+        raise ValueError("d must hold float16 values (as GGUF blocks store them): the kernel expands d * q exactly "
+                         "only for those")
     if kind == KINDS["Q4_1"] and (m.shape != d.shape or m.dtype != torch.float32 or not m.is_contiguous()
                                   or m.device.type != "cpu"):
         raise ValueError("m must be shaped and typed as d")

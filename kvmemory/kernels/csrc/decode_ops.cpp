@@ -99,13 +99,79 @@ void write_rows(const float* src, KV* dst, int64_t heads, int64_t D, int64_t hea
         for (int64_t d = 0; d < D; ++d) dst[h * head_stride + d] = kvm::from_f32<KV>(src[h * D + d]);
 }
 
+// ---- One decoder layer in one call (the lean step's decode path) ----
+//
+// A decode step is ~10 calls per layer from Python (norms, linears, RoPE + cache write, attention),
+// each a few microseconds of Python and ctypes around a few microseconds of work: ~3 ms of a 12 ms
+// step on a 2-core CPU. `kvm_decode_layer` makes those calls itself, in the order llama_step.py makes
+// them and with the arguments it passes, to the same functions: this library's norm and RoPE, and the
+// GGUF-block linear and few-query attention kernels, whose C entry points Python hands over (the
+// builds native.py chose). So every value is computed by the same code from the same inputs: the same
+// bits by construction (tests/test_llama_step.py compares the two paths with torch.equal). Only SiLU
+// and its product stay torch's (llama_step.py), between the calls: torch's exp is not this code's.
+
+using LinearFn = int (*)(int kind, const float* x, int64_t M, const void* q, const float* d, const float* m,
+                         int64_t P, int64_t K, float* y, int threads);
+using AttendFn = int (*)(int q_dtype, int kv_dtype, const void* q, const void* k, const void* v, const bool* mask,
+                         void* out, int64_t Hq, int64_t T, int64_t D, int64_t Hkv, int64_t S, int64_t q_sh,
+                         int64_t q_st, int64_t k_sh, int64_t k_ss, int64_t v_sh, int64_t v_ss, int64_t mask_st,
+                         float scale, int causal, int threads);
+
+// A GGUF-block linear's panels (kernels/quantized_linear.py's layout): the kernel's own arguments.
+struct KvmLinear {
+    int64_t kind;
+    const void* q;
+    const float* d;
+    const float* m;  // null for Q8_0
+    int64_t panels;
+    int64_t in_features;
+};
+
+// What does not change between steps: a layer's norms and linears.
+struct KvmLayer {
+    const float* norm1;  // input_layernorm.weight
+    const float* norm2;  // post_attention_layernorm.weight
+    double eps1, eps2;   // their variance_epsilon (passed on as float, as ctypes passes it to the norm)
+    KvmLinear qkv, o, gate_up, down;
+};
+
+// One step's shapes, positions and scratch, the same for every layer of the step.
+struct KvmStep {
+    LinearFn linear;
+    AttendFn attend;
+    int64_t T, hq, hkv, D, hidden, ffn;
+    int64_t lanes;        // the norms' sum width (decode_ops.sum_lanes)
+    int64_t threads;      // torch's thread count, passed to the linears and attention
+    int64_t position;     // where this step's K/V go: the tokens cached before it
+    int64_t head_stride;  // elements between K (and V) heads in a layer's buffers: capacity * D
+    int64_t kv_bf16;      // the cache keeps bfloat16 (else float32)
+    int64_t causal;       // the attention call's causal flag; no mask (the path Python takes with a mask)
+    int64_t keys;         // keys attended: S
+    double scale;
+    const float* cos;     // [T, D]
+    const float* sin;
+    float* h;             // [T, hidden] the residual stream, updated in place
+    float* scratch;       // layer_scratch_floats() floats
+    float* gate_up;       // [T, 2 ffn] out: this layer's gate/up projections (Python applies SiLU * up)
+};
+
+int64_t layer_scratch_floats(const KvmStep& s) {
+    const int64_t T = s.T, qkv = (s.hq + 2 * s.hkv) * s.D;
+    return T * s.hidden * 2 + T * qkv + T * s.hq * s.D * 2 + s.hidden + s.hkv * s.D;
+}
+
+int run_linear(const KvmStep& s, const KvmLinear& l, const float* x, float* y) {
+    return s.linear(static_cast<int>(l.kind), x, s.T, l.q, l.d, l.m, l.panels, l.in_features, y,
+                    static_cast<int>(s.threads));
+}
+
 }  // namespace
 
 #pragma GCC visibility push(default)
 extern "C" {
 
 // The version of the calling convention below; decode_ops.py refuses a library of another.
-int kvm_decode_abi_version() { return 1; }
+int kvm_decode_abi_version() { return 2; }
 
 // For each of `rows` rows of n floats: h += delta where delta is not null (the residual add, in place),
 // then out = the RMS norm of h with weight w. `sq` is n floats of scratch (h * h). Returns 0, or -2 for
@@ -165,6 +231,51 @@ int kvm_decode_rope_write(const float* qkv, const float* cos, const float* sin, 
     }
     return 0;
 }
+
+// Finishes the layer before (`prev`: its down projection of `act`, the SiLU(gate) * up Python computed
+// from its gate_up; both null for the first layer) and runs layer `cur` up to its gate/up projections,
+// as llama_step.py's loop does: h += delta and the input norm, q/k/v, RoPE with the K/V write at
+// `position` into k_buf / v_buf ([hkv, capacity, D] of this layer), attention over the `keys` first
+// positions, o, h += o and the post-attention norm, gate/up into s.gate_up. Returns 0, -2 for bad
+// sizes, or what a kernel returned (the linear's -1: out of memory; attention's 1: a call it does not
+// take, which llama_step.py never makes).
+int kvm_decode_layer(const KvmStep* sp, const KvmLayer* prev, const float* act, const KvmLayer* cur, void* k_buf,
+                     void* v_buf) {
+    const KvmStep& s = *sp;
+    if (s.T < 1 || s.lanes < 0 || s.keys < s.T || s.position < 0 || (prev == nullptr) != (act == nullptr)) return -2;
+    const int64_t T = s.T, qkv_width = (s.hq + 2 * s.hkv) * s.D;
+    float* delta = s.scratch;                 // [T, hidden]
+    float* x = delta + T * s.hidden;          // [T, hidden]
+    float* qkv = x + T * s.hidden;            // [T, qkv_width]
+    float* q = qkv + T * qkv_width;           // [T, hq, D]
+    float* att = q + T * s.hq * s.D;          // [T, hq * D]
+    float* sq = att + T * s.hq * s.D;         // [hidden]
+    float* rope_scratch = sq + s.hidden;      // [hkv * D]
+    int rc;
+    if (prev != nullptr && (rc = run_linear(s, prev->down, act, delta))) return rc;
+    if ((rc = kvm_decode_add_rms_norm(s.h, prev != nullptr ? delta : nullptr, cur->norm1, T, s.hidden,
+                                      static_cast<float>(cur->eps1), static_cast<int>(s.lanes), sq, x)))
+        return rc;
+    if ((rc = run_linear(s, cur->qkv, x, qkv))) return rc;
+    const int64_t elem = s.kv_bf16 ? 2 : 4, at = s.position * s.D * elem;
+    if ((rc = kvm_decode_rope_write(qkv, s.cos, s.sin, T, s.hq, s.hkv, s.D, q, static_cast<char*>(k_buf) + at,
+                                    static_cast<char*>(v_buf) + at, s.head_stride, static_cast<int>(s.kv_bf16),
+                                    rope_scratch)))
+        return rc;
+    // q as transformers holds it: [1, hq, T, D] over [T, hq, D] memory (heads D apart, tokens hq * D)
+    if ((rc = s.attend(0, s.kv_bf16 ? 1 : 0, q, k_buf, v_buf, nullptr, att, s.hq, T, s.D, s.hkv, s.keys, s.D,
+                       s.hq * s.D, s.head_stride, s.D, s.head_stride, s.D, 0, static_cast<float>(s.scale),
+                       static_cast<int>(s.causal), static_cast<int>(s.threads))))
+        return rc;
+    if ((rc = run_linear(s, cur->o, att, delta))) return rc;
+    if ((rc = kvm_decode_add_rms_norm(s.h, delta, cur->norm2, T, s.hidden, static_cast<float>(cur->eps2),
+                                      static_cast<int>(s.lanes), sq, x)))
+        return rc;
+    return run_linear(s, cur->gate_up, x, s.gate_up);
+}
+
+// The floats of scratch kvm_decode_layer needs for a step of these sizes (KvmStep's).
+int64_t kvm_decode_layer_scratch(const KvmStep* sp) { return layer_scratch_floats(*sp); }
 
 }  // extern "C"
 #pragma GCC visibility pop

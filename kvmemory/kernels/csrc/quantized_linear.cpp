@@ -7,9 +7,12 @@
 // 256 k at a time into an L1-resident scratch, which every row tile then multiplies.
 //
 // Exact weights: a weight is expanded exactly as gguf-py expands it for transformers (the float32
-// weights the model holds): Q4_1 `float32(d) * q` then `+ float32(m)`, two roundings (the build has
-// -ffp-contract=off, so no FMA fuses them); Q8_0 `float32(d) * q` (exact). `dequantize` returns
-// them, and the loader checks they equal the model's weights byte for byte before using a layer.
+// weights the model holds): Q4_1 `float32(d) * q` then `+ float32(m)`, Q8_0 `float32(d) * q`. d is a
+// float16 value (11 significant bits; gguf_linear.py refuses other d) and q has at most 8 bits, so
+// d * q is exact in float32: Q8_0's product has nothing to round, and Q4_1's two roundings are one,
+// the add's, which is what one FMA `fma(q, d, m)` computes (one instruction instead of two; the build
+// has -ffp-contract=off, so only these explicit FMAs fuse). `dequantize` returns the weights, and
+// the loader checks they equal the model's weights byte for byte before using a layer.
 //
 // Fixed order of sums: output (m, n) is `fma(x[m][k], w[n][k], acc)` for k = 0, 1, ..., K-1 from
 // acc = 0, one SIMD lane per n. The order depends on nothing else: not on the number of rows, the
@@ -30,6 +33,10 @@
 
 #include "parallel.h"
 #include "simd.h"
+
+#ifndef KVM_PREFETCH
+#define KVM_PREFETCH 4
+#endif
 
 #include <algorithm>
 #include <array>
@@ -86,8 +93,8 @@ void expand_panel(int kind, const uint8_t* q, const float* d, const float* m, in
 #else
                     const auto bytes = u8x16(q + (k / 2) * kPanel);
 #endif
-                    vstore(w + k * kPanel + v * kLanes, vadd(vmul(low_nibbles(bytes), dv), mv));
-                    vstore(w + (k + 1) * kPanel + v * kLanes, vadd(vmul(high_nibbles(bytes), dv), mv));
+                    vstore(w + k * kPanel + v * kLanes, vfmadd(low_nibbles(bytes), dv, mv));
+                    vstore(w + (k + 1) * kPanel + v * kLanes, vfmadd(high_nibbles(bytes), dv, mv));
                 }
             } else {
                 const int8_t* qs = reinterpret_cast<const int8_t*>(q);
@@ -171,6 +178,7 @@ constexpr int kRowPanels = 4;  // panels per group: 8 accumulators of 16 registe
 #else
 constexpr int kRowPanels = 8;  // panels per group: 8 accumulators of 32 registers
 #endif
+constexpr int64_t kPrefetchBlocks = KVM_PREFETCH;  // how far ahead (in blocks of 32 k) row_panels prefetches
 
 template <int G>
 void row_panels(int kind, const float* x, const uint8_t* q, const float* d, const float* m, int64_t K,
@@ -180,7 +188,20 @@ void row_panels(int kind, const float* x, const uint8_t* q, const float* d, cons
     for (int g = 0; g < G; ++g)
 #pragma GCC unroll 2
         for (int v = 0; v < kVecs; ++v) acc[g][v] = vzero();
+    const int64_t q_block = (kind == kQ4_1 ? kBlock / 2 : kBlock) * kPanel;  // bytes of q per block and panel
     for (int64_t b = 0; b < K / kBlock; ++b) {
+        // G panels are G * 3 streams (q, d, m), more than the hardware prefetchers follow: ask for
+        // the lines kPrefetchBlocks ahead (a hint: past the end it loads nothing and faults on nothing)
+        if (b + kPrefetchBlocks < K / kBlock) {
+            const int64_t bp = b + kPrefetchBlocks;
+#pragma GCC unroll 16
+            for (int g = 0; g < G; ++g) {
+                const char* qn = reinterpret_cast<const char*>(q + g * q_panel + bp * q_block);
+                for (int64_t line = 0; line < q_block; line += 64) _mm_prefetch(qn + line, _MM_HINT_T0);
+                _mm_prefetch(reinterpret_cast<const char*>(d + g * s_panel + bp * kPanel), _MM_HINT_T0);
+                if (kind == kQ4_1) _mm_prefetch(reinterpret_cast<const char*>(m + g * s_panel + bp * kPanel), _MM_HINT_T0);
+            }
+        }
         if (kind == kQ4_1) {
             for (int t = 0; t < kBlock / 2; ++t) {
                 const int64_t k = b * kBlock + 2 * t;
@@ -196,8 +217,8 @@ void row_panels(int kind, const float* x, const uint8_t* q, const float* d, cons
 #else
                         const auto bytes = u8x16(q + g * q_panel + (k / 2) * kPanel);
 #endif
-                        acc[g][v] = vfmadd(x0, vadd(vmul(low_nibbles(bytes), dv), mv), acc[g][v]);
-                        acc[g][v] = vfmadd(x1, vadd(vmul(high_nibbles(bytes), dv), mv), acc[g][v]);
+                        acc[g][v] = vfmadd(x0, vfmadd(low_nibbles(bytes), dv, mv), acc[g][v]);
+                        acc[g][v] = vfmadd(x1, vfmadd(high_nibbles(bytes), dv, mv), acc[g][v]);
                     }
             }
         } else {
