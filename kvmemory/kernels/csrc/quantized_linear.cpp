@@ -34,10 +34,6 @@
 #include "parallel.h"
 #include "simd.h"
 
-#ifndef KVM_PREFETCH
-#define KVM_PREFETCH 4
-#endif
-
 #include <algorithm>
 #include <array>
 #include <cstring>
@@ -178,7 +174,6 @@ constexpr int kRowPanels = 4;  // panels per group: 8 accumulators of 16 registe
 #else
 constexpr int kRowPanels = 8;  // panels per group: 8 accumulators of 32 registers
 #endif
-constexpr int64_t kPrefetchBlocks = KVM_PREFETCH;  // how far ahead (in blocks of 32 k) row_panels prefetches
 
 template <int G>
 void row_panels(int kind, const float* x, const uint8_t* q, const float* d, const float* m, int64_t K,
@@ -188,20 +183,7 @@ void row_panels(int kind, const float* x, const uint8_t* q, const float* d, cons
     for (int g = 0; g < G; ++g)
 #pragma GCC unroll 2
         for (int v = 0; v < kVecs; ++v) acc[g][v] = vzero();
-    const int64_t q_block = (kind == kQ4_1 ? kBlock / 2 : kBlock) * kPanel;  // bytes of q per block and panel
     for (int64_t b = 0; b < K / kBlock; ++b) {
-        // G panels are G * 3 streams (q, d, m), more than the hardware prefetchers follow: ask for
-        // the lines kPrefetchBlocks ahead (a hint: past the end it loads nothing and faults on nothing)
-        if (b + kPrefetchBlocks < K / kBlock) {
-            const int64_t bp = b + kPrefetchBlocks;
-#pragma GCC unroll 16
-            for (int g = 0; g < G; ++g) {
-                const char* qn = reinterpret_cast<const char*>(q + g * q_panel + bp * q_block);
-                for (int64_t line = 0; line < q_block; line += 64) _mm_prefetch(qn + line, _MM_HINT_T0);
-                _mm_prefetch(reinterpret_cast<const char*>(d + g * s_panel + bp * kPanel), _MM_HINT_T0);
-                if (kind == kQ4_1) _mm_prefetch(reinterpret_cast<const char*>(m + g * s_panel + bp * kPanel), _MM_HINT_T0);
-            }
-        }
         if (kind == kQ4_1) {
             for (int t = 0; t < kBlock / 2; ++t) {
                 const int64_t k = b * kBlock + 2 * t;
