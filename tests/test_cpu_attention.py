@@ -66,6 +66,10 @@ def test_kernel_loads_without_a_compiler_or_a_cache(tmp_path):
     (4, 2, 16, 100, 16),    # the tiny test models: fewer keys than one unit
     (8, 8, 5, 700, 128),    # no grouping, D = 128, a part-filled second unit
     (4, 1, 16, 1030, 32),   # 64 rows per K/V head (the most it takes)
+    # few rows (G * T <= 4) under float32 queries: keys in the lanes (run_unit_few)
+    (4, 2, 2, 300, 128),    # 4 rows seeing different keys, D = 128
+    (2, 2, 1, 17, 16),      # one row, D = 16, one part-filled block of keys
+    (3, 1, 1, 255, 32),     # exactly one unit of keys
 ])
 def test_matches_float64_reference(h_q, h_kv, new, cached, d, dtype, tol):
     q, k, v, m = _inputs(h_q, h_kv, new, cached, d, dtype)
@@ -76,6 +80,26 @@ def test_matches_float64_reference(h_q, h_kv, new, cached, d, dtype, tol):
     assert out is not None and out.shape == (1, new, h_q, d) and out.dtype == dtype and out.is_contiguous()
     err = (out.double() - ref).abs().max().item()
     assert err <= tol, (err, (sdpa.double() - ref).abs().max().item())
+
+
+@needs_kernel
+@pytest.mark.parametrize("variant", [None, "avx2"])
+def test_few_rows_with_keys_hidden_from_whole_units(variant):
+    """Decode-like calls (2 query heads per K/V head x 2 tokens = 4 rows: the keys-in-lanes path) where
+    one token sees only the first 100 of 600 keys, so whole units have no key visible to it: both
+    builds, float32 and a bfloat16 cache, against the float64 reference."""
+    if variant is not None and not native.runs("AVX2"):
+        pytest.skip("needs a CPU that runs AVX2")
+    lib = few_query_attention.load_variant(variant) if variant else None
+    q, k, v, _ = _inputs(4, 2, 2, 598, 64, torch.float32, seed=9)
+    m = torch.ones(2, 600, dtype=torch.bool)
+    m[0, 100:] = False
+    m = m[None, None]
+    for kv in (torch.float32, torch.bfloat16):
+        kk, vv = k.to(kv), v.to(kv)
+        ref = F.scaled_dot_product_attention(q.double(), kk.double(), vv.double(), attn_mask=m, enable_gqa=True)
+        out = few_query_attention.attend(q, kk, vv, m, 0.125, False, lib=lib)
+        assert out is not None and (out.double() - ref.transpose(1, 2)).abs().max().item() <= 2e-6
 
 
 @needs_kernel
@@ -179,8 +203,8 @@ def test_the_avx2_build_runs_here_too():
     same calls and is as close to the float64 reference (its bits are its own: another exp, other tiles)."""
     lib = few_query_attention.load_variant("avx2")
     assert lib is not None
-    for dtype, tol in ((torch.float32, 2e-6), (torch.bfloat16, 2e-2)):
-        q, k, v, m = _inputs(9, 3, 16, 2048, 64, dtype)
+    for dtype, tol, new in ((torch.float32, 2e-6, 16), (torch.bfloat16, 2e-2, 16), (torch.float32, 2e-6, 1)):
+        q, k, v, m = _inputs(9, 3, new, 2048, 64, dtype)
         ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=m, enable_gqa=True)
         out = few_query_attention.attend(q, k, v, m, 0.125, False, lib=lib)
         assert out is not None and (out.double() - ref.transpose(1, 2)).abs().max().item() <= tol

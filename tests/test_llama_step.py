@@ -120,7 +120,8 @@ def _steps(lean, runner, prompt, steps, kv_dtype, python_path: bool):
 def test_the_c_layer_loop_gives_the_python_loops_bits(smollm, kv_dtype, variant, monkeypatch):
     """Decode steps whose layers run through kvm_decode_layer (C calling the same kernels) give the
     bytes of the Python loop's calls: logits and every layer's K/V, float32 and bfloat16 caches. `variant`: the AVX2 builds of all three kernels
-    (on an AVX-512 CPU too; they give the AVX-512 builds' bits, tests/test_gguf_linear.py)."""
+    (on an AVX-512 CPU too), both loops calling them (the linears' AVX2 build gives the AVX-512 one's bits,
+    tests/test_gguf_linear.py; the attention's has bits of its own)."""
     from kvmemory.kernels import cpu, few_query_attention, quantized_linear
 
     runner = CanonicalRunner(smollm.model, kv_dtype=kv_dtype)
@@ -134,6 +135,7 @@ def test_the_c_layer_loop_gives_the_python_loops_bits(smollm, kv_dtype, variant,
                 few_query_attention.load_variant(variant)]
         assert all(lib is not None for lib in libs)
         monkeypatch.setattr(lean, "kernel", libs[0])
+        monkeypatch.setattr(few_query_attention, "load", lambda: libs[2])  # the Python loop's attention too
         monkeypatch.setattr(lean, "_c_fns", (ctypes.cast(libs[1].kvm_qlinear_linear, ctypes.c_void_p).value,
                                              ctypes.cast(libs[2].kvm_fewq_attention, ctypes.c_void_p).value))
     taken = []

@@ -3,12 +3,15 @@
 A graft's step attends 16 new tokens (1 while decoding) to thousands of cached positions. torch's
 CPU flash attention splits that call by query head only and runs at about half the machine's
 float32 FMA rate; the kernel folds the query heads of each K/V head into one block of rows, splits
-the keys into fixed units and merges them by log-sum-exp. For SmolLM2's shapes on 2-core EPYCs
+the keys into fixed units and merges them by log-sum-exp. A decode step under float32 queries
+(at most 4 rows per K/V head: SmolLM2's 3) has too few rows to fill the lanes, and takes a path with
+the keys in the lanes instead (csrc: `run_unit_few`). For SmolLM2's shapes on 2-core EPYCs
 (`python -m kvmemory.kernels.few_query_attention` measures it on yours), against SDPA: with AVX-512, 1.5-1.8x at 2k
 cached tokens, 2.3-2.6x at 8k and 16k in float32, 2.2x and 2.3-2.7x in bfloat16 (scores by
-AVX512-BF16 where the CPU has it), decoding one token 1.3x (float32) and 10-13x (bfloat16); with AVX2
-(Zen 3), 1.3x at 2k and 1.6-1.7x at 8k and 16k in float32 (~100 GFLOP/s on 2 cores, ~60 % of the FMA
-peak), 1.4x in bfloat16, decoding 1.2x and 8x.
+AVX512-BF16 where the CPU has it), decoding one token at 8k 3.9x (float32), 7.3x (float32 over a bfloat16
+cache: 0.19 ms, 3.6x the rows-in-lanes path it replaced) and 11x (bfloat16); with AVX2 (Zen 3), 1.3x
+at 2k and 1.6-1.7x at 8k and 16k in float32 (~100 GFLOP/s on 2 cores, ~60 % of the FMA peak), 1.4x in
+bfloat16 (decoding: measured before the keys-in-lanes path, 1.2x and 8x).
 
 A plain C library built into the package at install time (build.py: an AVX-512 build, and an AVX2 +
 FMA one for CPUs without it), picked and loaded by native.py. Chosen once per process: `load()` returns

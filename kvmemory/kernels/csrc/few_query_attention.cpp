@@ -5,7 +5,8 @@
 // head only (9 items for SmolLM2 on 2 cores) and runs at a third to a half of the machine's float32
 // FMA rate. Here the G = H_q / H_kv query heads that share a K/V head are folded into R = G * T rows,
 // the keys are cut into units of kUnitKeys, and each (K/V head, unit) is one work item: scores for
-// all R rows (rows in the SIMD lanes), a softmax over the unit, then P @ V. Units are merged per K/V
+// all R rows (rows in the SIMD lanes), a softmax over the unit, then P @ V. (A decode step under
+// float32 queries, R <= 4, has keys in the lanes instead: `run_unit_few` below.) Units are merged per K/V
 // head with their maxima and sums (log-sum-exp), in unit order. Within a unit, P @ V runs over
 // kPvKeys keys at a time (their V rows and weights stay in L1; the partial sums go through the
 // output unchanged), and the rows the unit reads later (its V, the next unit's K) are prefetched
@@ -67,6 +68,7 @@ inline vec vsub(vec a, vec b) { return _mm256_sub_ps(a, b); }
 inline vec vmax(vec a, vec b) { return _mm256_max_ps(a, b); }
 inline ivec ivload(const int32_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 inline ivec ivset1(int32_t x) { return _mm256_set1_epi32(x); }
+inline ivec vadd_i(ivec a, ivec b) { return _mm256_add_epi32(a, b); }
 // x where key index j < the lane's visible count, else `hidden`
 inline vec hide_past(vec x, ivec j, ivec nvis, vec hidden) {
     return _mm256_blendv_ps(hidden, x, _mm256_castsi256_ps(_mm256_cmpgt_epi32(nvis, j)));
@@ -102,6 +104,7 @@ inline vec vsub(vec a, vec b) { return _mm512_sub_ps(a, b); }
 inline vec vmax(vec a, vec b) { return _mm512_max_ps(a, b); }
 inline ivec ivload(const int32_t* p) { return _mm512_loadu_si512(p); }
 inline ivec ivset1(int32_t x) { return _mm512_set1_epi32(x); }
+inline ivec vadd_i(ivec a, ivec b) { return _mm512_add_epi32(a, b); }
 inline vec hide_past(vec x, ivec j, ivec nvis, vec hidden) {
     return _mm512_mask_mov_ps(x, _mm512_cmpge_epi32_mask(j, nvis), hidden);
 }
@@ -411,6 +414,224 @@ void run_unit(const Shape& s, const float* Qt, const scalar_t* kh, int64_t k_ss,
     }
 }
 
+// ---- Few rows (a decode step: R = G * T <= kFewRows) with float32 queries: keys in the lanes ----
+//
+// With rows in the lanes, a decode step of SmolLM2 (G = 3 query heads per K/V head, T = 1) fills 3
+// of 16 lanes: five sixths of the score FMAs and of the softmax are padding. Here a key's score is a
+// vector of D / kLanes FMAs per row (the row's dimensions in the lanes, the key's row read in place)
+// and kLanes keys' vectors are reduced together into one vector of kLanes scores (`reduce_keys`), so
+// the softmax has keys in its lanes too. Sums in a fixed order: a key's score is lane-wise FMAs over
+// the dimension vectors in order, then the lanes summed by one fixed tree; a row's max and sum are
+// lane-wise over its blocks of keys in order, then one tree; P @ V is one FMA per key in key order.
+// Nothing depends on the thread count, and the units are fixed by S.
+constexpr int kFewRows = 4;
+constexpr int64_t kFewUnitKeys = 256;  // keys per work item: SmolLM2's 512 cached tokens are 6 items
+
+// One row of D values as D / kLanes float32 vectors (a bfloat16 row widened exactly, as rows_f32 does:
+// the same values in the same order, so a bfloat16 cache gives the bytes of its rows widened first).
+template <int DZ>
+inline void load_row(const float* src, vec* out) {
+#pragma GCC unroll 16
+    for (int c = 0; c < DZ; ++c) out[c] = vload(src + c * kLanes);
+}
+template <int DZ>
+inline void load_row(const bf16* src, vec* out) {
+#pragma GCC unroll 16
+    for (int c = 0; c < DZ; ++c) out[c] = widen_bf16(reinterpret_cast<const uint16_t*>(src) + c * kLanes);
+}
+
+// v[0 .. kLanes): one vector per key; returns the vector whose lane j is the sum of v[j]'s lanes, by
+// the same tree for every key: lanes (i, i + kLanes/2) first, then halves of what is left, ...
+#ifdef KVM_AVX2
+inline vec reduce_keys(vec* v) {
+    vec w[4], u[2];
+    for (int i = 0; i < 4; ++i)  // lanes (i, i + 4): [a 4 | b 4]
+        w[i] = _mm256_add_ps(_mm256_permute2f128_ps(v[2 * i], v[2 * i + 1], 0x20),
+                             _mm256_permute2f128_ps(v[2 * i], v[2 * i + 1], 0x31));
+    for (int i = 0; i < 2; ++i)  // then (i, i + 2): [a 2, c 2 | b 2, d 2]
+        u[i] = _mm256_add_ps(_mm256_shuffle_ps(w[2 * i], w[2 * i + 1], 0x44),
+                             _mm256_shuffle_ps(w[2 * i], w[2 * i + 1], 0xEE));
+    // then (0, 1): keys [0, 2, 4, 6 | 1, 3, 5, 7], put in order
+    const vec t = _mm256_add_ps(_mm256_shuffle_ps(u[0], u[1], 0x88), _mm256_shuffle_ps(u[0], u[1], 0xDD));
+    return _mm256_permutevar8x32_ps(t, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+#else
+// Level with runs of L lanes per key -> runs of L / 2 (a's keys, then b's): the lanes each takes.
+struct ReduceIdx {
+    __m512i lo[4], hi[4];
+    ReduceIdx() {
+        for (int level = 0, L = 16; L > 1; ++level, L /= 2) {
+            alignas(64) int32_t lo_i[16], hi_i[16];
+            const int nk = 16 / L, half = L / 2;
+            for (int p = 0; p < 16; ++p) {
+                const int k = p / half, o = p % half;
+                const int src = k < nk ? 0 : 16, key = k < nk ? k : k - nk;
+                lo_i[p] = src + key * L + o;
+                hi_i[p] = src + key * L + half + o;
+            }
+            lo[level] = _mm512_load_si512(lo_i);
+            hi[level] = _mm512_load_si512(hi_i);
+        }
+    }
+};
+const ReduceIdx kReduce;
+
+inline vec reduce_keys(vec* v) {
+    for (int level = 0, n = 16; n > 1; ++level, n /= 2)
+        for (int i = 0; i < n / 2; ++i)
+            v[i] = _mm512_add_ps(_mm512_permutex2var_ps(v[2 * i], kReduce.lo[level], v[2 * i + 1]),
+                                 _mm512_permutex2var_ps(v[2 * i], kReduce.hi[level], v[2 * i + 1]));
+    return v[0];
+}
+#endif
+
+// The sum of x's lanes by the same tree as reduce_keys (a row's softmax sum).
+inline float hsum(vec x) {
+    alignas(64) float t[kLanes];
+    vstore(t, x);
+    for (int n = kLanes / 2; n >= 1; n /= 2)
+        for (int i = 0; i < n; ++i) t[i] = t[i] + t[i + n];
+    return t[0];
+}
+inline float hmax(vec x) {
+    alignas(64) float t[kLanes];
+    vstore(t, x);
+    float m = t[0];
+    for (int i = 1; i < kLanes; ++i) m = std::max(m, t[i]);
+    return m;
+}
+
+// One work item of the few-rows path: K/V head (kh, vh), keys [j0, j0 + n); qa: the R rows' queries
+// ([R][D] float32); writes part = [R][D + 2] as run_unit does (outputs in dimension order, max, sum).
+template <int R, int DZ, typename kv_t>
+void run_unit_few(const float* qa, const kv_t* kh, int64_t k_ss, const kv_t* vh, int64_t v_ss,
+                  const int32_t* nvis_row, int64_t j0, int64_t n, float scale, float* part) {
+    constexpr int D = DZ * kLanes;
+    const int64_t nblocks = (n + kLanes - 1) / kLanes;
+    thread_local std::vector<float> buf;
+    if (static_cast<int64_t>(buf.size()) < R * nblocks * kLanes) buf.resize(R * nblocks * kLanes);
+    float* P = buf.data();  // [R][nblocks * kLanes]: scores, then weights
+    const int64_t ldp = nblocks * kLanes;
+    vec q[R][DZ];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 16
+        for (int c = 0; c < DZ; ++c) q[r][c] = vload(qa + r * D + c * kLanes);
+    const vec vscale = vset1(scale);
+    const vec ninf = vset1(-std::numeric_limits<float>::infinity());
+    vec mx[R];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) mx[r] = ninf;
+    alignas(64) int32_t lane_iota[kLanes];
+    for (int l = 0; l < kLanes; ++l) lane_iota[l] = l;
+    const ivec iota = ivload(lane_iota);
+    // Scores, kLanes keys at a time (missing keys of the last block: zero rows, hidden below).
+    for (int64_t b = 0; b < nblocks; ++b) {
+        const int64_t k0 = b * kLanes, nk = std::min<int64_t>(kLanes, n - k0);
+        vec acc[R][kLanes];
+        for (int jj = 0; jj < kLanes; ++jj) {
+            vec kr[DZ];
+            if (jj < nk) {
+                load_row<DZ>(kh + (j0 + k0 + jj) * k_ss, kr);
+            } else {
+#pragma GCC unroll 16
+                for (int c = 0; c < DZ; ++c) kr[c] = vzero();
+            }
+#pragma GCC unroll 4
+            for (int r = 0; r < R; ++r) {
+                vec a = vzero();
+#pragma GCC unroll 16
+                for (int c = 0; c < DZ; ++c) a = vfmadd(q[r][c], kr[c], a);
+                acc[r][jj] = a;
+            }
+        }
+        const ivec jj = vadd_i(iota, ivset1(static_cast<int32_t>(j0 + k0)));
+        const ivec present = ivset1(static_cast<int32_t>(j0 + k0 + nk));  // keys past the unit's end
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+            vec x = vmul(reduce_keys(acc[r]), vscale);
+            x = hide_past(hide_past(x, jj, ivset1(nvis_row[r]), ninf), jj, present, ninf);
+            vstore(P + r * ldp + k0, x);
+            mx[r] = vmax(mx[r], x);
+        }
+    }
+    // Softmax over the unit, keys in the lanes.
+    float mrow[R], lrow[R];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+        float m = hmax(mx[r]);
+        const bool none = m == -std::numeric_limits<float>::infinity();  // no visible key in this unit
+        const vec vm = vset1(none ? 0.f : m);
+        vec sum = vzero();
+        for (int64_t b = 0; b < nblocks; ++b) {
+            const vec p = exp_ps(vsub(vload(P + r * ldp + b * kLanes), vm));
+            vstore(P + r * ldp + b * kLanes, p);
+            sum = vadd(sum, p);
+        }
+        lrow[r] = hsum(sum);
+        mrow[r] = m;
+    }
+    // P @ V, keys in order.
+    vec o[R][DZ];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 16
+        for (int c = 0; c < DZ; ++c) o[r][c] = vzero();
+    for (int64_t j = 0; j < n; ++j) {
+        vec vr[DZ];
+        load_row<DZ>(vh + (j0 + j) * v_ss, vr);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+            const vec p = vset1(P[r * ldp + j]);
+#pragma GCC unroll 16
+            for (int c = 0; c < DZ; ++c) o[r][c] = vfmadd(p, vr[c], o[r][c]);
+        }
+    }
+    const int64_t ldo = D + 2;
+    for (int r = 0; r < R; ++r) {
+        for (int c = 0; c < DZ; ++c) vstore(part + r * ldo + c * kLanes, o[r][c]);
+        part[r * ldo + D] = lrow[r] > 0.f ? mrow[r] : -std::numeric_limits<float>::infinity();
+        part[r * ldo + D + 1] = lrow[r];
+    }
+}
+
+template <int R, typename kv_t>
+void run_unit_few_d(int64_t D, const float* qa, const kv_t* kh, int64_t k_ss, const kv_t* vh, int64_t v_ss,
+                    const int32_t* nvis_row, int64_t j0, int64_t n, float scale, float* part) {
+    switch (D / kLanes) {
+#ifdef KVM_AVX2
+        case 2: return run_unit_few<R, 2>(qa, kh, k_ss, vh, v_ss, nvis_row, j0, n, scale, part);
+        case 4: return run_unit_few<R, 4>(qa, kh, k_ss, vh, v_ss, nvis_row, j0, n, scale, part);
+        case 6: return run_unit_few<R, 6>(qa, kh, k_ss, vh, v_ss, nvis_row, j0, n, scale, part);
+        case 8: return run_unit_few<R, 8>(qa, kh, k_ss, vh, v_ss, nvis_row, j0, n, scale, part);
+        case 10: return run_unit_few<R, 10>(qa, kh, k_ss, vh, v_ss, nvis_row, j0, n, scale, part);
+        case 12: return run_unit_few<R, 12>(qa, kh, k_ss, vh, v_ss, nvis_row, j0, n, scale, part);
+        case 14: return run_unit_few<R, 14>(qa, kh, k_ss, vh, v_ss, nvis_row, j0, n, scale, part);
+        default: return run_unit_few<R, 16>(qa, kh, k_ss, vh, v_ss, nvis_row, j0, n, scale, part);
+#else
+        case 1: return run_unit_few<R, 1>(qa, kh, k_ss, vh, v_ss, nvis_row, j0, n, scale, part);
+        case 2: return run_unit_few<R, 2>(qa, kh, k_ss, vh, v_ss, nvis_row, j0, n, scale, part);
+        case 3: return run_unit_few<R, 3>(qa, kh, k_ss, vh, v_ss, nvis_row, j0, n, scale, part);
+        case 4: return run_unit_few<R, 4>(qa, kh, k_ss, vh, v_ss, nvis_row, j0, n, scale, part);
+        case 5: return run_unit_few<R, 5>(qa, kh, k_ss, vh, v_ss, nvis_row, j0, n, scale, part);
+        case 6: return run_unit_few<R, 6>(qa, kh, k_ss, vh, v_ss, nvis_row, j0, n, scale, part);
+        case 7: return run_unit_few<R, 7>(qa, kh, k_ss, vh, v_ss, nvis_row, j0, n, scale, part);
+        default: return run_unit_few<R, 8>(qa, kh, k_ss, vh, v_ss, nvis_row, j0, n, scale, part);
+#endif
+    }
+}
+
+template <typename kv_t>
+void run_unit_few_rd(int64_t R, int64_t D, const float* qa, const kv_t* kh, int64_t k_ss, const kv_t* vh,
+                     int64_t v_ss, const int32_t* nvis_row, int64_t j0, int64_t n, float scale, float* part) {
+    switch (R) {
+        case 1: return run_unit_few_d<1>(D, qa, kh, k_ss, vh, v_ss, nvis_row, j0, n, scale, part);
+        case 2: return run_unit_few_d<2>(D, qa, kh, k_ss, vh, v_ss, nvis_row, j0, n, scale, part);
+        case 3: return run_unit_few_d<3>(D, qa, kh, k_ss, vh, v_ss, nvis_row, j0, n, scale, part);
+        default: return run_unit_few_d<4>(D, qa, kh, k_ss, vh, v_ss, nvis_row, j0, n, scale, part);
+    }
+}
+
 // Sizes and element strides of one call (see the layouts above).
 struct Args {
     int64_t Hq, T, D, Hkv, S;
@@ -430,7 +651,10 @@ bool run(const Args& a, const q_t* qp, const kv_t* kp, const kv_t* vp, const std
     s.bf16_dot = std::is_same<q_t, bf16>::value && std::is_same<kv_t, bf16>::value && kHasBf16Dot &&
                  a.k_ss % 2 == 0 &&
                  a.k_sh % 2 == 0;
-    const int64_t nsplit = (s.S + kUnitKeys - 1) / kUnitKeys;
+    // Few rows under float32 queries: keys in the lanes (run_unit_few), in units of kFewUnitKeys
+    const bool few = std::is_same<q_t, float>::value && s.R <= kFewRows;
+    const int64_t unit_keys = few ? kFewUnitKeys : kUnitKeys;
+    const int64_t nsplit = (s.S + unit_keys - 1) / unit_keys;
     s.units = s.Hkv * nsplit;
     const int64_t q_sh = a.q_sh, q_st = a.q_st, k_sh = a.k_sh, k_ss = a.k_ss;
     const int64_t v_sh = a.v_sh, v_ss = a.v_ss;
@@ -438,7 +662,15 @@ bool run(const Args& a, const q_t* qp, const kv_t* kp, const kv_t* vp, const std
     std::vector<float> Qt(s.Hkv * s.D * s.Rpad, 0.f);
     std::vector<int32_t> nvis_row(s.Rpad, 0);
     for (int64_t r = 0; r < s.R; ++r) nvis_row[r] = nvis[r % s.T];
-    for (int64_t h = 0; h < s.Hkv; ++h)
+    if (few) {
+        // Per K/V head: the rows' queries [R][D] (row r = g * T + t: query head h * G + g, token t)
+        for (int64_t h = 0; h < s.Hkv; ++h)
+            for (int64_t r = 0; r < s.R; ++r) {
+                const q_t* src = qp + (h * s.G + r / s.T) * q_sh + (r % s.T) * q_st;
+                for (int64_t d = 0; d < s.D; ++d) Qt[(h * s.R + r) * s.D + d] = to_f32(src[d]);
+            }
+    }
+    for (int64_t h = 0; h < (few ? 0 : s.Hkv); ++h)
         for (int64_t g = 0; g < s.G; ++g)
             for (int64_t t = 0; t < s.T; ++t) {
                 const q_t* src = qp + (h * s.G + g) * q_sh + t * q_st;
@@ -457,7 +689,14 @@ bool run(const Args& a, const q_t* qp, const kv_t* kp, const kv_t* vp, const std
     std::vector<float> parts(s.units * ldp);
     const bool units_ok = parallel_for(a.threads, 0, s.units, 1, [&](int64_t begin, int64_t end) {
         for (int64_t u = begin; u < end; ++u) {
-            const int64_t h = u / nsplit, j0 = (u % nsplit) * kUnitKeys;
+            const int64_t h = u / nsplit, j0 = (u % nsplit) * unit_keys;
+            if (few) {
+                if constexpr (std::is_same<q_t, float>::value)
+                    run_unit_few_rd<kv_t>(s.R, s.D, Qt.data() + h * s.R * s.D, kp + h * k_sh, k_ss, vp + h * v_sh,
+                                          v_ss, nvis_row.data(), j0, std::min(unit_keys, s.S - j0), scale,
+                                          parts.data() + u * ldp);
+                continue;
+            }
             // the unit after this one (the thread's next, unless its range ends here)
             const int64_t hn = (u + 1) / nsplit, jn = ((u + 1) % nsplit) * kUnitKeys;
             const int64_t next_n = u + 1 < s.units ? std::min(kUnitKeys, s.S - jn) : 0;
