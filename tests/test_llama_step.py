@@ -143,12 +143,40 @@ def test_the_c_layer_loop_gives_the_python_loops_bits(smollm, kv_dtype, variant,
     monkeypatch.setattr(lean, "_c_step", lambda *a: taken.append(1) or c_step(*a))
     prompt = torch.randint(0, 49152, (70,), generator=torch.Generator().manual_seed(5)).tolist()
     mine, mine_cache = _steps(lean, runner, prompt, 6, kv_dtype, python_path=False)
-    assert len(taken) == 6  # every decode step took the C loop
+    assert len(taken) == 7  # the prefill's last 6 tokens (a grid chunk after 64) and every decode step
+    taken.clear()
     theirs, their_cache = _steps(lean, runner, prompt, 6, kv_dtype, python_path=True)
-    assert len(taken) == 6  # marks on: the Python loop
+    assert len(taken) == 1  # the prefill's 6 tokens; with marks on the decode steps keep the Python loop
     assert all(torch.equal(a, b) for a, b in zip(mine, theirs))
     for a, b in zip(mine_cache.layers, their_cache.layers):
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    # the step after a graft: 16 tokens over a cache, under the causal mask
+    chunk = torch.tensor([prompt[64:70] + prompt[:10]])
+    outs, caches = [], []
+    for python_path in (False, True):
+        cache = runner.new_cache(len(prompt) + 20)
+        runner.forward(prompt[:64], cache=cache, keep_logits=False)
+        taken.clear()
+        outs.append(lean.step(chunk, 64, cache, marks=[] if python_path else None))
+        assert len(taken) == (0 if python_path else 1)
+        caches.append(cache)
+    assert torch.equal(outs[0], outs[1])
+    for a, b in zip(*(c.layers for c in caches)):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+def test_a_mask_the_kernel_would_refuse_keeps_the_python_loop():
+    """The C loop takes a mask only where the attention kernel takes it (rows that are non-empty
+    prefixes of trues), checked before any layer runs."""
+    T, S = 3, 10
+    good = (torch.arange(S) < torch.tensor([[8], [9], [10]]))[None, None]
+    assert llama_step.LlamaLeanStep._c_mask(None, T, S) and llama_step.LlamaLeanStep._c_mask(good, T, S)
+    holed = good.clone()
+    holed[0, 0, 1, 2] = False
+    empty = good.clone()
+    empty[0, 0, 0] = False
+    for bad in (holed, empty, good.float(), good[..., :9], good.transpose(2, 3).contiguous().transpose(2, 3)):
+        assert not llama_step.LlamaLeanStep._c_mask(bad, T, S)
 
 
 @needs_decode_kernel

@@ -9,9 +9,10 @@ kernel call and gate/up in another (`gguf_linear.fuse`: each output is the same 
 and, where the decode-step kernel runs (kernels/decode_ops.py), each residual add + RMS norm in one call
 and RoPE on q / k with the K/V write into the cache in another; elsewhere the norms are the modules' own
 `forward`s and RoPE is transformers' `apply_rotary_pos_emb`. Where every linear is GGUF blocks and the
-attention is the few-query kernel, a decode step (no mask) goes further: each layer's calls up to its
-gate/up projections are made from C (`kvm_decode_layer`: the same functions, the same arguments, in the
-same order) and only SiLU(gate) * up stays in torch, 30 calls a step instead of ~300.
+attention is the few-query kernel, a step of a few tokens (a decode step, the step after a graft) goes
+further: each layer's calls up to its gate/up projections are made from C (`kvm_decode_layer`: the same
+functions, the same arguments, in the same order) and only SiLU(gate) * up stays in torch, 30 calls a
+step instead of ~300.
 
 Same bits, by construction and by test: every value is produced by the same torch ops or kernels,
 in the same order, as transformers' forward produces it (elementwise ops round each element alike
@@ -154,19 +155,35 @@ class LlamaLeanStep:
             rooms.append((layer, k, v))
         return (*first, rooms)
 
-    def _c_step(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, room) -> torch.Tensor:
+    @staticmethod
+    def _c_mask(mask: torch.Tensor | None, T: int, S: int) -> bool:
+        """Whether the kernel takes `mask` as the Python loop passes it (few_query_attention.attend): none,
+        or [1, 1, T, S] bool rows, contiguous, each a non-empty prefix of trues (else it would refuse
+        the call after the layer's K/V are written, so such a step keeps the Python loop)."""
+        if mask is None:
+            return True
+        if mask.dtype is not torch.bool or tuple(mask.shape) != (1, 1, T, S) or mask.stride(3) != 1 or not mask.is_cpu:
+            return False
+        rows = mask[0, 0]
+        counts = rows.sum(-1, keepdim=True)
+        return bool((counts > 0).all()) and torch.equal(rows, torch.arange(S) < counts)
+
+    def _c_step(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
+                room) -> torch.Tensor:
         """The layers of a step through `kvm_decode_layer` (h updated in place); returns the last
         layer's down projection (the delta not yet added to h)."""
         position, head_stride, kv_dtype, rooms = room
         T = h.shape[1]
         cfg = self.cfg
-        causal = int(T > 1 and self._c_causal)
-        # attention's keys, as few_query_forward passes them: causal without a mask only on an empty cache
+        # attention's flag and keys, as few_query_forward passes them: causal without a mask (only on an
+        # empty cache, where the keys are the tokens' own)
+        causal = int(T > 1 and mask is None and self._c_causal)
         keys = T if causal else position + T
         step = decode_ops.Step(
             *self._c_fns, T, cfg.num_attention_heads, cfg.num_key_value_heads, self.head_dim, cfg.hidden_size,
             self.ffn, self.width, torch.get_num_threads(), position, head_stride, int(kv_dtype == torch.bfloat16),
-            causal, keys, self._c_scale, cos.data_ptr(), sin.data_ptr(), h.data_ptr(), None, None)
+            causal, keys, mask.data_ptr() if mask is not None else None, mask.stride(2) if mask is not None else 0,
+            self._c_scale, cos.data_ptr(), sin.data_ptr(), h.data_ptr(), None, None)
         step_ref = ctypes.byref(step)
         scratch = torch.empty(self.kernel.kvm_decode_layer_scratch(step_ref), dtype=torch.float32)
         gu = torch.empty((1, T, 2 * self.ffn), dtype=torch.float32)
@@ -260,11 +277,13 @@ class LlamaLeanStep:
         scratch = torch.empty(h.shape[-1], dtype=torch.float32)
         delta = None  # the last block's output, not yet added to h
         mark("embedding, mask, rope tables")
-        room = (self._c_room(cache, T) if self.c_layers is not None and marks is None and mask is None
+        room = (self._c_room(cache, T) if self.c_layers is not None and marks is None
                 and T * self.cfg.num_attention_heads <= few_query_attention.MAX_ROWS * self.cfg.num_key_value_heads
                 else None)
+        if room is not None and not self._c_mask(mask, T, room[0] + T):
+            room = None
         if room is not None:
-            delta = self._c_step(h, cos, sin, room)
+            delta = self._c_step(h, cos, sin, mask, room)
         for i, layer in enumerate(self.layers if room is None else ()):
             a, mlp = layer.self_attn, layer.mlp
             x = self._norm(layer.input_layernorm, h, delta, scratch)

@@ -145,8 +145,10 @@ struct KvmStep {
     int64_t position;     // where this step's K/V go: the tokens cached before it
     int64_t head_stride;  // elements between K (and V) heads in a layer's buffers: capacity * D
     int64_t kv_bf16;      // the cache keeps bfloat16 (else float32)
-    int64_t causal;       // the attention call's causal flag; no mask (the path Python takes with a mask)
+    int64_t causal;       // the attention call's causal flag (without a mask)
     int64_t keys;         // keys attended: S
+    const bool* mask;     // [T, S] bool rows, mask_st apart (rows that are prefixes of trues), or null
+    int64_t mask_st;
     double scale;
     const float* cos;     // [T, D]
     const float* sin;
@@ -236,9 +238,9 @@ int kvm_decode_rope_write(const float* qkv, const float* cos, const float* sin, 
 // from its gate_up; both null for the first layer) and runs layer `cur` up to its gate/up projections,
 // as llama_step.py's loop does: h += delta and the input norm, q/k/v, RoPE with the K/V write at
 // `position` into k_buf / v_buf ([hkv, capacity, D] of this layer), attention over the `keys` first
-// positions, o, h += o and the post-attention norm, gate/up into s.gate_up. Returns 0, -2 for bad
-// sizes, or what a kernel returned (the linear's -1: out of memory; attention's 1: a call it does not
-// take, which llama_step.py never makes).
+// positions (under the mask where there is one), o, h += o and the post-attention norm, gate/up into
+// s.gate_up. Returns 0, -2 for bad sizes, or what a kernel returned (the linear's -1: out of memory;
+// attention's 1: a call it does not take, which llama_step.py checks it never makes).
 int kvm_decode_layer(const KvmStep* sp, const KvmLayer* prev, const float* act, const KvmLayer* cur, void* k_buf,
                      void* v_buf) {
     const KvmStep& s = *sp;
@@ -263,8 +265,8 @@ int kvm_decode_layer(const KvmStep* sp, const KvmLayer* prev, const float* act, 
                                     rope_scratch)))
         return rc;
     // q as transformers holds it: [1, hq, T, D] over [T, hq, D] memory (heads D apart, tokens hq * D)
-    if ((rc = s.attend(0, s.kv_bf16 ? 1 : 0, q, k_buf, v_buf, nullptr, att, s.hq, T, s.D, s.hkv, s.keys, s.D,
-                       s.hq * s.D, s.head_stride, s.D, s.head_stride, s.D, 0, static_cast<float>(s.scale),
+    if ((rc = s.attend(0, s.kv_bf16 ? 1 : 0, q, k_buf, v_buf, s.mask, att, s.hq, T, s.D, s.hkv, s.keys, s.D,
+                       s.hq * s.D, s.head_stride, s.D, s.head_stride, s.D, s.mask_st, static_cast<float>(s.scale),
                        static_cast<int>(s.causal), static_cast<int>(s.threads))))
         return rc;
     if ((rc = run_linear(s, cur->o, att, delta))) return rc;
