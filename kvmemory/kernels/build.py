@@ -36,8 +36,9 @@ COMMON = ("-O3", "-std=c++17", "-fPIC", "-shared", "-fvisibility=hidden", "-stat
           "-Wl,--exclude-libs,ALL")
 AVX512 = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma")
 AVX2 = ("-mavx2", "-mfma", "-DKVM_AVX2")
-# No FMA may fuse a product into a sum: a Q4_1 weight's `d * q + m` (transformers' weights round the
-# product first), RoPE's `x * cos + rotated * sin` (torch rounds each product).
+# No FMA the compiler chooses may fuse a product into a sum: RoPE's `x * cos + rotated * sin` and the norms
+# (torch rounds each product). The kernels' explicit FMAs stay (the Q4_1 expansion's `fma(q, d, m)` is exact
+# there: quantized_linear.cpp says why).
 NO_CONTRACT = ("-ffp-contract=off",)
 
 
