@@ -58,8 +58,9 @@ class Step(ctypes.Structure):
     _fields_ = [("linear", ctypes.c_void_p), ("attend", ctypes.c_void_p)] + [
         (name, ctypes.c_int64) for name in ("T", "hq", "hkv", "D", "hidden", "ffn", "lanes", "threads", "position",
                                              "head_stride", "kv_bf16", "causal", "keys")] + [
-        ("mask", ctypes.c_void_p), ("mask_st", ctypes.c_int64), ("scale", ctypes.c_double), ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("h", ctypes.c_void_p),
-        ("scratch", ctypes.c_void_p), ("gate_up", ctypes.c_void_p)]
+        ("mask", ctypes.c_void_p), ("mask_st", ctypes.c_int64), ("scale", ctypes.c_double),
+        ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("h", ctypes.c_void_p), ("scratch", ctypes.c_void_p),
+        ("gate_up", ctypes.c_void_p)]
 
 
 KERNEL_LIB = native.Kernel(KERNEL, _declare)

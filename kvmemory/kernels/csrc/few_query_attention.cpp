@@ -44,10 +44,12 @@
 #include "simd.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -595,42 +597,22 @@ void run_unit_few(const float* qa, const kv_t* kh, int64_t k_ss, const kv_t* vh,
     }
 }
 
-template <int R, typename kv_t>
-void run_unit_few_d(int64_t D, const float* qa, const kv_t* kh, int64_t k_ss, const kv_t* vh, int64_t v_ss,
-                    const int32_t* nvis_row, int64_t j0, int64_t n, float scale, float* part) {
-    switch (D / kLanes) {
-#ifdef KVM_AVX2
-        case 2: return run_unit_few<R, 2>(qa, kh, k_ss, vh, v_ss, nvis_row, j0, n, scale, part);
-        case 4: return run_unit_few<R, 4>(qa, kh, k_ss, vh, v_ss, nvis_row, j0, n, scale, part);
-        case 6: return run_unit_few<R, 6>(qa, kh, k_ss, vh, v_ss, nvis_row, j0, n, scale, part);
-        case 8: return run_unit_few<R, 8>(qa, kh, k_ss, vh, v_ss, nvis_row, j0, n, scale, part);
-        case 10: return run_unit_few<R, 10>(qa, kh, k_ss, vh, v_ss, nvis_row, j0, n, scale, part);
-        case 12: return run_unit_few<R, 12>(qa, kh, k_ss, vh, v_ss, nvis_row, j0, n, scale, part);
-        case 14: return run_unit_few<R, 14>(qa, kh, k_ss, vh, v_ss, nvis_row, j0, n, scale, part);
-        default: return run_unit_few<R, 16>(qa, kh, k_ss, vh, v_ss, nvis_row, j0, n, scale, part);
-#else
-        case 1: return run_unit_few<R, 1>(qa, kh, k_ss, vh, v_ss, nvis_row, j0, n, scale, part);
-        case 2: return run_unit_few<R, 2>(qa, kh, k_ss, vh, v_ss, nvis_row, j0, n, scale, part);
-        case 3: return run_unit_few<R, 3>(qa, kh, k_ss, vh, v_ss, nvis_row, j0, n, scale, part);
-        case 4: return run_unit_few<R, 4>(qa, kh, k_ss, vh, v_ss, nvis_row, j0, n, scale, part);
-        case 5: return run_unit_few<R, 5>(qa, kh, k_ss, vh, v_ss, nvis_row, j0, n, scale, part);
-        case 6: return run_unit_few<R, 6>(qa, kh, k_ss, vh, v_ss, nvis_row, j0, n, scale, part);
-        case 7: return run_unit_few<R, 7>(qa, kh, k_ss, vh, v_ss, nvis_row, j0, n, scale, part);
-        default: return run_unit_few<R, 8>(qa, kh, k_ss, vh, v_ss, nvis_row, j0, n, scale, part);
-#endif
-    }
-}
-
+// run_unit_few for each (rows R, vectors per row DZ): kFew<kv_t>[R - 1][DZ - 1] (D = DZ * kLanes <= 128)
 template <typename kv_t>
-void run_unit_few_rd(int64_t R, int64_t D, const float* qa, const kv_t* kh, int64_t k_ss, const kv_t* vh,
-                     int64_t v_ss, const int32_t* nvis_row, int64_t j0, int64_t n, float scale, float* part) {
-    switch (R) {
-        case 1: return run_unit_few_d<1>(D, qa, kh, k_ss, vh, v_ss, nvis_row, j0, n, scale, part);
-        case 2: return run_unit_few_d<2>(D, qa, kh, k_ss, vh, v_ss, nvis_row, j0, n, scale, part);
-        case 3: return run_unit_few_d<3>(D, qa, kh, k_ss, vh, v_ss, nvis_row, j0, n, scale, part);
-        default: return run_unit_few_d<4>(D, qa, kh, k_ss, vh, v_ss, nvis_row, j0, n, scale, part);
-    }
+using FewFn = void (*)(const float*, const kv_t*, int64_t, const kv_t*, int64_t, const int32_t*, int64_t, int64_t,
+                       float, float*);
+constexpr int kMaxDz = 128 / kLanes;
+
+template <typename kv_t, int R, std::size_t... I>
+constexpr std::array<FewFn<kv_t>, sizeof...(I)> few_row(std::index_sequence<I...>) {
+    return {&run_unit_few<R, static_cast<int>(I) + 1, kv_t>...};
 }
+template <typename kv_t, std::size_t... R>
+constexpr std::array<std::array<FewFn<kv_t>, kMaxDz>, sizeof...(R)> few_table(std::index_sequence<R...>) {
+    return {few_row<kv_t, static_cast<int>(R) + 1>(std::make_index_sequence<kMaxDz>{})...};
+}
+template <typename kv_t>
+constexpr auto kFew = few_table<kv_t>(std::make_index_sequence<kFewRows>{});
 
 // Sizes and element strides of one call (see the layouts above).
 struct Args {
@@ -692,9 +674,9 @@ bool run(const Args& a, const q_t* qp, const kv_t* kp, const kv_t* vp, const std
             const int64_t h = u / nsplit, j0 = (u % nsplit) * unit_keys;
             if (few) {
                 if constexpr (std::is_same<q_t, float>::value)
-                    run_unit_few_rd<kv_t>(s.R, s.D, Qt.data() + h * s.R * s.D, kp + h * k_sh, k_ss, vp + h * v_sh,
-                                          v_ss, nvis_row.data(), j0, std::min(unit_keys, s.S - j0), scale,
-                                          parts.data() + u * ldp);
+                    kFew<kv_t>[s.R - 1][s.D / kLanes - 1](Qt.data() + h * s.R * s.D, kp + h * k_sh, k_ss,
+                                                          vp + h * v_sh, v_ss, nvis_row.data(), j0,
+                                                          std::min(unit_keys, s.S - j0), scale, parts.data() + u * ldp);
                 continue;
             }
             // the unit after this one (the thread's next, unless its range ends here)
