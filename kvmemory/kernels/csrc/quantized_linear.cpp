@@ -78,30 +78,42 @@ constexpr int kTilePanels = kTileVecs * kLanes / kPanel;  // ... which is this m
 void expand_panel(int kind, const uint8_t* q, const float* d, const float* m, int64_t b0, int64_t b1, float* w) {
     w -= b0 * kBlock * kPanel;  // w[k] for k in the blocks' own range
     for (int64_t b = b0; b < b1; ++b) {
+        // the block's scales (and minima) for the panel's 16 rows, then its 32 k: a k's 16 weights are
+        // one 64-byte row of w, written whole
+        vec dv[kVecs], mv[kVecs];
+#pragma GCC unroll 2
         for (int v = 0; v < kVecs; ++v) {
-            const vec dv = vload(d + b * kPanel + v * kLanes);
-            if (kind == kQ4_1) {
-                const vec mv = vload(m + b * kPanel + v * kLanes);
-                for (int t = 0; t < kBlock / 2; ++t) {
-                    const int64_t k = b * kBlock + 2 * t;
+            dv[v] = vload(d + b * kPanel + v * kLanes);
+            mv[v] = kind == kQ4_1 ? vload(m + b * kPanel + v * kLanes) : vzero();
+        }
+        if (kind == kQ4_1) {
+#pragma GCC unroll 4
+            for (int t = 0; t < kBlock / 2; ++t) {
+                const int64_t k = b * kBlock + 2 * t;
+#pragma GCC unroll 2
+                for (int v = 0; v < kVecs; ++v) {
 #ifdef KVM_AVX2
-                    const auto bytes = u8x8(q + (k / 2) * kPanel + v * kLanes);
+                    const auto bytes = u8x8(q + (b * (kBlock / 2) + t) * kPanel + v * kLanes);
 #else
-                    const auto bytes = u8x16(q + (k / 2) * kPanel);
+                    const auto bytes = u8x16(q + (b * (kBlock / 2) + t) * kPanel);
 #endif
-                    vstore(w + k * kPanel + v * kLanes, vfmadd(low_nibbles(bytes), dv, mv));
-                    vstore(w + (k + 1) * kPanel + v * kLanes, vfmadd(high_nibbles(bytes), dv, mv));
+                    vstore(w + k * kPanel + v * kLanes, vfmadd(low_nibbles(bytes), dv[v], mv[v]));
+                    vstore(w + (k + 1) * kPanel + v * kLanes, vfmadd(high_nibbles(bytes), dv[v], mv[v]));
                 }
-            } else {
-                const int8_t* qs = reinterpret_cast<const int8_t*>(q);
-                for (int t = 0; t < kBlock; ++t) {
-                    const int64_t k = b * kBlock + t;
+            }
+        } else {
+            const int8_t* qs = reinterpret_cast<const int8_t*>(q);
+#pragma GCC unroll 4
+            for (int t = 0; t < kBlock; ++t) {
+                const int64_t k = b * kBlock + t;
+#pragma GCC unroll 2
+                for (int v = 0; v < kVecs; ++v) {
 #ifdef KVM_AVX2
                     const auto vals = i8x8(qs + k * kPanel + v * kLanes);
 #else
                     const auto vals = i8x16(qs + k * kPanel);
 #endif
-                    vstore(w + k * kPanel + v * kLanes, vmul(to_float(vals), dv));
+                    vstore(w + k * kPanel + v * kLanes, vmul(to_float(vals), dv[v]));
                 }
             }
         }
