@@ -4,8 +4,8 @@
 // cached positions, grouped-query heads. torch's CPU flash attention splits such a call by query
 // head only (9 items for SmolLM2 on 2 cores) and runs at a third to a half of the machine's float32
 // FMA rate. Here the G = H_q / H_kv query heads that share a K/V head are folded into R = G * T rows,
-// the keys are cut into units of kUnitKeys, and each (K/V head, unit) is one work item: scores for
-// all R rows (rows in the SIMD lanes), a softmax over the unit, then P @ V. (A decode step under
+// the keys are cut into near-equal units of at most kUnitKeys, and each (K/V head, unit) is one work
+// item: scores for all R rows (rows in the SIMD lanes), a softmax over the unit, then P @ V. (A decode step under
 // float32 queries, R <= 4, has keys in the lanes instead: `run_unit_few` below.) Units are merged per K/V
 // head with their maxima and sums (log-sum-exp), in unit order. Within a unit, P @ V runs over
 // kPvKeys keys at a time (their V rows and weights stay in L1; the partial sums go through the
@@ -427,7 +427,7 @@ void run_unit(const Shape& s, const float* Qt, const scalar_t* kh, int64_t k_ss,
 // lane-wise over its blocks of keys in order, then one tree; P @ V is one FMA per key in key order.
 // Nothing depends on the thread count, and the units are fixed by S.
 constexpr int kFewRows = 4;
-constexpr int64_t kFewUnitKeys = 256;  // keys per work item: SmolLM2's 512 cached tokens are 6 items
+constexpr int64_t kFewUnitKeys = 256;  // keys per work item at most: SmolLM2's 512 cached tokens are 6 items
 
 // One row of D values as D / kLanes float32 vectors (a bfloat16 row widened exactly, as rows_f32 does:
 // the same values in the same order, so a bfloat16 cache gives the bytes of its rows widened first).
@@ -635,8 +635,16 @@ bool run(const Args& a, const q_t* qp, const kv_t* kp, const kv_t* vp, const std
                  a.k_sh % 2 == 0;
     // Few rows under float32 queries: keys in the lanes (run_unit_few), in units of kFewUnitKeys
     const bool few = std::is_same<q_t, float>::value && s.R <= kFewRows;
-    const int64_t unit_keys = few ? kFewUnitKeys : kUnitKeys;
-    const int64_t nsplit = (s.S + unit_keys - 1) / unit_keys;
+    // Units fixed by S, H_kv and the path alone (never the thread count): S cut into n near-equal units
+    // of at most the path's size (boundaries at multiples of 16 keys), n made even where H_kv * n would
+    // be odd. Items of equal size split evenly over 2 (or any even number of) threads: units of the full
+    // size and a short tail gave a 2-core machine a 2:1 split at a graft's 512 + 16 keys (items of 512
+    // and 16 keys per K/V head) and 5:4 items while decoding past 512.
+    const int64_t max_keys = few ? kFewUnitKeys : kUnitKeys;
+    int64_t nsplit = (s.S + max_keys - 1) / max_keys;
+    if ((s.Hkv * nsplit) % 2 && s.S >= 32) ++nsplit;
+    // unit i's first key (S / nsplit >= 16 keys apart, so no unit is empty); unit_start(nsplit) = S
+    const auto unit_start = [&](int64_t i) { return i >= nsplit ? s.S : (i * s.S / nsplit) / 16 * 16; };
     s.units = s.Hkv * nsplit;
     const int64_t q_sh = a.q_sh, q_st = a.q_st, k_sh = a.k_sh, k_ss = a.k_ss;
     const int64_t v_sh = a.v_sh, v_ss = a.v_ss;
@@ -671,19 +679,19 @@ bool run(const Args& a, const q_t* qp, const kv_t* kp, const kv_t* vp, const std
     std::vector<float> parts(s.units * ldp);
     const bool units_ok = parallel_for(a.threads, 0, s.units, 1, [&](int64_t begin, int64_t end) {
         for (int64_t u = begin; u < end; ++u) {
-            const int64_t h = u / nsplit, j0 = (u % nsplit) * unit_keys;
+            const int64_t h = u / nsplit, j0 = unit_start(u % nsplit), n = unit_start(u % nsplit + 1) - j0;
             if (few) {
                 if constexpr (std::is_same<q_t, float>::value)
                     kFew<kv_t>[s.R - 1][s.D / kLanes - 1](Qt.data() + h * s.R * s.D, kp + h * k_sh, k_ss,
                                                           vp + h * v_sh, v_ss, nvis_row.data(), j0,
-                                                          std::min(unit_keys, s.S - j0), scale, parts.data() + u * ldp);
+                                                          n, scale, parts.data() + u * ldp);
                 continue;
             }
             // the unit after this one (the thread's next, unless its range ends here)
-            const int64_t hn = (u + 1) / nsplit, jn = ((u + 1) % nsplit) * kUnitKeys;
-            const int64_t next_n = u + 1 < s.units ? std::min(kUnitKeys, s.S - jn) : 0;
+            const int64_t hn = (u + 1) / nsplit, jn = unit_start((u + 1) % nsplit);
+            const int64_t next_n = u + 1 < s.units ? unit_start((u + 1) % nsplit + 1) - jn : 0;
             run_unit<kv_t>(s, Qt.data() + h * s.D * s.Rpad, kp + h * k_sh, k_ss, vp + h * v_sh, v_ss,
-                           nvis_row.data(), j0, std::min(kUnitKeys, s.S - j0), scale, parts.data() + u * ldp,
+                           nvis_row.data(), j0, n, scale, parts.data() + u * ldp,
                            next_n ? kp + hn * k_sh + jn * k_ss : nullptr, next_n);
         }
     });
