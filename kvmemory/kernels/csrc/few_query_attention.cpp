@@ -5,8 +5,8 @@
 // head only (9 items for SmolLM2 on 2 cores) and runs at a third to a half of the machine's float32
 // FMA rate. Here the G = H_q / H_kv query heads that share a K/V head are folded into R = G * T rows,
 // the keys are cut into near-equal units of at most kUnitKeys, and each (K/V head, unit) is one work
-// item: scores for all R rows (rows in the SIMD lanes), a softmax over the unit, then P @ V. (A decode step under
-// float32 queries, R <= 4, has keys in the lanes instead: `run_unit_few` below.) Units are merged per K/V
+// item: scores for all R rows (rows in the SIMD lanes), a softmax over the unit, then P @ V. (A decode
+// step under float32 queries, R <= 4, has keys in the lanes instead: `run_unit_few` below.) Units are merged per K/V
 // head with their maxima and sums (log-sum-exp), in unit order. Within a unit, P @ V runs over
 // kPvKeys keys at a time (their V rows and weights stay in L1; the partial sums go through the
 // output unchanged), and the rows the unit reads later (its V, the next unit's K) are prefetched
@@ -19,7 +19,7 @@
 // softmax) once on top of them; the tiles are sized to each build's register file. The two builds do not give the same bits (another exp, other tiles),
 // and need not: the CPU's ISA is part of the execution profile.
 //
-// Determinism: the units are fixed by S alone and each runs in one thread, so the bytes do not
+// Determinism: the units are fixed by S and H_kv alone and each runs in one thread, so the bytes do not
 // depend on the thread count or on scheduling. Accumulation is float32 for both dtypes: bfloat16
 // scores by AVX512-BF16's VDPBF16PS on pairs of dimensions where the CPU has it (widened otherwise:
 // the CPU model is in the profile), V widened and P kept float32; the output is rounded once.
@@ -425,7 +425,7 @@ void run_unit(const Shape& s, const float* Qt, const scalar_t* kh, int64_t k_ss,
 // the softmax has keys in its lanes too. Sums in a fixed order: a key's score is lane-wise FMAs over
 // the dimension vectors in order, then the lanes summed by one fixed tree; a row's max and sum are
 // lane-wise over its blocks of keys in order, then one tree; P @ V is one FMA per key in key order.
-// Nothing depends on the thread count, and the units are fixed by S.
+// Nothing depends on the thread count, and the units are fixed by S and H_kv (see `run`).
 constexpr int kFewRows = 4;
 constexpr int64_t kFewUnitKeys = 256;  // keys per work item at most: SmolLM2's 512 cached tokens are 6 items
 
@@ -633,7 +633,7 @@ bool run(const Args& a, const q_t* qp, const kv_t* kp, const kv_t* vp, const std
     s.bf16_dot = std::is_same<q_t, bf16>::value && std::is_same<kv_t, bf16>::value && kHasBf16Dot &&
                  a.k_ss % 2 == 0 &&
                  a.k_sh % 2 == 0;
-    // Few rows under float32 queries: keys in the lanes (run_unit_few), in units of kFewUnitKeys
+    // Few rows under float32 queries: keys in the lanes (run_unit_few), in units of at most kFewUnitKeys
     const bool few = std::is_same<q_t, float>::value && s.R <= kFewRows;
     // Units fixed by S, H_kv and the path alone (never the thread count): S cut into n near-equal units
     // of at most the path's size (boundaries at multiples of 16 keys), n made even where H_kv * n would
