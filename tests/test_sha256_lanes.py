@@ -69,7 +69,7 @@ def test_each_build_this_cpu_runs_passes_the_hash_and_reader_tests(tmp_path, bui
         pytest.skip(f"this CPU does not run the {build} build")
     env = dict(os.environ, KVMEMORY_CACHE=str(tmp_path), KVMEMORY_SHA256_LANES=build)
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
-                          "digests_are_sha256 or segments_hash or reader_fills or bad_arguments"],
+                          "digests_are_sha256 or segments_hash or reader_fills or reader_stores or bad_arguments"],
                          env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0 and " passed" in out.stdout and "skipped" not in out.stdout, out.stdout + out.stderr
 
@@ -144,6 +144,44 @@ def test_reader_fills_hashes_and_reports_file_ends(tmp_path):
     assert got == [nseg * seg] and digests[0] == hashlib.sha256(payloads[13]).digest()
     with pytest.raises(ValueError):  # a head that is not its offset's length
         sha256_lanes.read_hash_lanes(paths[:1], [head], addrs[:1], seg, [b"h"])
+    # Without segments nothing is stored: read and hashed only (the bench's raw floor).
+    dest[:] = 0
+    got, digests = sha256_lanes.read_hash_lanes(paths[:3], [head] * 3, None, seg, nseg=nseg)
+    assert got == [nseg * seg, nseg * seg, nseg * seg] and not dest.any()
+    assert digests == [hashlib.sha256(p).digest() for p in payloads[:3]]
+    with pytest.raises(ValueError):
+        sha256_lanes.read_hash_lanes(paths[:3], [head] * 3, None, seg)  # how many segments, then?
+
+
+@pytest.mark.parametrize("misalign", [0, 16])
+@pytest.mark.parametrize("lanes,nseg,seg,slab", [(16, 9, 4096, 4), (11, 3, 320 << 10, 16), (3, 5, 1 << 20, 16)])
+def test_reader_stores_what_it_hashed(tmp_path, misalign, lanes, nseg, seg, slab):
+    """The reader reads slabs into its own scratch and stores them into the segments: non-temporal
+    stores into 64-byte aligned segments (misalign 0), plain ones elsewhere (16), slabs cut short
+    where every lane's would pass the scratch's 4 MB (320 KB and 1 MB segments). Either way every
+    byte lands in place and the digests are SHA-256's; a lane whose file ends inside a slab keeps
+    what came before that slab and has nothing of it stored."""
+    payloads = [os.urandom(nseg * seg) for _ in range(lanes)]
+    paths = [tmp_path / f"{l}.bin" for l in range(lanes)]
+    short = lanes - 1  # this lane's file ends 100 bytes into its last segment
+    for l, p in enumerate(payloads):
+        paths[l].write_bytes(b"h" * 64 + (p[: (nseg - 1) * seg + 100] if l == short else p))
+    room = torch.zeros(lanes * nseg * seg + 64, dtype=torch.uint8)  # torch's CPU buffers: 64-byte aligned
+    assert room.data_ptr() % 64 == 0
+    dest = room.numpy()[misalign : misalign + lanes * nseg * seg].reshape(nseg, lanes, seg)  # interleaved, as cache rows
+    addrs = np.array([[dest[k, l].ctypes.data for k in range(nseg)] for l in range(lanes)], dtype=np.uint64)
+    got, digests = sha256_lanes.read_hash_lanes(paths, [64] * lanes, addrs, seg, [b"h" * 64] * lanes, slab=slab)
+    for l, p in enumerate(payloads):
+        if l == short:
+            assert got[l] == (nseg - 1) * seg + 100
+            per_slab = min(slab, max(1, (4 << 20) // (lanes * seg)))  # rows per slab, as the reader cuts them
+            stored = (nseg - 1) // per_slab * per_slab
+            assert dest[:stored, l].tobytes() == p[: stored * seg]  # the slabs read whole
+            assert not dest[stored:, l].any()  # the slab read short: hashed, never stored
+            continue
+        assert got[l] == nseg * seg
+        assert dest[:, l].tobytes() == p
+        assert digests[l] == hashlib.sha256(p).digest()
 
 
 def _segments(buffers):

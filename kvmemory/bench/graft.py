@@ -107,12 +107,11 @@ def raw_read_hash_bandwidth(files: list[Path], threads: int) -> float:
 def raw_read_hash_lanes_bandwidth(files: list[Path], payload_nbytes: int, threads: int) -> float | None:
     """GB/s for reading the files' payloads (their last `payload_nbytes` bytes) and hashing them with
     the lanes' SHA-256 (16 at a time with AVX-512, else each with the SHA instructions), grouped as a
-    graft groups them, into scratch buffers (no header checks, nothing placed): the machine's
-    read-and-hash bandwidth with the fastest hash kvmemory has. None where the lanes do not apply
-    (neither AVX-512 nor SHA-NI, too few files per thread)."""
+    graft groups them, read a slab at a time into the reader's small scratch buffer and hashed there,
+    stored nowhere (no header checks, nothing placed): the machine's read-and-hash bandwidth with the
+    fastest hash kvmemory has. None where the lanes do not apply (neither AVX-512 nor SHA-NI, too few
+    files per thread)."""
     import math
-
-    import numpy as np
 
     from kvmemory.kernels import sha256_lanes
 
@@ -120,17 +119,10 @@ def raw_read_hash_lanes_bandwidth(files: list[Path], payload_nbytes: int, thread
     groups = sha256_lanes.groups(files, threads)
     if sha256_lanes.load() is None or seg % 64 or groups is None:
         return None
-    slab, nseg = 16, payload_nbytes // seg
-    # Per group, a scratch ring of `slab` segments per lane (each slab is hashed before the next is read
-    # into the same place) and its segment addresses, made before the clock starts.
-    scratch = [np.empty((len(g), slab, seg), dtype=np.uint8) for g in groups]
-    addrs = [(s.ctypes.data + (np.arange(len(g), dtype=np.uint64)[:, None] * np.uint64(slab * seg)
-                               + (np.arange(nseg, dtype=np.uint64) % np.uint64(slab))[None, :] * np.uint64(seg)))
-             for s, g in zip(scratch, groups)]
 
     def one(i: int) -> int:
         offsets = [os.stat(f).st_size - payload_nbytes for f in groups[i]]
-        got, _ = sha256_lanes.read_hash_lanes(groups[i], offsets, addrs[i], seg, slab=slab)
+        got, _ = sha256_lanes.read_hash_lanes(groups[i], offsets, None, seg, nseg=payload_nbytes // seg)
         return sum(got)
 
     t = time.perf_counter()

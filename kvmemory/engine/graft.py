@@ -125,10 +125,10 @@ def load_chain(store, rows: Sequence[BlockRow], report: GraftReport, runner=None
     `room`'s kept buffers when they fit, see cache.Room). On the CPU, when every layer is a
     full-attention layer with the same K/V shapes, the cache is one tensor [layers, K|V, H, S, D]
     and a block's payload is exactly its rows [:, :, :, p:p+C]; a local store's first header gives
-    its shape, and then every block is read by the reader threads straight into place: on CPUs
-    with AVX-512 or the SHA extensions in groups of up to 16 blocks, filled into their rows and hashed
-    there (`LocalStore.read_blocks_lanes`, sha256_lanes.py: 16 at a time in AVX-512's lanes, or each
-    by the SHA instructions), elsewhere (or with too few blocks per
+    its shape, and then every block is read by the reader threads into place: on CPUs
+    with AVX-512 or the SHA extensions in groups of up to 16 blocks, read a slab of rows at a time,
+    hashed and stored into their rows (`LocalStore.read_blocks_lanes`, sha256_lanes.py: 16 at a time in
+    AVX-512's lanes, or each by the SHA instructions), elsewhere (or with too few blocks per
     thread) one at a time into the thread's own small buffer (reused, so it stays in cache), hashed
     there with one call and copied into place with one more — two calls that release the GIL per
     block, where reading straight into the 180 per-head rows of SmolLM2 with hashlib took one hash

@@ -575,14 +575,14 @@ class LocalStore:
         return meta
 
     def read_blocks_lanes(self, rows: Sequence[BlockRow], place, _retry: bool = True) -> list:
-        """Read and verify up to 16 blocks of one payload size together, straight into their places.
+        """Read and verify up to 16 blocks of one payload size together, into their places.
 
         `place(meta)` returns where block `meta`'s payload goes: the addresses of its segments (a
         uint64 array, in payload order) and their size in bytes, or raises IntegrityError (a block
         laid out unlike the rest). Each block's header is checked as `read_block` checks it (a header
         checked before is compared byte for byte, by the reader); then `sha256_lanes.read_hash_lanes`
-        opens every block's file, fills its segments and hashes them there, 16 messages at once,
-        without the GIL. Returns per row its BlockMeta or the IntegrityError it failed with (after
+        opens every block's file, reads and hashes its payload and stores the bytes hashed into its
+        segments, 16 messages at once, without the GIL. Returns per row its BlockMeta or the IntegrityError it failed with (after
         quarantining it), in order.
         """
         from kvmemory.kernels import sha256_lanes
