@@ -311,7 +311,7 @@ class CanonicalRunner:
             if start:
                 raise InvalidInput("a prefill that starts after position 0 needs the cache of the positions before")
             cache = self.new_cache(n + max_new_tokens)
-        ids = torch.tensor([list(map(int, token_ids))], dtype=torch.long, device=self.device)
+        ids = torch.tensor([list(map(int, token_ids[start:]))], dtype=torch.long, device=self.device)  # what is computed
         hasher = hashlib.sha256()
         argmax: list[int] = []
         kept: list[torch.Tensor] = []
@@ -326,7 +326,7 @@ class CanonicalRunner:
         last = None
         for s, e in chunk_spans(start, n, self.chunk):
             # "last": the lm_head runs only on the prompt's last position (in the last chunk)
-            last = self._step(ids[:, s:e], s, cache, rows=None if logits == "all" else int(e == n))
+            last = self._step(ids[:, s - start : e - start], s, cache, rows=None if logits == "all" else int(e == n))
             account(last)
             if on_chunk is not None:
                 on_chunk(s, e, cache)

@@ -239,7 +239,7 @@ def block_row_from(row: Sequence) -> BlockRow:
     h, parent, profile, idx, n_tok, sha, nbytes, fbytes, ver, pin, quar = row
     ints = (idx, n_tok, nbytes, fbytes, ver, pin, quar)
     if not (_is_hex64(h) and (parent is None or _is_hex64(parent)) and _is_hex64(sha) and isinstance(profile, str)
-            and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in ints)):
+            and all(type(v) is int for v in ints) and min(ints) >= 0):  # `type is`: no bool, no int subclass
         name = h[:12] if isinstance(h, str) else repr(h)[:20]
         raise IntegrityError(f"the catalogue row of block {name} is damaged; run `kvmemory fsck`")
     return BlockRow(h, parent, profile, idx, n_tok, sha, nbytes, fbytes, bool(ver), bool(pin), bool(quar))
