@@ -53,12 +53,14 @@ def ids_bytes(token_ids: Sequence[int]) -> bytes:
     return np.asarray(token_ids, dtype="<u4").tobytes()
 
 
+def _chain_digest(profile: bytes, parent: bytes, ids: bytes) -> bytes:
+    """h_i's 32 bytes from the profile id's, h_{i-1}'s (zeros for the first block) and the ids' bytes."""
+    return hashlib.sha256(profile + parent + ids).digest()
+
+
 def chain_hash(profile_id: str, parent: str | None, token_ids: Sequence[int]) -> str:
-    h = hashlib.sha256()
-    h.update(bytes.fromhex(profile_id))
-    h.update(bytes.fromhex(parent) if parent else _ZERO)
-    h.update(ids_bytes(token_ids))
-    return h.hexdigest()
+    return _chain_digest(bytes.fromhex(profile_id), bytes.fromhex(parent) if parent else _ZERO,
+                         ids_bytes(token_ids)).hex()
 
 
 def chain_hashes(profile_id: str, token_ids: Sequence[int], chunk: int, limit: int | None = None) -> list[str]:
@@ -70,7 +72,7 @@ def chain_hashes(profile_id: str, token_ids: Sequence[int], chunk: int, limit: i
     out: list[str] = []
     parent = _ZERO
     for s in range(0, 4 * n, 4 * chunk):
-        parent = hashlib.sha256(profile + parent + ids[s : s + 4 * chunk]).digest()  # chain_hash's bytes
+        parent = _chain_digest(profile, parent, ids[s : s + 4 * chunk])
         out.append(parent.hex())
     return out
 

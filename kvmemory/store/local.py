@@ -582,8 +582,8 @@ class LocalStore:
         laid out unlike the rest). Each block's header is checked as `read_block` checks it (a header
         checked before is compared byte for byte, by the reader); then `sha256_lanes.read_hash_lanes`
         opens every block's file, reads and hashes its payload and stores the bytes hashed into its
-        segments, 16 messages at once, without the GIL. Returns per row its BlockMeta or the IntegrityError it failed with (after
-        quarantining it), in order.
+        segments, 16 messages at once, without the GIL. Returns per row its BlockMeta or the
+        IntegrityError it failed with (after quarantining it), in order.
         """
         from kvmemory.kernels import sha256_lanes
 
