@@ -32,6 +32,12 @@ def test_bench_graft_tiny(tmp_path):
         # every timing is kept: the medians reported are the samples' medians (the tables print the spread)
         samples = row["samples_s"]
         assert [len(samples[k]) for k in ("graft", "graft_cold", "recompute", "single_pass")] == [2, 2, 2, 2]
+        # Rounds alternate direction: the second is the first reversed (the floor then before its graft),
+        # so no side always follows the same one.
+        first_round, second_round = row["round_orders"]
+        assert second_round == first_round[::-1]
+        assert first_round[:3] == ["graft", "floor_hashlib:warm", "floor_lanes:warm"]
+        assert set(first_round) >= {"graft_cold", "recompute", "single_pass", "floor_lanes:cold"}
         assert row["graft_ttft_s"] == statistics.median(samples["graft"])
         # the same graft with its block files dropped from the page cache, held to the floor in that state
         assert row["graft_cold_ttft_s"] == statistics.median(samples["graft_cold"])

@@ -19,16 +19,18 @@ on the embedded model. Measured side by side in one process (one run, one machin
   Each is compared with the graft at its fastest setting (per L, the lowest median).
 
 Every side is timed `repeats` times at every length, interleaved (graft, recompute, single pass, then
-each llama.cpp side, then again), so that drift in the VM's speed hits every side alike; the report
+each llama.cpp side; the next round in reverse order, and so on: `round_orders` in the report), so that
+drift in the VM's speed, and the slower first work after a heavy side, hit every side alike; the report
 keeps every sample (median and min-max in the table). `targets` states issue 27's goals per length and
 whether this run met them.
 
-Also reported: the graft throughput (bytes grafted / seconds reading, verifying and copying) against
-the machine's raw read-and-hash bandwidth over the same block files with the same threads, measured
-once after each timed graft (interleaved, so that drift in the machine's speed hits both alike): the
-better of reading each file and hashing it with hashlib, and reading the payloads and hashing them
-with the lanes' SHA-256 the graft itself uses (sha256_lanes.py: 16 at a time with AVX-512, each by the
-SHA instructions without), so the graft is held to the fastest hash on the machine, not to a slower one.
+Also reported: the graft throughput (bytes grafted / seconds reading, verifying and copying) against the
+machine's raw read-and-hash bandwidth over the same block files with the same threads, measured next to
+each timed graft (after it in one round, before it in the next, so that drift in the machine's speed
+hits both alike): the better of reading each file and hashing it with hashlib, and reading the payloads
+and hashing them with the lanes' SHA-256 the graft itself uses (sha256_lanes.py: 16 at a time with
+AVX-512, each by the SHA instructions without), so the graft is held to the fastest hash on the machine,
+not to a slower one.
 
 Page cache: every side that reads files (the graft and the floor: the block files; llama.cpp's restore:
 its state file) is timed twice per round, once with its files read into the page cache just before
@@ -257,24 +259,45 @@ def run_graft_bench(lengths=DEFAULT_LENGTHS, *, new_tokens: int = 16, repeats: i
                 fn()
                 return time.perf_counter() - t
 
-            # Rounds: each timed graft (files warm, then cold) is followed by raw reads + SHA-256 of the
-            # same files in the same state, then one timing of every other side. This VM's speed drifts
-            # by up to a quarter between runs; interleaving makes the drift hit every side alike.
+            # Rounds. A unit is a timed graft (files warm, or cold) with the raw reads + SHA-256 of the same
+            # files in the same state (its floor), or one timing of another side. Even rounds run the units
+            # in order, odd rounds in reverse (each unit's steps too: the floor before its graft), so each
+            # side meets the same neighbours mirrored: this VM's speed drifts by up to a quarter between
+            # runs and the first work after minutes of llama.cpp runs slower (BENCHMARKS.md), and a fixed
+            # order handed that to whichever side followed the heaviest one (the graft, in the runs up to `1f65029`).
             samples: dict[str, list[float]] = {"graft": [], "graft_cold": [], **{k: [] for k in sides}}
             raw = {"warm": {"hashlib": [], "lanes": []}, "cold": {"hashlib": [], "lanes": []}}
             cold_reports = []
-            for _ in range(repeats):
-                for state, side in (("warm", "graft"), ("cold", "graft_cold")):
+
+            def graft_unit(state: str) -> list:
+                side = "graft" if state == "warm" else "graft_cold"
+                prepare = page_cache.warm if state == "warm" else page_cache.drop
+
+                def run_graft():
                     samples[side].append(timed(side, graft))
                     if side == "graft_cold":
                         cold_reports.append(reports.pop())
-                    prepare = page_cache.warm if state == "warm" else page_cache.drop
+
+                def floor_hashlib():
                     prepare(files)
                     raw[state]["hashlib"].append(raw_read_hash_bandwidth(files, _READ_THREADS))
+
+                def floor_lanes():
                     prepare(files)
                     raw[state]["lanes"].append(raw_read_hash_lanes_bandwidth(files, payload, _READ_THREADS))
-                for name, fn in sides.items():
-                    samples[name].append(timed(name, fn))
+
+                return [(side, run_graft), (f"floor_hashlib:{state}", floor_hashlib), (f"floor_lanes:{state}", floor_lanes)]
+
+            units = [graft_unit("warm"), graft_unit("cold")] + [
+                [(name, lambda name=name, fn=fn: samples[name].append(timed(name, fn)))] for name, fn in sides.items()]
+            round_orders = []
+            for r in range(repeats):
+                steps = [step for unit in units for step in unit]
+                if r % 2:
+                    steps.reverse()
+                round_orders.append([name for name, _ in steps])
+                for _, step in steps:
+                    step()
             rep = reports[-1]
             assert rep.tokens_grafted == L and cold_reports[-1].tokens_grafted == L, (rep.tokens_grafted, L)
             t_rec, t_single = statistics.median(samples["recompute"]), statistics.median(samples["single_pass"])
@@ -306,7 +329,7 @@ def run_graft_bench(lengths=DEFAULT_LENGTHS, *, new_tokens: int = 16, repeats: i
                 "speedup_vs_single_pass": t_single / row["graft_ttft_s"],
                 "ceiling_vs_recompute": t_rec / (row["read_hash_floor_s"] + row["graft_compute_s"]),
                 "spread_s": {k: spread(v) for k, v in samples.items()},
-                "samples_s": samples,
+                "samples_s": samples, "round_orders": round_orders,
             })
             if lcpp:
                 for kind in ("restore", "prefill", "restore_cold"):
