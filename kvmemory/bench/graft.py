@@ -264,7 +264,8 @@ def run_graft_bench(lengths=DEFAULT_LENGTHS, *, new_tokens: int = 16, repeats: i
             # in order, odd rounds in reverse (each unit's steps too: the floor before its graft), so each
             # side meets the same neighbours mirrored: this VM's speed drifts by up to a quarter between
             # runs and the first work after minutes of llama.cpp runs slower (BENCHMARKS.md), and a fixed
-            # order handed that to whichever side followed the heaviest one (the graft, in the runs up to `1f65029`).
+            # order handed that to whichever side followed the heaviest one (the graft, in the runs up to
+            # `1f65029`).
             samples: dict[str, list[float]] = {"graft": [], "graft_cold": [], **{k: [] for k in sides}}
             raw = {"warm": {"hashlib": [], "lanes": []}, "cold": {"hashlib": [], "lanes": []}}
             cold_reports = []
@@ -286,7 +287,8 @@ def run_graft_bench(lengths=DEFAULT_LENGTHS, *, new_tokens: int = 16, repeats: i
                     prepare(files)
                     raw[state]["lanes"].append(raw_read_hash_lanes_bandwidth(files, payload, _READ_THREADS))
 
-                return [(side, run_graft), (f"floor_hashlib:{state}", floor_hashlib), (f"floor_lanes:{state}", floor_lanes)]
+                return [(side, run_graft), (f"floor_hashlib:{state}", floor_hashlib),
+                        (f"floor_lanes:{state}", floor_lanes)]
 
             units = [graft_unit("warm"), graft_unit("cold")] + [
                 [(name, lambda name=name, fn=fn: samples[name].append(timed(name, fn)))] for name, fn in sides.items()]
