@@ -8,9 +8,10 @@ Correct sets (every refusal is a false refusal):
 - `gsm-unmarked`: the same solutions with the "#### N" line removed, so that the working's own last
   sentence (written by GSM8K's authors, e.g. "She can invite 6 friends because 7 - 1 = 6") concludes;
 - `gsm-sentence`: the same solutions with "#### N" replaced by a concluding sentence
-  (`conclude_in_sentence`: one of 16 phrasings, the number plain, with thousands separators, as money,
+  (`conclude_in_sentence`: one of 20 phrasings, 4 of them with another number of the question, the number plain, with thousands separators, as money,
   or in words, the question's noun as a unit; all chosen by a seed);
-- `handwritten`: `verifier_cases.HAND_CASES`, written for this bench.
+- `handwritten`: `verifier_cases.HAND_CASES`, written for this bench alongside the verifier;
+- `handwritten-heldout`: `verifier_cases.HELDOUT_CASES`, written after it, as a check nobody tuned on.
 
 Wrong sets (every acceptance is a false acceptance), two per correct set:
 
@@ -61,6 +62,11 @@ SENTENCES = (
     "All in all, the result is {n}{u}.",
     "Thus there are {n}{u}.",
     "So, in the end, {n}{u}.",
+    # with another number of the question beside the answer ({k}), which the conclusion must not be read as
+    "So, counting all {k} of them, the total is {n}{u}.",
+    "After the {k} we started from, we end up with {n}{u}.",
+    "That is {n}{u} for the {k} in the question.",
+    "Starting from {k}, the result is {n}{u}.",
 )
 _AUX = {"do", "does", "did", "are", "is", "was", "were", "will", "can", "could", "would", "should", "has", "have",
         "had", "must", "came", "come", "remain", "remained", "left", "in", "of", "on", "that", "does", "for"}
@@ -129,7 +135,11 @@ def conclude_in_sentence(solution: str, question: str, value: Fraction, rng: ran
     money = _money_sign(question, solution)
     unit = _noun(question) if rng.random() < 0.6 and not (style == "money" and money) else ""
     n = _render(value if written is None else written, style, money)
-    sentence = template.format(n=n, N=n[:1].upper() + n[1:], u="" if "\\boxed" in template else unit)
+    others = [t for t in re.findall(r"(?<![\w.])\d+(?![\d.,]\d)", question) if Fraction(t) != value]
+    if "{k}" in template and not others:
+        template = SENTENCES[0]
+    k = rng.choice(others) if others else ""
+    sentence = template.format(n=n, N=n[:1].upper() + n[1:], k=k, u="" if "\\boxed" in template else unit)
     return body + "\n" + sentence
 
 
@@ -193,15 +203,15 @@ def _gsm_sets(problems: int, seed: int) -> list[Case]:
 
 
 def _hand_sets() -> list[Case]:
-    from kvmemory.bench.verifier_cases import HAND_CASES
+    from kvmemory.bench.verifier_cases import HAND_CASES, HELDOUT_CASES
 
     cases = []
-    for i, c in enumerate(HAND_CASES):
-        cases.append(Case("handwritten", f"hand-{i:02d}", c.problem, c.solution, c.answer, True))
-        cases.append(Case("handwritten/wrong-conclusion", f"hand-{i:02d}", c.problem, c.wrong_solution, c.answer,
-                          False))
-        cases.append(Case("handwritten/wrong-expected", f"hand-{i:02d}", c.problem, c.solution, c.wrong_answer,
-                          False))
+    for name, hand in (("handwritten", HAND_CASES), ("handwritten-heldout", HELDOUT_CASES)):
+        for i, c in enumerate(hand):
+            cid = f"{name}-{i:02d}"
+            cases.append(Case(name, cid, c.problem, c.solution, c.answer, True))
+            cases.append(Case(f"{name}/wrong-conclusion", cid, c.problem, c.wrong_solution, c.answer, False))
+            cases.append(Case(f"{name}/wrong-expected", cid, c.problem, c.solution, c.wrong_answer, False))
     return cases
 
 

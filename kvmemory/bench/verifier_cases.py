@@ -152,3 +152,128 @@ HAND_CASES: tuple[HandCase, ...] = (
         "The discount is 25% of $40, which is $10. So the shirt now costs $40.",
         "10"),
 )
+
+# Written after the verifier was finished and measured once, as a check nobody tuned on: BENCHMARKS.md
+# reports this set's first run; a fix made after it is named there.
+HELDOUT_CASES: tuple[HandCase, ...] = (
+    HandCase(
+        "Kim has 45 marbles and gives a third of them to Joe. How many does she keep?",
+        "A third of 45 is 15, which she gives away. She keeps the other 30 marbles.",
+        "30",
+        "A third of 45 is 15, which she gives away. She keeps the other 15 marbles.",
+        "15"),
+    HandCase(
+        "A bus leaves at 8:15 and the ride takes 45 minutes. How many minutes after 8:00 does it arrive?",
+        "It leaves 15 minutes after 8:00 and rides 45 more, so it arrives 15 + 45 = 60 minutes after 8:00.",
+        "60",
+        "It leaves 15 minutes after 8:00 and rides 45 more, so it arrives 45 minutes after 8:00.",
+        "45"),
+    HandCase(
+        "Oranges cost $0.40 each. How much do 15 oranges cost?",
+        "15 x $0.40 = $6.00\n\nTotal cost: $6",
+        "6",
+        "15 x $0.40 = $6.00\n\nTotal cost: $0.40",
+        "15"),
+    HandCase(
+        "A garden is 12 m by 9 m. A path takes 18 square meters of it. How much area is left for plants?",
+        "Whole garden: 12 × 9 = 108 m². Minus the path: 108 − 18 = 90 m² for plants.",
+        "90",
+        "Whole garden: 12 × 9 = 108 m². Minus the path: 108 − 18 = 108 m² for plants.",
+        "108"),
+    HandCase(
+        "Raj scored 78, 85 and 92 on three tests. What is his average?",
+        "Sum: 78 + 85 + 92 = 255. Average = 255 / 3 = 85.\n\n**Answer: 85**",
+        "85",
+        "Sum: 78 + 85 + 92 = 255. Average = 255 / 3 = 85.\n\n**Answer: 92**",
+        "255"),
+    HandCase(
+        "A jar has 3 red, 5 blue and 2 green beads. What fraction of the beads are blue?",
+        "There are 3 + 5 + 2 = 10 beads and 5 are blue, so the fraction is 5/10, or 1/2.",
+        "1/2",
+        "There are 3 + 5 + 2 = 10 beads and 5 are blue, so the fraction is 3/10.",
+        "5"),
+    HandCase(
+        "Leo runs 4 laps of a 400 m track. How many kilometres does he run?",
+        "4 laps × 400 m = 1,600 m, which is 1.6 km.",
+        "1.6",
+        "4 laps × 400 m = 1,600 m, which is 16 km.",
+        "1600"),
+    HandCase(
+        "A store had 120 shirts, sold 45 on Monday and 38 on Tuesday. How many are left?",
+        "Sold in total: 45 + 38 = 83.\nLeft: 120 - 83 = 37\nSo the store has 37 shirts left.",
+        "37",
+        "Sold in total: 45 + 38 = 83.\nLeft: 120 - 83 = 37\nSo the store has 83 shirts left.",
+        "83"),
+    HandCase(
+        "Nina is twice as old as her brother, who is 7. How old will Nina be in 5 years?",
+        "Nina is 2 * 7 = 14 now. In 5 years she will be 19.",
+        "19",
+        "Nina is 2 * 7 = 14 now. In 5 years she will be 14.",
+        "14"),
+    HandCase(
+        "A submarine is 40 m below sea level and dives another 25 m. What is its depth relative to sea level?",
+        "Starting at -40 m and going down 25 m more gives -40 - 25 = -65. It is at -65 m.",
+        "-65",
+        "Starting at -40 m and going down 25 m more gives -40 - 25 = -65. It is at -40 m.",
+        "25"),
+    HandCase(
+        "Eggs come in cartons of 12. How many cartons are needed for 150 eggs?",
+        "150 / 12 = 12.5, and half a carton is not enough, so we need 13 cartons.",
+        "13",
+        "150 / 12 = 12.5, and half a carton is not enough, so we need 12 cartons.",
+        "12.5"),
+    HandCase(
+        "A phone costs $480 and is discounted by 15%. What is the discount in dollars?",
+        "15% of 480 = 0.15 * 480 = 72\nThe discount is $72.",
+        "72",
+        "15% of 480 = 0.15 * 480 = 72\nThe discount is $408.",
+        "480"),
+    HandCase(
+        "Three friends split a bill of $96 equally. How much does each pay?",
+        "Each friend pays $96 ÷ 3 = $32.",
+        "32",
+        "Each friend pays $96 ÷ 3 = $96.",
+        "3"),
+    HandCase(
+        "A bakery makes 8 dozen rolls. How many rolls is that?",
+        "One dozen is 12 rolls, so eight dozen is 8 * 12 = 96 rolls.",
+        "96",
+        "One dozen is 12 rolls, so eight dozen is 8 * 12 = 84 rolls.",
+        "12"),
+    HandCase(
+        "Water fills a 2.5 litre bottle in 10 seconds. How many litres per second is that?",
+        "Rate = 2.5 / 10 = 0.25 litres per second.",
+        "0.25",
+        "Rate = 2.5 / 10 = 0.5 litres per second.",
+        "2.5"),
+    HandCase(
+        "A library had 2,340 books and received 1,275 more. How many books does it have now?",
+        "2,340 + 1,275 = 3,615\n\nThe library now has three thousand six hundred fifteen books, i.e. 3,615.",
+        "3615",
+        "2,340 + 1,275 = 3,615\n\nThe library now has 2,340 books.",
+        "1275"),
+    HandCase(
+        "Sara earns $15 an hour and works 6 hours a day for 5 days. How much does she earn?",
+        "Per day: 15 * 6 = 90 dollars. For 5 days: 90 * 5 = 450 dollars.\nShe earns $450 in total.",
+        "450",
+        "Per day: 15 * 6 = 90 dollars. For 5 days: 90 * 5 = 450 dollars.\nShe earns $90 in total.",
+        "90"),
+    HandCase(
+        "A rope 7.2 m long is cut into 4 equal pieces. How long is each piece?",
+        "7.2 / 4 = 1.8\nEach piece is 1.8 m long.",
+        "1.8 m",
+        "7.2 / 4 = 1.8\nEach piece is 7.2 m long.",
+        "4"),
+    HandCase(
+        "There are 5 rows of 6 chairs and 4 chairs are broken. How many chairs can be used?",
+        "5 rows of 6 chairs make 30 chairs. Without the 4 broken ones, 26 chairs can be used.",
+        "26",
+        "5 rows of 6 chairs make 30 chairs. Without the 4 broken ones, 30 chairs can be used.",
+        "30"),
+    HandCase(
+        "Ella had 50 stickers, gave 12 to Max and got 7 from Zoe. How many stickers does she have?",
+        "50 − 12 = 38, then 38 + 7 = 45.\n\nElla ends up with 45 stickers.",
+        "45",
+        "50 − 12 = 38, then 38 + 7 = 45.\n\nElla ends up with 38 stickers.",
+        "38"),
+)

@@ -102,11 +102,12 @@ def _marked(text: str) -> list[tuple[Fraction, str]]:
     hits: list[tuple[int, Fraction, str]] = []
     for pat in _MARKERS:
         for m in pat.finditer(text):
-            rest = _SENTENCE_END.split(m.group("rest"), maxsplit=1)[0]
+            # the value stands right after the marker: a bounded look keeps a long line from costing n^2
+            rest = _SENTENCE_END.split(m.group("rest")[:400], maxsplit=1)[0]
             phrase = (text[m.start():m.end()] + rest).strip()
             if "=" in rest:
                 rest = rest.rpartition("=")[2]  # "The answer is 31 + 1 = 32": its result
-            values = find_values(rest, allow_one=True)
+            values = find_values(rest)
             if not values or not _only_fillers(rest[:values[0].start]):
                 continue  # "the answer is the number of cows": no value marked here
             first = values[0]
@@ -132,7 +133,10 @@ _CUE = re.compile(r"\b(?:total|totals|altogether|in\s+all|overall|answer|result|
                   r"finally|sum)\b", re.IGNORECASE)
 # A value after one of these modifies something else ("12 boxes of 6", "for 3 days", "more than 5").
 _PREPS = {"of", "for", "from", "per", "in", "on", "at", "by", "with", "after", "before", "than", "over", "within",
-          "each", "every", "among", "across", "into", "during", "out", "between"}
+          "each", "every", "among", "across", "into", "during", "out", "between", "without", "except", "besides"}
+# Words that may stand between such a preposition and its number ("without the 4 broken ones").
+_DETERMINERS = {"the", "a", "an", "all", "these", "those", "his", "her", "their", "its", "our", "my", "your", "other",
+                "another", "first", "last", "next", "remaining", "extra", "additional", "only"}
 _NOT_MODIFYING = re.compile(r"\b(?:total|sum|product|difference|all)\s+of\s*$", re.IGNORECASE)
 _VERBS = re.compile(r"\b(?:is|are|was|were|be|been|equals?|makes?|made|gives?|gave|comes?\s+to|came\s+to|totals?|"
                     r"has|have|had|gets?|got|costs?|earns?|earned|pays?|paid|spends?|spent|needs?|needed|"
@@ -163,16 +167,20 @@ def _refuse_list_or_expression(text: str, values: list[Value], v: Value, where: 
 
 
 def _is_modifier(clause: str, v: Value) -> bool:
-    before = clause[:v.start]
-    after = clause[v.end:]
+    parens = clause.count("(", 0, v.start) > clause.count(")", 0, v.start)
+    before = clause[max(0, v.start - 60):v.start]  # the few words before the number decide
+    after = clause[v.end:v.end + 30]
     if _NOT_MODIFYING.search(before):
         return False  # "a total of 56"
-    words = re.findall(r"[A-Za-z]+", before[-20:])
-    if words and words[-1].lower() in _PREPS and re.search(r"[A-Za-z]+\W*$", before):
-        return True
+    if re.search(r"[A-Za-z]+[\s$£€¥₹]*$", before):  # a word right before the number, not an operator or a comma
+        words = [w.lower() for w in re.findall(r"[A-Za-z]+", before[-40:])]
+        while words and words[-1] in _DETERMINERS:
+            words.pop()
+        if words and words[-1] in _PREPS:
+            return True
     if re.match(r"-[A-Za-z]", after) or re.match(r"\s*(?:times|x)\b", after, re.IGNORECASE):
         return True  # "a 40-minute episode", "3 times as many"
-    return before.count("(") > before.count(")")  # an aside in parentheses
+    return parens  # an aside in parentheses
 
 
 def _clause_value(clause: str) -> Conclusion:

@@ -9,8 +9,8 @@ before ("$1,250.00", "-$5", "£3") or a percent sign after ("45%": the value 45)
 unit exponents ("cm^2"), so that the number-finding rules stay plain.
 
 What is *not* a value, on purpose: digits glued to a word ("CO2", "m2", "x3"), ordinals ("1st",
-"3rd"), clock times ("3:30"), and a lone "one" (a pronoun far more often than a number: "one of
-them"); `allow_one=True` reads it where only a number can stand (after "The answer is").
+"3rd"), clock times ("3:30"), and "one" where it is a pronoun ("one of them", "each one", "the one",
+"one by one"); "only one box", "that is one" are the value 1.
 """
 
 from __future__ import annotations
@@ -103,6 +103,8 @@ def _sign_allowed(text: str, at: int) -> bool:
 def _digit_values(text: str) -> list[Value]:
     out = []
     for m in _DIGITS_RE.finditer(text):
+        if len(m.group("num")) > 60 or len(m.group("den") or "") > 60:
+            continue  # nobody writes such a number; Python refuses to convert very long digit strings
         start = m.start()
         neg = False
         if m.group("neg") or m.group("neg2"):
@@ -166,12 +168,18 @@ def _words_value(words: list[str]) -> int | None:
     return total + (current or 0)
 
 
-def _word_values(text: str, allow_one: bool) -> list[Value]:
+# "one" is a pronoun after these words or before these ("the one", "each one", "one of them", "one by one").
+_PRONOUN_BEFORE = re.compile(r"\b(?:the|each|every|this|that|which|no|any|some|another|other|a|an|one)\s+$",
+                             re.IGNORECASE)
+_PRONOUN_AFTER = re.compile(r"^\s*(?:of|another|by|or|'s|who|which|that)\b|^'s", re.IGNORECASE)
+
+
+def _word_values(text: str) -> list[Value]:
     out = []
     for m in _WORDS_RE.finditer(text):
         words = [w.lower() for w in re.split(r"(?:\s+and\s+|[\s-]+)", m.group("w")) if w]
-        if words == ["one"] and not allow_one:
-            continue  # "one of them", "the one": a pronoun, not a number
+        if words == ["one"] and (_PRONOUN_BEFORE.search(text[:m.start()]) or _PRONOUN_AFTER.match(text[m.end():])):
+            continue  # a pronoun, not a number
         if words[0] in _SCALES or words[0] == "hundred":
             continue  # "thousands of": no count
         n = _words_value(words)
@@ -188,10 +196,10 @@ def _word_values(text: str, allow_one: bool) -> list[Value]:
 # ---------------------------------------------------------------------------------------------------
 
 
-def find_values(text: str, *, allow_one: bool = False) -> list[Value]:
+def find_values(text: str) -> list[Value]:
     """Every value written in `text` (already normalised), in order; digits win over an overlapping word."""
     digits = _digit_values(text)
-    words = [w for w in _word_values(text, allow_one)
+    words = [w for w in _word_values(text)
              if not any(d.start < w.end and w.start < d.end for d in digits)]
     return sorted(digits + words, key=lambda v: v.start)
 
@@ -214,7 +222,7 @@ def parse_value(text: str | int | float | Fraction) -> Fraction | None:
         text = repr(text)
     s = normalise(str(text)).strip().rstrip(".")
     s = re.sub(r"(?<=\d)\s+/\s+(?=\d)", "/", s)  # an answer "-7 / 2" is the fraction, as a division would be
-    values = find_values(s, allow_one=True)
+    values = find_values(s)
     if len(values) != 1:
         return None
     v = values[0]
