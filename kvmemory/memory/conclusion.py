@@ -29,7 +29,8 @@ from fractions import Fraction
 from kvmemory.errors import InvalidInput
 from kvmemory.memory.values import Value, find_values, normalise
 
-__all__ = ["Conclusion", "ConclusionError", "NoConclusion", "AmbiguousConclusion", "read_conclusion", "fmt_value"]
+__all__ = ["Conclusion", "ConclusionError", "NoConclusion", "AmbiguousConclusion", "read_conclusion", "fmt_value",
+           "quote"]
 
 
 @dataclass(slots=True, frozen=True)
@@ -68,6 +69,12 @@ def fmt_value(x: Fraction) -> str:
     while d % 5 == 0:
         d //= 5
     return f"{float(x):g}" if d == 1 and len(f"{float(x):g}") <= 12 else str(x)
+
+
+def quote(text: str, limit: int = 80) -> str:
+    """`text` quoted for a message, its end kept when it is long (a conclusion's value is at its end)."""
+    text = " ".join(text.split())
+    return repr(text if len(text) <= limit else "..." + text[-(limit - 3):])
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -121,7 +128,7 @@ def _marked(text: str) -> list[tuple[Fraction, str]]:
 # ---------------------------------------------------------------------------------------------------
 
 _CHECK = re.compile(r"^\W*(?:check|checking|verify|verifying|verification|double[- ]check|sanity check|"
-                    r"to check|we can check|indeed)\b", re.IGNORECASE)
+                    r"to check|we can check)\b", re.IGNORECASE)
 _CLAUSE_SPLIT = re.compile(r";|:\s|,\s+(?![\d$£€¥₹-])|\s+(?=(?:so|thus|therefore|hence|because|since|which|"
                            r"meaning|giving|leaving|then)\b)", re.IGNORECASE)
 # A clause that gives a reason is not the conclusion ("because 7 - 1 = 6"); nor is a trailing
@@ -149,7 +156,7 @@ _OPERATOR_AFTER = re.compile(r"^\s*[-+*/x]\s*[$£€¥₹(]?\s*\d")
 def _refuse_list_or_expression(text: str, values: list[Value], v: Value, where: str) -> None:
     i = values.index(v)
     if _OPERATOR_AFTER.match(text[v.end:]):
-        raise AmbiguousConclusion(f"the conclusion {where!r} ends in an expression ({text[v.start:].strip()!r}), "
+        raise AmbiguousConclusion(f"the conclusion {quote(where)} ends in an expression ({quote(text[v.start:], 40)}), "
                                   "not a value")
     group = [v]
     for j in range(i + 1, len(values)):  # "30, 31, 32", "3 or 4", "30 to 40"
@@ -161,7 +168,7 @@ def _refuse_list_or_expression(text: str, values: list[Value], v: Value, where: 
             break
         group.insert(0, values[j])
     if len(group) > 1:
-        raise AmbiguousConclusion(f"the conclusion {where!r} lists {', '.join(fmt_value(g.value) for g in group)} "
+        raise AmbiguousConclusion(f"the conclusion {quote(where)} lists {', '.join(fmt_value(g.value) for g in group)} "
                                   "and does not say which one is the answer",
                                   tuple(g.value for g in group))
 
@@ -207,7 +214,7 @@ def _clause_value(clause: str) -> Conclusion:
             _refuse_list_or_expression(clause, values, after[0], clause.strip())
             return Conclusion(after[0].value, "verb", clause.strip())
     cands = tuple(dict.fromkeys(v.value for v in (main or values)))
-    raise AmbiguousConclusion(f"the conclusion {clause.strip()!r} writes "
+    raise AmbiguousConclusion(f"the conclusion {quote(clause)} writes "
                               f"{', '.join(fmt_value(c) for c in cands)} and does not say which one is the answer",
                               cands)
 
@@ -240,7 +247,7 @@ def read_conclusion(solution: str) -> Conclusion:
         if len(values) > 1:
             raise AmbiguousConclusion(
                 "the solution marks different answers: "
-                + ", ".join(f"{fmt_value(v)} ({t!r})" for v, t in dict((v, t) for v, t in marked).items()),
+                + ", ".join(f"{fmt_value(v)} ({quote(t, 40)})" for v, t in dict((v, t) for v, t in marked).items()),
                 tuple(values))
         return Conclusion(marked[-1][0], "marker", marked[-1][1])
     sentences = [s for s in _SENTENCE_END.split(text) if s.strip() and find_values(s)]

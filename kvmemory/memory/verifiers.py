@@ -21,7 +21,7 @@ from fractions import Fraction
 from typing import Callable, Protocol, runtime_checkable
 
 from kvmemory.errors import InvalidInput
-from kvmemory.memory.conclusion import ConclusionError, fmt_value, read_conclusion
+from kvmemory.memory.conclusion import ConclusionError, fmt_value, quote, read_conclusion
 from kvmemory.memory.values import parse_value
 
 __all__ = [
@@ -271,15 +271,15 @@ class ExactAnswerVerifier:
             return VerifierResult(False, "exact-answer verifier needs the expected answer; none was given")
         want = _parse_given_answer(answer)
         if want is None:
-            return VerifierResult(False, f"expected answer {answer!r} is not one number")
+            return VerifierResult(False, f"expected answer {quote(str(answer), 40)} is not one number")
         try:
             got = read_conclusion(solution or "")
         except ConclusionError as e:
             return VerifierResult(False, str(e))
         if got.value != want:
             return VerifierResult(False, f"solution's final answer {fmt_value(got.value)} != expected "
-                                         f"{fmt_value(want)} (read from {got.text!r})")
-        return VerifierResult(True, f"final answer {fmt_value(got.value)} matches (read from {got.text!r})")
+                                         f"{fmt_value(want)} (read from {quote(got.text)})")
+        return VerifierResult(True, f"final answer {fmt_value(got.value)} matches (read from {quote(got.text)})")
 
 
 class ArithmeticVerifier:
@@ -316,7 +316,7 @@ class ArithmeticVerifier:
         else:
             want = _parse_given_answer(answer)
             if want is None:
-                return VerifierResult(False, f"expected answer {answer!r} is not one number")
+                return VerifierResult(False, f"expected answer {quote(str(answer), 40)} is not one number")
             if want != final:
                 return VerifierResult(False, f"final answer {fmt_value(final)} != expected {fmt_value(want)}")
         return VerifierResult(True, f"{len(eqs)} equations correct; final answer {fmt_value(final)}")
