@@ -149,3 +149,13 @@ def test_any_text_gives_a_conclusion_or_a_typed_refusal(solution, answer):
     for v in (EXACT, ARITH):
         r = v("q", solution, answer)
         assert isinstance(r.ok, bool) and r.detail
+
+
+def test_remember_stores_the_issues_solutions_and_records_the_new_version(real_memory):
+    from kvmemory.errors import VerificationFailed
+
+    problem, solution, answer = ISSUE_CASES[0]
+    e = real_memory.remember(problem, solution, answer)  # exact-answer, as `remember` chooses with an answer
+    assert e.verified and e.verifier["name"] == "exact-answer" and e.verifier["version"] == "3"
+    with pytest.raises(VerificationFailed, match="lists 30, 31, 32"):
+        real_memory.remember(problem, solution.removesuffix(" Largest is 32."), answer)
