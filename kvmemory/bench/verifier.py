@@ -8,10 +8,12 @@ Correct sets (every refusal is a false refusal):
 - `gsm-unmarked`: the same solutions with the "#### N" line removed, so that the working's own last
   sentence (written by GSM8K's authors, e.g. "She can invite 6 friends because 7 - 1 = 6") concludes;
 - `gsm-sentence`: the same solutions with "#### N" replaced by a concluding sentence
-  (`conclude_in_sentence`: one of 20 phrasings, 4 of them with another number of the question, the number plain, with thousands separators, as money,
-  or in words, the question's noun as a unit; all chosen by a seed);
+  (`conclude_in_sentence`: one of 20 phrasings, 4 of them with another number of the question beside
+  the answer; the number plain, with thousands separators, as money or in words; the question's noun
+  as a unit or not; all chosen by a seed);
 - `handwritten`: `verifier_cases.HAND_CASES`, written for this bench alongside the verifier;
-- `handwritten-heldout`: `verifier_cases.HELDOUT_CASES`, written after it, as a check nobody tuned on.
+- `handwritten-heldout`: `verifier_cases.HELDOUT_CASES`, written after it (its first run is in
+  BENCHMARKS.md: one refusal, fixed since, so it is no longer held out).
 
 Wrong sets (every acceptance is a false acceptance), two per correct set:
 
@@ -281,7 +283,8 @@ def run(problems: int = 340, seed: int = 0, verifiers_file: str | None = None) -
 
 
 def _table(result: dict[str, Any]) -> str:
-    lines = ["| set | verifier | cases | accepted | false refusals | false acceptances |", "|---|---|---:|---:|---:|---:|"]
+    lines = ["| set | verifier | cases | accepted | false refusals | false acceptances |",
+             "|---|---|---:|---:|---:|---:|"]
     for set_name, per in result["sets"].items():
         for vname, row in per.items():
             fr = row.get("false_refusals")
@@ -296,7 +299,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--problems", type=int, default=340, help="GSM-Symbolic problems (85 templates x 4 by default)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--verifiers-file", default=None,
-                   help="a verifiers.py to measure instead of this one (e.g. `git show REV:kvmemory/memory/verifiers.py`)")
+                   help="a verifiers.py to measure instead of this one "
+                        "(e.g. `git show REV:kvmemory/memory/verifiers.py > FILE`)")
     p.add_argument("--json", action="store_true", help="print the full result as JSON (with examples of errors)")
     args = p.parse_args(argv)
     result = run(args.problems, args.seed, args.verifiers_file)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["HandCase", "HAND_CASES"]
+__all__ = ["HandCase", "HAND_CASES", "HELDOUT_CASES"]
 
 
 @dataclass(frozen=True, slots=True)

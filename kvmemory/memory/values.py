@@ -41,7 +41,7 @@ _VULGAR = {"½": "1/2", "⅓": "1/3", "⅔": "2/3", "¼": "1/4", "¾": "3/4", "�
            "⅘": "4/5", "⅙": "1/6", "⅚": "5/6", "⅛": "1/8", "⅜": "3/8", "⅝": "5/8", "⅞": "7/8"}
 _SUBS: list[tuple[re.Pattern, str]] = [
     (re.compile(r"[\u00a0\u2009\u202f\u2007]"), " "),  # non-breaking and thin spaces
-    (re.compile(r"[\u2212\u2012\u2013](?=\s?[$£€¥₹]?\d)(?<![\d)]\u2212)"), "-"),  # a Unicode minus before a number
+    (re.compile(r"[\u2212\u2012\u2013](?=\s?[$£€¥₹]?\d)"), "-"),  # a Unicode minus or dash before a number
     (re.compile(r"\\[dt]?frac\s*\{\s*(-?[\d.,]+)\s*\}\s*\{\s*([\d.,]+)\s*\}"), r"\1/\2"),
     (re.compile(r"\\(?:text|mathrm|textbf|mathbf|operatorname)\s*\{([^{}]*)\}"), r"\1"),
     (re.compile(r"(?<=\d)\\[,!;: ](?=\d{3})"), ""),  # LaTeX thin space as a thousands separator: 1\,250
