@@ -56,6 +56,9 @@ READERS = max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity"
 RING_PER_READER = 2  # groups in flight per reader: one being read, one read and waiting for its copy
 WAVES = 4  # with per-block hashing (SHA-NI lanes), groups small enough for this many rounds of reads
 SEG_MAX = 64 << 10  # segment size for the lanes reader (a divisor of the payload, a multiple of 64)
+# On the CPU, whether the readers copy what they verified into the cache rows (step 4). False: the
+# caller copies in chain order through the graft op, as on a GPU (the tests run the GPU's order here).
+CPU_READERS_COPY = True
 
 _pool: tuple[int, int, ThreadPoolExecutor] | None = None  # (pid, threads, readers)
 _pool_lock = threading.Lock()
@@ -207,7 +210,8 @@ def load_pipelined(store, rows, report, runner, capacity: int = 0, room=None, ti
         if first is not None:
             dst = _allocate(runner, first, n * first.n_tokens, capacity, room)
             units += _units(rows, held, 1 if units else 0, store)
-        in_readers = device.type != "cuda" and dst is not None and dst.whole is not None  # step 4, CPU
+        in_readers = (CPU_READERS_COPY and device.type != "cuda" and dst is not None
+                      and dst.whole is not None)  # step 4, CPU
         keep_slots = dst is not None and dst.whole is None  # a cut copies again from them (sliding layers)
 
         def fits(i: int, meta) -> bool:
@@ -249,6 +253,11 @@ def load_pipelined(store, rows, report, runner, capacity: int = 0, room=None, ti
                 in_flight.remove(u)
                 if not u.hit:
                     u.results = got
+            elif in_readers and not u.hit:  # block 0, read alone before the cache existed: copy it here
+                for i, slot, res in zip(u.idxs, u.slots, u.results):
+                    if isinstance(res, Exception) or not copy_one(i, slot, res):
+                        break
+                    u.copied += 1
             good: list[tuple[int, Slot, object]] = []
             for pos, (i, slot) in enumerate(zip(u.idxs, u.slots)):
                 res = held[i].meta if u.hit else u.results[pos]
@@ -344,7 +353,7 @@ def _launch(good, dst, device: torch.device, copy_into_whole):
     returned), or on the CPU into the one-tensor cache rows."""
     from kvmemory.kernels.graft_op import graft_copy
 
-    if device.type != "cuda" and dst.whole is not None:
+    if device.type != "cuda" and dst.whole is not None and CPU_READERS_COPY:
         for _, slot, meta in good:
             copy_into_whole(memoryview(slot.tensor().numpy()), meta, dst)
         return None

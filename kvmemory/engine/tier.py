@@ -47,7 +47,8 @@ from kvmemory.errors import InvalidInput
 from kvmemory.store import drops
 from kvmemory.store.blocks import BlockMeta
 
-ALIGN = 256  # slot stride alignment: SIMD and non-temporal stores want 64, the kernel's 16-byte copies 16
+ALIGN = 256  # slot offsets in a chunk (chunks: 64-byte aligned by torch, pinned ones page aligned): the
+#             lanes reader's non-temporal stores want 64 bytes, the kernel's vector copies 16
 CHUNK_BYTES = 256 << 20  # the largest arena chunk (one allocation; a pinned one pins that much at once)
 FIRST_SLOTS = 16  # slots of an arena's first chunk; each further chunk doubles the arena up to CHUNK_BYTES
 ENV_BUDGET = "KVMEMORY_TIER_BYTES"
