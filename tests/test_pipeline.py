@@ -34,12 +34,14 @@ def mode(request, monkeypatch):
 
 
 def _engine(tmp_path, monkeypatch, arch="llama", dtype=torch.float32, blocks=40, budget=1 << 30, seed=0,
-            pinned=True):
+            pinned=True, first_sight=True):
     """A tiny engine (two reader threads) whose store holds a chain of `blocks` blocks, the prompt
-    (the chain + 9 tokens) and the chain's catalogue rows."""
+    (the chain + 9 tokens) and the chain's catalogue rows. `first_sight`: the tier admits a chain at
+    its first graft, as on a GPU (the CPU's own default waits for the second: tested below)."""
     monkeypatch.setattr(pipeline, "READERS", 2)
     eng = tiny_engine(arch, tmp_path / f"s{seed}", dtype)
     eng.tier.set_budget(budget)
+    eng.tier.first_sight = first_sight
     ids = torch.randint(0, 512, (blocks * C + 9,), generator=torch.Generator().manual_seed(seed)).tolist()
     eng.store_prefix(ids[: blocks * C], pinned=pinned)
     return eng, ids, graft.plan_chain(eng.store, eng.profile_id, ids, C)
@@ -111,6 +113,22 @@ def test_with_no_budget_the_cpu_reads_straight_into_the_cache(tmp_path, monkeypa
     monkeypatch.setattr(pipeline, "load_pipelined", lambda *a, **k: called.append(1))
     rep, _ = _exact(eng, ids)
     assert called == [] and rep.blocks_from_tier == 0 and len(eng.tier) == 0
+
+
+def test_on_the_cpu_a_chain_enters_the_tier_at_its_second_graft(tmp_path, monkeypatch):
+    """A chain grafted once is read straight into the cache (no tier, no extra copy); grafted again it
+    goes through the pipeline and is admitted; from the third graft on it comes from the tier."""
+    eng, ids, rows = _engine(tmp_path, monkeypatch, blocks=6, first_sight=False)
+    assert eng.tier.where == "cpu" and not eng.tier.first_sight
+    calls = []
+    real = pipeline.load_pipelined
+    monkeypatch.setattr(pipeline, "load_pipelined", lambda *a, **k: calls.append(1) or real(*a, **k))
+    rep, ref = _exact(eng, ids)
+    assert calls == [] and len(eng.tier) == 0
+    rep, _ = _exact(eng, ids, ref=ref)
+    assert calls == [1] and rep.blocks_from_tier == 0 and len(eng.tier) == 6
+    rep, _ = _exact(eng, ids, ref=ref)
+    assert calls == [1, 1] and rep.blocks_from_tier == 6
 
 
 def test_a_damaged_block_mid_chain_cuts_the_chain(tmp_path, monkeypatch, mode):
@@ -347,6 +365,28 @@ def test_the_embedded_model_grafts_through_the_tier_exactly(smollm, tmp_path):
     assert rep.tokens_grafted == 320 and rep.blocks_from_tier == 0
     rep, _ = _exact(eng, ids, ref=ref)
     assert rep.tokens_grafted == 320 and rep.blocks_from_tier == 5
+
+
+def test_gpu_check_section_dry_run(tmp_path):
+    """scripts/gpu_check.py's pipelined_graft section runs on the CPU with tiny shapes (the GPU's copy
+    order, through the twin): cold and hot grafts equal, a damaged block cut and quarantined."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "gpu_check.json"
+    proc = subprocess.run([sys.executable, str(root / "scripts" / "gpu_check.py"), "--dry-run", "--quick", "--out",
+                           str(out), "--sections", "pipelined_graft", "--tmpdir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600)
+    assert out.is_file(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    sec = json.loads(out.read_text())["sections"]["pipelined_graft"]
+    assert proc.returncode == 0 and sec["ok"], proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert sec["all_equal"] and sec["damage"]["grafted_blocks"] == sec["damage"]["block"]
+    assert set(sec["results"]) == {"256", "1024"}
+    for r in sec["results"].values():
+        assert r["cold"]["equal"] and r["hot"]["equal"]
 
 
 # ---------------------------------------------------------------------------------------------------

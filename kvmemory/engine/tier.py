@@ -52,6 +52,7 @@ ALIGN = 256  # slot offsets in a chunk (chunks: 64-byte aligned by torch, pinned
 CHUNK_BYTES = 256 << 20  # the largest arena chunk (one allocation; a pinned one pins that much at once)
 FIRST_SLOTS = 16  # slots of an arena's first chunk; each further chunk doubles the arena up to CHUNK_BYTES
 ENV_BUDGET = "KVMEMORY_TIER_BYTES"
+SEEN_MAX = 1 << 16  # block hashes remembered as grafted once (a CPU tier admits a chain at its second graft)
 
 
 def parse_bytes(text: str) -> int:
@@ -217,6 +218,11 @@ class VerifiedTier:
         self._held: OrderedDict[str, Held] = OrderedDict()  # block hash -> held payload, LRU first
         self._bytes = 0
         self._graft = 0
+        # On a GPU a graft reads into the tier's slots anyway, so keeping them costs nothing; on the CPU
+        # a block is read straight into the cache and keeping it costs one more copy, paid only for
+        # chains grafted a second time (`wants`).
+        self.first_sight = where != "cpu"
+        self._seen: OrderedDict[str, None] = OrderedDict()
         drops.listen(self._on_dropped)
 
     @classmethod
@@ -226,6 +232,24 @@ class VerifiedTier:
                    "pinned" if device.type == "cuda" else "cpu")
 
     # ------------------------------------------------------------------ one graft
+    def wants(self, rows) -> bool:
+        """Whether a graft of the chain `rows` should go through the tier: on a GPU always (with a
+        budget); on the CPU when the tier holds one of its blocks or the chain was grafted before (its
+        first block seen), so a chain grafted once costs nothing more than without a tier."""
+        if self.budget <= 0 or not rows:
+            return False
+        if self.first_sight:
+            return True
+        with self._lock:
+            if rows[0].hash in self._seen or any(r.hash in self._held for r in rows):
+                return True
+            for r in rows:
+                self._seen[r.hash] = None
+                self._seen.move_to_end(r.hash)
+            while len(self._seen) > SEEN_MAX:
+                self._seen.popitem(last=False)
+            return False
+
     def begin(self) -> None:
         """A graft starts: blocks it uses from now on are not evicted by its own admissions."""
         with self._lock:
