@@ -239,7 +239,8 @@ def load_pipelined(store, rows, report, runner, capacity: int = 0, room=None, ti
                         u.future = pool.submit(_copy_hits, u, held, copy_one)
                         in_flight.append(u)
                     continue
-                u.slots = [tier.acquire(rows[k].payload_nbytes) for k in u.idxs]
+                for k_ in u.idxs:  # one at a time: if an allocation fails, the slots taken are released
+                    u.slots.append(tier.acquire(rows[k_].payload_nbytes))
                 u.future = pool.submit(_read_group, store, rows, u, u.lanes, copy_one if in_readers else None)
                 in_flight.append(u)
 
@@ -293,8 +294,9 @@ def load_pipelined(store, rows, report, runner, capacity: int = 0, room=None, ti
                     pass
         for u in units:
             _release(tier, u, event)
-        for i, h in enumerate(held):  # hits no unit took (the first block failed)
-            if h is not None and not any(i in u.idxs for u in units if u.hit):
+        taken = {i for u in units if u.hit for i in u.idxs}
+        for i, h in enumerate(held):  # hits no unit took (the first block failed): their leases end here
+            if h is not None and i not in taken:
                 tier.release(h.slot)
     if cut is not None:
         i, why, quarantined = cut
