@@ -108,6 +108,9 @@ def test_graft_through_the_tier_equals_the_graft_from_files(tmp_path, monkeypatc
 
 
 def test_with_no_budget_the_cpu_reads_straight_into_the_cache(tmp_path, monkeypatch):
+    """The CPU's default (no KVMEMORY_TIER_BYTES): no tier, the direct read of graft.load_chain."""
+    monkeypatch.delenv("KVMEMORY_TIER_BYTES", raising=False)
+    assert tiny_engine("llama", tmp_path / "default").tier.budget == 0
     eng, ids, _ = _engine(tmp_path, monkeypatch, blocks=4, budget=0)
     called = []
     monkeypatch.setattr(pipeline, "load_pipelined", lambda *a, **k: called.append(1))
@@ -301,6 +304,39 @@ def test_a_store_without_header_reads_or_lanes(tmp_path, monkeypatch, mode, dama
     assert rep.blocks_from_tier == want
 
 
+def test_the_redis_store_grafts_through_the_tier_and_its_drops_reach_it(tmp_path, monkeypatch):
+    """A real redis-server: a store with neither header-only reads nor the lanes reader. Grafts through
+    the tier are exact; its quarantine drops the block from the tier."""
+    from redis_server import RedisServer
+    from tiny_models import IdTokenizer, tiny_model
+
+    from kvmemory.engine.engine import Engine
+    from kvmemory.models.loading import LoadedModel
+    from kvmemory.store.redis_store import RedisStore
+
+    monkeypatch.setattr(pipeline, "READERS", 2)
+    with RedisServer() as srv:
+        st = RedisStore(srv.url, store="pipe", path=tmp_path / "tier", signer="5f" * 32)
+        try:
+            eng = Engine(LoadedModel(tiny_model("llama"), IdTokenizer(), "tiny-llama", "tiny-llama"), st, chunk=C)
+            eng.tier.set_budget(1 << 30)
+            eng.tier.first_sight = True
+            ids = torch.randint(0, 512, (12 * C + 5,), generator=torch.Generator().manual_seed(21)).tolist()
+            eng.store_prefix(ids[: 12 * C])
+            rows = graft.plan_chain(st, eng.profile_id, ids, C)
+            assert not hasattr(st, "block_meta") and not hasattr(st, "read_blocks_lanes")
+            rep, ref = _exact(eng, ids)
+            assert rep.tokens_grafted == 12 * C and len(eng.tier) == 12
+            rep, _ = _exact(eng, ids, ref=ref)
+            assert rep.blocks_from_tier == 12
+            st.quarantine(rows[5].hash, "test: set aside")
+            assert rows[5].hash not in eng.tier
+            rep, _ = _exact(eng, ids, ref=ref)
+            assert rep.tokens_grafted == 5 * C and rep.blocks_from_tier == 5
+        finally:
+            st.close()
+
+
 def test_an_io_error_leaves_no_slot_leased(tmp_path, monkeypatch):
     """A read that raises (not a verification failure: an I/O error) propagates, after the reads in
     flight finished and every slot went back."""
@@ -352,8 +388,9 @@ def test_without_the_lanes_library_blocks_are_read_with_hashlib(tmp_path, monkey
 
 
 def test_the_embedded_model_grafts_through_the_tier_exactly(smollm, tmp_path):
-    """SmolLM2 (the default profile: bfloat16 K/V, its kernels): five blocks, grafted from the files and
-    then from the tier, equal the recompute byte for byte."""
+    """SmolLM2 (the default profile: bfloat16 K/V, its kernels), a CPU tier asked for: five blocks grafted
+    straight from the files, then through the pipeline (admitted at the second graft), then from the
+    tier, each equal to the recompute byte for byte."""
     from kvmemory.engine.engine import Engine
     from kvmemory.store.local import LocalStore
 
@@ -362,7 +399,9 @@ def test_the_embedded_model_grafts_through_the_tier_exactly(smollm, tmp_path):
     ids = eng.encode("The verified-once tier keeps payloads it hashed. " * 40)[: 5 * 64 + 7]
     eng.store_prefix(ids[: 5 * 64])
     rep, ref = _exact(eng, ids)
-    assert rep.tokens_grafted == 320 and rep.blocks_from_tier == 0
+    assert rep.tokens_grafted == 320 and rep.blocks_from_tier == 0 and len(eng.tier) == 0
+    rep, _ = _exact(eng, ids, ref=ref)
+    assert rep.tokens_grafted == 320 and rep.blocks_from_tier == 0 and len(eng.tier) == 5
     rep, _ = _exact(eng, ids, ref=ref)
     assert rep.tokens_grafted == 320 and rep.blocks_from_tier == 5
 

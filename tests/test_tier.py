@@ -200,7 +200,7 @@ def test_parse_bytes_and_default_budget(monkeypatch):
     assert default_budget(torch.device("cpu")) == 3 << 20
     monkeypatch.delenv("KVMEMORY_TIER_BYTES")
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    assert default_budget(torch.device("cpu")) == min(2 << 30, ram // 8)
+    assert default_budget(torch.device("cpu")) == 0  # opt-in on the CPU
     assert default_budget(torch.device("cuda")) == min(8 << 30, ram // 8)
 
 

@@ -69,18 +69,22 @@ def parse_bytes(text: str) -> int:
 
 
 def default_budget(device: torch.device) -> int:
-    """The tier's budget for an engine on `device`: $KVMEMORY_TIER_BYTES, else 1/8 of this machine's
-    memory, at most 8 GiB on a GPU (pinned memory is locked) and 2 GiB on the CPU (where the page
-    cache holds the block files too). A cap, not a reservation: memory is taken as blocks are read."""
+    """The tier's budget for an engine on `device`: $KVMEMORY_TIER_BYTES, else on a GPU 1/8 of this
+    machine's memory, at most 8 GiB (pinned memory is locked; a cap, not a reservation: it is taken as
+    blocks are read), and 0 on the CPU (opt-in: there a graft reads a block straight into the cache,
+    so keeping it costs a second copy in RAM of what the page cache holds and one more pass over the
+    bytes at the chain's second graft, for a saving on the read phase alone: what a graft on the CPU
+    spends most of its time on is the step)."""
     env = os.environ.get(ENV_BUDGET)
     if env is not None and env.strip():
         return parse_bytes(env)
+    if device.type != "cuda":
+        return 0
     try:
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError):
         ram = 0
-    cap = (8 << 30) if device.type == "cuda" else (2 << 30)
-    return min(cap, ram // 8)
+    return min(8 << 30, ram // 8)
 
 
 @dataclass(slots=True, eq=False)
