@@ -222,7 +222,8 @@ def section_pipelined_graft(rec: dict, args, graft_op, state: dict, device: torc
         data[-block // 3] ^= 0x20
         path.write_bytes(bytes(data))
         s, chain, rep = graft(nb, VerifiedTier(0, where))
-        rec["damage"] = {"block": bad, "grafted_blocks": len(chain.metas), "quarantined": rep.quarantined == [rows[bad].hash],
+        rec["damage"] = {"block": bad, "grafted_blocks": len(chain.metas),
+                         "quarantined": rep.quarantined == [rows[bad].hash],
                          "equal_before": len(chain.metas) == bad and equal(chain, bad),
                          "store_marks_it": store.get_block(rows[bad].hash).quarantined}
         print(f"  damage: {rec['damage']}")

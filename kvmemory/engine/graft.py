@@ -120,13 +120,12 @@ def _staging(nbytes: int, device: torch.device) -> torch.Tensor:
 
 
 def load_chain(store, rows: Sequence[BlockRow], report: GraftReport, runner=None, capacity: int = 0,
-               room=None, tier=None) -> LoadedChain:
+               room=None) -> LoadedChain:
     """Read and verify `rows`; cut the chain at the first damaged block.
 
-    On a GPU, and on the CPU for a chain grafted before when a verified-once tier with a budget is
-    given (`tier`, tier.py: `wants`), the pipeline does it (pipeline.py: every core reads and hashes
-    into the tier's slots, the graft kernel copies each group once verified, blocks the tier holds
-    are copied without a read). Otherwise, as follows.
+    (The engine goes through pipeline.load_chain: on a GPU, and on the CPU for a chain the
+    verified-once tier wants, the pipeline reads, verifies and copies instead; everything else comes
+    here.)
 
     With a `runner`, the cache is built while loading, with room for `capacity` positions (in
     `room`'s kept buffers when they fit, see cache.Room). On the CPU, when every layer is a
@@ -146,10 +145,6 @@ def load_chain(store, rows: Sequence[BlockRow], report: GraftReport, runner=None
     Either way the threads overlap reading, hashing and copying, and a cache built from a chain cut
     short is used only up to the last verified block.
     """
-    if runner is not None and rows and (runner.device.type == "cuda" or (tier is not None and tier.wants(rows))):
-        from kvmemory.engine.pipeline import load_pipelined
-
-        return load_pipelined(store, rows, report, runner, capacity, room, tier)
     offsets, total = [], 0
     for r in rows:
         offsets.append(total)

@@ -49,6 +49,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvmemory.engine import graft
 from kvmemory.engine.tier import Held, Slot, VerifiedTier
 from kvmemory.errors import IntegrityError
 
@@ -171,11 +172,20 @@ def _read_group(store, rows, unit: _Unit, lanes: bool, copy=None) -> list:
     return results
 
 
+def load_chain(store, rows, report, runner=None, capacity: int = 0, room=None, tier: VerifiedTier | None = None):
+    """The engine's way to load a chain: through the pipeline on a GPU, and on the CPU for a chain the
+    tier wants (`VerifiedTier.wants`: a tier with a budget, a chain grafted before); else
+    graft.load_chain (the CPU's direct read into the cache)."""
+    if runner is not None and rows and (runner.device.type == "cuda" or (tier is not None and tier.wants(rows))):
+        return load_pipelined(store, rows, report, runner, capacity, room, tier)
+    return graft.load_chain(store, rows, report, runner=runner, capacity=capacity, room=room)
+
+
 def load_pipelined(store, rows, report, runner, capacity: int = 0, room=None, tier: VerifiedTier | None = None):
     """Read, verify and place the chain `rows` as the module docstring says; returns graft.LoadedChain
     whose `cache` holds the verified blocks (cut at the first one that failed)."""
-    from kvmemory.engine.graft import LoadedChain, _allocate, _copy_into_whole, _layout
-
+    LoadedChain, _allocate, _copy_into_whole, _layout = (graft.LoadedChain, graft._allocate,
+                                                          graft._copy_into_whole, graft._layout)
     t0 = time.perf_counter()
     device = runner.device
     tier = tier if tier is not None else staging_tier(device)
