@@ -12,7 +12,9 @@ One graft (`load_pipelined`; `rows` = the planned chain, catalogue rows in chain
    to a call where the lanes kernel runs, one block with hashlib otherwise). A group gets slots from
    the tier and is read by a reader thread (one per core): `read_blocks_lanes` reads each file into
    the thread's scratch, hashes it there and stores the same bytes into the slot (the bytes cross
-   memory once: page cache -> slot), or `read_block` reads into the slot and hashes it there.
+   memory once: page cache -> slot), or `read_block` reads into the slot and hashes it there. That
+   one copy is the one a verified graft needs: the GPU reads the private slot it was hashed in, which
+   nothing else writes, where a file (or its pages) could change between the hash and the copy.
 4. Copies. On a GPU the caller's thread walks the chain in order: hits are copied from their slots, a
    group once its read returns; the graft kernel reads the pinned slots in place (one graft_copy launch
    per unit and arena chunk, on `torch.cuda.current_stream`), and an event recorded after the launch
@@ -32,7 +34,7 @@ reaches the cache.
 Why the CPU hashes and the GPU does not: a block's SHA-256 is one serial chain of 64-byte
 compressions, so a GPU could hash only as many messages at once as the chain has blocks (128 at 8k
 tokens on an 8B model); the cores hash them at their full rate, a verified chain grafted again comes
-from the tier at the link's rate. BENCHMARKS.md / the closing note of issue 39 give the arithmetic.
+from the tier at the link's rate (docs/DESIGN.md, The graft at its floor).
 """
 
 from __future__ import annotations
