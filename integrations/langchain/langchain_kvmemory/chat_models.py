@@ -223,7 +223,7 @@ class ChatKVGraft(BaseChatModel):
     def shared(self, model: str | None = None) -> SharedMemory:
         """The KVMemory this model uses (and its lock); `model` names another model for one call."""
         if self.memory is not None and (model is None or model == self.model_name):
-            return borrow_memory(self.memory)
+            return borrow_memory(self.memory, device=self.device, dtype=self.dtype)
         return borrow_memory(None, model or self.model_name, self.store, device=self.device, dtype=self.dtype)
 
     # ------------------------------------------------------------------ tools and structured output
