@@ -79,10 +79,11 @@ def sha256_of(path: str | os.PathLike[str]) -> str:
     with _memo_lock:
         if key in _memo:
             return _memo[key]
-    found = _read_cache().get(key)
+    known = _read_cache()
+    with _memo_lock:
+        _memo.update(known)  # the model's other files are looked up next: one read of the cache file for all
+    found = known.get(key)
     if found is not None:
-        with _memo_lock:
-            _memo[key] = found
         return found
     digest = _hash_stable(key)
     with _memo_lock:
