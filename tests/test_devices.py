@@ -195,16 +195,23 @@ def tiny_folder(tmp_path_factory) -> str:
     return str(root)
 
 
-def test_kvmemory_takes_a_device_and_a_dtype(tiny_folder, tmp_path):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_kvmemory_takes_a_device_and_a_dtype(tiny_folder, tmp_path, dtype):
     from kvmemory import KVMemory
 
-    mem = KVMemory(model=tiny_folder, store=tmp_path / "s", device="cpu", dtype="float32")
-    assert mem.engine.device == torch.device("cpu")
-    assert (mem.engine.profile.device_type, mem.engine.profile.dtype) == ("cpu", "float32")
-    assert mem.engine.profile.device_name  # the CPU's model name, recorded in every block's profile
-    ids = mem.engine.encode("Tom has 3 boxes of 12 eggs and breaks 5 of them. " * 3)
-    got, _ = mem.engine.forward(ids, max_new_tokens=2, keep_logits=True)
-    assert torch.equal(got.prefill_logits, mem.engine.recompute(ids, max_new_tokens=2).prefill_logits)
+    mem = KVMemory(model=tiny_folder, store=tmp_path / "s", device="cpu", dtype=dtype)
+    eng = mem.engine
+    assert eng.device == torch.device("cpu")
+    assert (eng.profile.device_type, eng.profile.dtype) == ("cpu", dtype)
+    assert eng.profile.device_name  # the CPU's model name, recorded in every block's profile
+    ids = eng.encode("Tom has 3 boxes of 12 eggs and breaks 5 of them. " * 8)
+    eng.store_prefix(ids[:70])
+    got, rep = eng.forward(ids, max_new_tokens=2, keep_logits=True, stop_token_ids=())
+    ref = eng.recompute(ids, max_new_tokens=2, stop_token_ids=())
+    assert rep.tokens_grafted == 64 and got.prefill_logits.dtype == getattr(torch, dtype)
+    assert torch.equal(got.prefill_logits, ref.prefill_logits[64:]) and torch.equal(got.decode_logits, ref.decode_logits)
+    if dtype != "float32":
+        return
     with pytest.raises(InvalidInput, match="device are chosen when the engine is opened"):
         KVMemory(mem.engine, device="cpu")
     if not HAS_CUDA:
