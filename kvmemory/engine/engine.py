@@ -27,7 +27,8 @@ from kvmemory.engine.cache import Room
 from kvmemory.engine.tier import VerifiedTier
 from kvmemory.engine import pipeline
 from kvmemory.engine.graft import GraftReport, LoadedChain, build_cache, check_chain, plan_chain
-from kvmemory.models.loading import DEFAULT_MODEL, LoadedModel, load_model, model_identity
+from kvmemory.models.devices import resolve_device, resolve_dtype
+from kvmemory.models.loading import DEFAULT_MODEL, LoadedModel, files_model_sha256, load_model, model_identity
 from kvmemory.engine.determinism import Determinism
 from kvmemory.engine.profile import ExecutionProfile, build_profile
 from kvmemory.engine.runner import DEFAULT_CHUNK, GREEDY, CanonicalRunner, ForwardResult, Sampling
@@ -86,6 +87,10 @@ class Engine:
 
     def __init__(self, loaded: LoadedModel, store, *, chunk: int = DEFAULT_CHUNK, threads: int | None = None,
                  max_positions: int | None = None, model_sha256: str | None = None, kv_dtype=None):
+        """An engine over a model already loaded. The profile's `model_sha256` is the SHA-256 of the
+        weights in memory (profile.weights_sha256) unless `model_sha256` is given: `Engine.open` gives
+        the model files' identity instead (profile.py says why that is sound), which a LoadedModel
+        passed here does not get, since its weights may have been changed after load_model read them."""
         self.loaded = loaded
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
@@ -108,10 +113,14 @@ class Engine:
 
     @classmethod
     def open(cls, model: str = DEFAULT_MODEL, store=None, *, chunk: int = DEFAULT_CHUNK, dtype=None,
-             device: str = "cpu", threads: int | None = None, attn_implementation: str = "sdpa",
+             device: str = "auto", threads: int | None = None, attn_implementation: str = "sdpa",
              max_positions: int | None = None, linears: str = "auto", kv_dtype: str = "auto",
              profile: str = "default") -> "Engine":
-        """Load `model` and open `store`. `linears`: what computes the linear layers on the CPU
+        """Load `model` and open `store`. `device`: "auto" (a GPU where one and the CUDA graft kernel
+        are usable, except for the embedded model, which stays on the CPU), "cpu", "cuda", "cuda:N";
+        `dtype`: "auto" / None (the checkpoint's own on the CPU, bfloat16 on a GPU), "float32",
+        "bfloat16", "float16" (models/devices.py: a device that is not here raises DeviceUnavailable
+        before anything loads). `linears`: what computes the linear layers on the CPU
         (loading.LINEARS; each is its own profile): "auto" = from the embedded model's GGUF blocks
         where the kernel runs (gguf_linear.py), else oneDNN-packed (packed_linear.py); "plain" keeps
         torch's (slower, no second copy of the weights in memory).
@@ -128,6 +137,8 @@ class Engine:
 
         if profile not in PROFILES:
             raise InvalidInput(f"profile must be one of {', '.join(PROFILES)}, not {profile!r}")
+        device = resolve_device(device, model=model)  # before the store opens or the model loads
+        dtype = resolve_dtype(dtype, device, profile=profile)
         if profile == "stock":
             dtype, linears = stock_options(dtype=dtype, linears=linears, attn_implementation=attn_implementation,
                                            kv_dtype=kv_dtype)
@@ -136,7 +147,11 @@ class Engine:
         store = open_store(store)
         loaded = load_model(model, dtype=dtype, device=device, attn_implementation=attn_implementation,
                             linears=linears, profile=profile)
-        return cls(loaded, store, chunk=chunk, threads=threads, max_positions=max_positions, kv_dtype=kv_dtype)
+        # The model was read from files by load_model just now, and nothing else has touched it: its files
+        # identify its weights (loading.weights_files), so opening does not hash gigabytes of them.
+        files = files_model_sha256(loaded.weights_files) if loaded.weights_files else None
+        return cls(loaded, store, chunk=chunk, threads=threads, max_positions=max_positions, kv_dtype=kv_dtype,
+                   model_sha256=files)
 
     @functools.cached_property
     def model_identity(self) -> dict | None:

