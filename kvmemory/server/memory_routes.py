@@ -104,6 +104,11 @@ def _namespace(request: Request, fields: dict) -> str:
     return ns
 
 
+def _private(request: Request) -> bool:
+    """Whether the caller is a tenant, told nothing of other namespaces (tenancy.py)."""
+    return not request.state.principal.admin
+
+
 def _query_scope(user_id, agent_id, run_id, namespace) -> dict:
     return {"user_id": user_id, "agent_id": agent_id, "run_id": run_id, "namespace": namespace}
 
@@ -169,7 +174,8 @@ async def get_entry(entry_id: str, request: Request, user_id: str | None = None,
                     run_id: str | None = None, namespace: str | None = None) -> dict:
     st = _state(request)
     ns = _namespace(request, _query_scope(user_id, agent_id, run_id, namespace))
-    return await st.compute(lambda: ops.get(st.memory, ns, entry_id))
+    private = _private(request)
+    return await st.compute(lambda: ops.get(st.memory, ns, entry_id, private=private))
 
 
 @router.delete("/entries/{entry_id}")
@@ -177,19 +183,23 @@ async def delete_entry(entry_id: str, request: Request, user_id: str | None = No
                        run_id: str | None = None, namespace: str | None = None) -> dict:
     st = _state(request)
     ns = _namespace(request, _query_scope(user_id, agent_id, run_id, namespace))
-    return await st.compute(lambda: ops.forget(st.memory, ns, entry_ids=[entry_id]))
+    private = _private(request)
+    return await st.compute(lambda: ops.forget(st.memory, ns, entry_ids=[entry_id], private=private))
 
 
 @router.post("/forget")
 async def forget(body: ForgetBody, request: Request) -> dict:
     st, ns = _state(request), _namespace(request, body.model_dump())
-    return await st.compute(lambda: ops.forget(st.memory, ns, entry_ids=body.entry_ids, all_entries=body.all))
+    private = _private(request)
+    return await st.compute(lambda: ops.forget(st.memory, ns, entry_ids=body.entry_ids, all_entries=body.all,
+                                               private=private))
 
 
 @router.post("/verify")
 async def verify(body: VerifyBody, request: Request) -> dict:
     st, ns = _state(request), _namespace(request, body.model_dump())
-    return await st.compute(lambda: ops.verify(st.memory, ns, entry_ids=body.entry_ids))
+    private = _private(request)
+    return await st.compute(lambda: ops.verify(st.memory, ns, entry_ids=body.entry_ids, private=private))
 
 
 @router.get("/stats")
@@ -207,7 +217,8 @@ async def export(request: Request, entry_ids: str | None = None, user_id: str | 
     st = _state(request)
     ns = _namespace(request, _query_scope(user_id, agent_id, run_id, namespace))
     ids = [x.strip() for x in (entry_ids or "").split(",") if x.strip()]
-    path, report = await st.compute(lambda: ops.export(st.memory, ns, entry_ids=ids or None))
+    private = _private(request)
+    path, report = await st.compute(lambda: ops.export(st.memory, ns, entry_ids=ids or None, private=private))
     return FileResponse(path, media_type="application/x-tar", filename=f"kvmemory-{ns.replace(':', '-').replace('/', '_')}.kvmb",
                         headers={"X-KVMemory-Bundle-SHA256": str(report.get("sha256", "")),
                                  "X-KVMemory-Entries": str(report.get("entries", ""))},
