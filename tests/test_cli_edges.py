@@ -313,3 +313,26 @@ def test_a_read_only_view_of_a_store_in_use_reads_without_writing(tiny_model, tm
         assert json.loads(p.stdout)["tokens_grafted"] > 0
     finally:
         writer.close()
+
+
+def test_export_with_entries_left_out_exits_3(tmp_path):
+    """A signed store holding a forged row: export writes the bundle without it, and says so with exit 3
+    (it exited 0, so a backup script could not tell that the bundle lacks an entry)."""
+    from redis_server import synth_entry
+
+    from kvmemory.store.signing import SignedLocalStore
+
+    key = "cd" * 32
+    st = SignedLocalStore(tmp_path / "store", signer=key)
+    good, gb = synth_entry(1)
+    forged, fb = synth_entry(2)
+    st.commit_entry(good, gb)
+    st.commit_entry(forged, fb)
+    st.put_profile(good.profile_id, {"synthetic": True})
+    st._db().execute("UPDATE entries SET answer='42' WHERE id=?", (forged.id,))  # a writer without the key
+    st.close()
+    p = kvm("export", "--store", str(tmp_path / "store"), "--signing-key", key, "--out", str(tmp_path / "b.kvmb"),
+            "--json")
+    assert p.returncode == 3, p.stderr
+    report = json.loads(p.stdout)
+    assert report["left_out"] == [forged.id] and report["entry_ids"] == [good.id]
