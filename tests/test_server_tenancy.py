@@ -243,3 +243,20 @@ def test_openai_fields_that_change_nothing_are_accepted_and_the_others_refused_b
             assert r.json()["error"]["param"] == name and name in r.json()["error"]["message"]
         r = c.post("/v1/completions", json={"model": "kvmemory", "prompt": "Say hi.", "max_tokens": 1, "user": "u-1"})
         assert r.status_code == 200, r.text
+
+
+def test_memory_api_query_parameters_it_does_not_take_are_a_400_naming_them(server, ids):
+    """A mistyped scope in a query, or a scope in the query of a POST (whose scope is in its body), ran
+    the call in the key's default scope."""
+    with server.client(ADMIN) as c:
+        for method, path, params, body in (("GET", "/v1/memory/entries", {"usr_id": "alice"}, None),
+                                           ("GET", f"/v1/memory/entries/{ids['alice']}", {"users_id": "alice"}, None),
+                                           ("GET", "/v1/memory/stats", {"namespce": "team-b"}, None),
+                                           ("POST", "/v1/memory/recall", {"user_id": "alice"}, {"query": EGGS["problem"]}),
+                                           ("POST", "/v1/memory/forget", {"user_id": "alice"}, {"all": True})):
+            r = c.request(method, path, params=params, json=body)
+            assert r.status_code == 400, (method, path, r.status_code, r.text)
+            err = r.json()["error"]
+            assert err["code"] == "unknown_field" and err["param"] == next(iter(params)), err
+        assert c.get("/v1/memory/entries", params={"user_id": "alice", "limit": 5}).status_code == 200
+        assert c.get(f"/v1/memory/entries/{ids['alice']}", params={"user_id": "alice"}).status_code == 200

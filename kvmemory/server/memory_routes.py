@@ -29,7 +29,7 @@ import asyncio
 import json
 from typing import Any, Literal
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import FileResponse
 from starlette.background import BackgroundTask
 from pydantic import BaseModel, ConfigDict, Field
@@ -40,7 +40,21 @@ from kvmemory.server.errors import ApiError
 from kvmemory.server.openai_schema import SCOPE_HEADERS
 from kvmemory.server.state import ServerState
 
-router = APIRouter(prefix="/v1/memory")
+def _no_unknown_query(request: Request) -> None:
+    """A query parameter the route does not take is a 400 naming it, as an unknown body field is: a
+    mistyped scope (`?usr_id=alice`), or a scope sent in the query of a POST (whose scope is in its
+    body), would otherwise be ignored and the call run in another scope."""
+    route = request.scope.get("route")
+    dependant = getattr(route, "dependant", None)
+    known = {f.alias for f in dependant.query_params} if dependant is not None else set()
+    unknown = sorted(set(request.query_params) - known)
+    if unknown:
+        takes = ", ".join(sorted(known)) or "none (its fields go in the JSON body)"
+        raise ApiError(400, f"unknown query parameter(s) {', '.join(map(repr, unknown))}; this route takes {takes}",
+                       param=unknown[0], code="unknown_field")
+
+
+router = APIRouter(prefix="/v1/memory", dependencies=[Depends(_no_unknown_query)])
 
 
 class Scoped(BaseModel):
