@@ -260,7 +260,8 @@ def test_reading_commands_work_on_a_read_only_store(tiny_model, tmp_path, read_o
     q = "Tom owns 3 boxes of 12 eggs; 5 break. How many remain?"
     for argv in (["list", "--json"], ["stats", "--json"], ["export", "--out", str(tmp_path / "b.kvmb"), "--json"],
                  ["recall", q, "--model", tiny_model, "--json"],
-                 ["ask", q, "--answer-prefix", "The answer is", "--choices", "numbers", "--model", tiny_model, "--json"],
+                 ["ask", q, "--answer-prefix", "The answer is", "--choices", "numbers", "--model", tiny_model,
+                  "--json"],
                  ["ask", "How many boxes?", "--entry", eid, "--max-tokens", "4", "--model", tiny_model, "--json"],
                  ["verify", "--all", "--model", tiny_model, "--json"]):
         code, out, err = run_main(*argv, "--store", str(ro))

@@ -252,7 +252,8 @@ def test_memory_api_query_parameters_it_does_not_take_are_a_400_naming_them(serv
         for method, path, params, body in (("GET", "/v1/memory/entries", {"usr_id": "alice"}, None),
                                            ("GET", f"/v1/memory/entries/{ids['alice']}", {"users_id": "alice"}, None),
                                            ("GET", "/v1/memory/stats", {"namespce": "team-b"}, None),
-                                           ("POST", "/v1/memory/recall", {"user_id": "alice"}, {"query": EGGS["problem"]}),
+                                           ("POST", "/v1/memory/recall", {"user_id": "alice"},
+                                            {"query": EGGS["problem"]}),
                                            ("POST", "/v1/memory/forget", {"user_id": "alice"}, {"all": True})):
             r = c.request(method, path, params=params, json=body)
             assert r.status_code == 400, (method, path, r.status_code, r.text)

@@ -4,9 +4,9 @@ Requests (pydantic models, so FastAPI documents them) accept what the official c
 refuse, with a 400 naming the field, what this server cannot honour rather than ignoring it:
 `n` > 1, `logprobs`, penalties, `logit_bias`, `response_format: json_object` (give a `json_schema`),
 images and audio in messages; a field that is not OpenAI's (nor `kvmemory`) is a 400 too, and OpenAI's
-fields that would change nothing here are accepted (openai_fields.py). Decoding: `temperature` 0 or omitted is greedy (the default here, not
-OpenAI's 1.0: answers from verified memory should be reproducible); with a temperature, `top_p` and
-`seed` (default 0) give seeded, reproducible sampling.
+fields that would change nothing here are accepted (openai_fields.py). Decoding: `temperature` 0 or
+omitted is greedy (the default here, not OpenAI's 1.0: answers from verified memory should be
+reproducible); with a temperature, `top_p` and `seed` (default 0) give seeded, reproducible sampling.
 
 kvmemory's own options ride in the body as `kvmemory` (the `openai` client's `extra_body`) or as
 headers (`X-KVMemory-User-Id`, `-Agent-Id`, `-Run-Id`, `-Namespace`):
