@@ -625,6 +625,14 @@ def section_bandwidth(rec, args, graft_op, state, device):
         rec["ok_override"] = False
 
 
+def section_pipelined_graft(rec, args, graft_op, state, device):
+    """Issue 39, item 2: the pipelined graft and the verified-once tier at the 8B shape, against the
+    pinned host-to-device peak (scripts/gpu_pipeline_section.py says what it measures and checks)."""
+    from gpu_pipeline_section import section_pipelined_graft as run
+
+    run(rec, args, graft_op, state, device)
+
+
 # ---------------------------------------------------------------------------------------------------
 
 
@@ -637,7 +645,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hash-threads", type=int, default=0, help="SHA-256 threads (default: all cores)")
     ap.add_argument("--group-blocks", type=int, default=4, help="blocks per kernel launch when verifying")
     ap.add_argument("--tmpdir", default=None, help="where the read test writes its file")
-    ap.add_argument("--sections", default="environment,build,equality,e2e,bandwidth")
+    ap.add_argument("--sections", default="environment,build,equality,e2e,bandwidth,pipelined_graft")
     args = ap.parse_args(argv)
     wanted = set(args.sections.split(","))
 
@@ -657,7 +665,7 @@ def main(argv: list[str] | None = None) -> int:
         print("no kernel: skipping the sections that need it", flush=True)
     else:
         for name, fn in (("equality", section_equality), ("e2e", section_e2e),
-                         ("bandwidth", section_bandwidth)):
+                         ("bandwidth", section_bandwidth), ("pipelined_graft", section_pipelined_graft)):
             if name in wanted:
                 with report.section(name) as rec:
                     fn(rec, args, graft_op, state, device)

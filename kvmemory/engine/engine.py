@@ -24,7 +24,9 @@ import torch
 from kvmemory.store.blocks import BlockMeta, capture_payload, chain_hashes
 from kvmemory.errors import InvalidInput, ProfileMismatch
 from kvmemory.engine.cache import Room
-from kvmemory.engine.graft import GraftReport, LoadedChain, build_cache, check_chain, load_chain, plan_chain
+from kvmemory.engine.tier import VerifiedTier
+from kvmemory.engine import pipeline
+from kvmemory.engine.graft import GraftReport, LoadedChain, build_cache, check_chain, plan_chain
 from kvmemory.models.loading import DEFAULT_MODEL, LoadedModel, load_model, model_identity
 from kvmemory.engine.determinism import Determinism
 from kvmemory.engine.profile import ExecutionProfile, build_profile
@@ -94,6 +96,8 @@ class Engine:
         self.determinism = Determinism.for_device(self.device, threads)
         self.runner = CanonicalRunner(self.model, chunk, max_positions, kv_dtype)
         self.room = Room()  # K/V buffers kept between grafted forwards (cache.Room; room.clear() frees them)
+        # Verified block payloads kept for chains grafted again (tier.py: budget, trust, memory; tier.clear()).
+        self.tier = VerifiedTier.for_device(self.device)
         self.chunk = chunk
         with self.determinism.applied():
             self.profile: ExecutionProfile = build_profile(self.model, self.tokenizer, chunk, self.determinism,
@@ -273,7 +277,8 @@ class Engine:
         else:  # the last prompt token is always computed: never graft past the graft point
             rows = list(rows)[: graft_point_for(len(token_ids), self.chunk) // self.chunk]
         capacity = len(token_ids) + new_tokens
-        chain = load_chain(self.store, rows, report, runner=self.runner, capacity=capacity, room=self.room)
+        chain = pipeline.load_chain(self.store, rows, report, runner=self.runner, capacity=capacity,
+                                    room=self.room, tier=self.tier)
         cache, start = self.graft_chain(token_ids, chain, report, capacity=capacity)
         return cache, start, report
 

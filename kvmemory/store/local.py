@@ -39,6 +39,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kvmemory.store import drops
 from kvmemory.store.blocks import BlockMeta, chain_hash, encode_header, read_header
 from kvmemory.errors import IntegrityError, StoreError, StoreFormatError, StoreFull, StoreReadOnly, UnknownEntry
 
@@ -733,6 +734,7 @@ class LocalStore:
     def quarantine(self, h: str, reason: str) -> None:
         """Move a damaged block aside and mark it so it is never read again (read-only: mark nothing)."""
         self._checked_headers.pop(h, None)
+        drops.dropped([h], "quarantined")  # copies held in memory (engine/tier.py) go too
         if self.readonly:
             return
         src = self.block_path(h)
@@ -822,6 +824,7 @@ class LocalStore:
             gone = [h for (h,) in db.execute(
                 "SELECT hash FROM blocks WHERE pinned=0 AND hash NOT IN (SELECT hash FROM entry_blocks)")]
             db.executemany("DELETE FROM blocks WHERE hash=?", [(h,) for h in gone])
+        drops.dropped(gone, "deleted")
         for h in gone:
             self.block_path(h).unlink(missing_ok=True)
         return len(gone)
@@ -854,6 +857,7 @@ class LocalStore:
                 victims.append(h)
                 freed += size
             db.executemany("DELETE FROM blocks WHERE hash=?", [(h,) for h in victims])
+        drops.dropped(victims, "evicted")
         for h in victims:
             self.block_path(h).unlink(missing_ok=True)
         return freed
