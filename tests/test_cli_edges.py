@@ -337,3 +337,23 @@ def test_export_with_entries_left_out_exits_3(tmp_path):
     assert p.returncode == 3, p.stderr
     report = json.loads(p.stdout)
     assert report["left_out"] == [forged.id] and report["entry_ids"] == [good.id]
+
+
+def test_a_read_only_catalogue_whose_wal_cannot_be_read_is_refused_by_name(tmp_path, read_only):
+    """A copy taken while a writer had commits in SQLite's WAL (and without its -shm): reading it needs
+    a write beside it, so a read-only folder is refused, saying why; it is never read without those
+    commits."""
+    from redis_server import synth_entry
+
+    from kvmemory.store.local import LocalStore
+
+    live = LocalStore(tmp_path / "live")
+    live.commit_entry(*synth_entry(1))
+    assert (tmp_path / "live" / "catalogue.sqlite-wal").stat().st_size > 0  # the commit is in the WAL
+    shutil.copytree(tmp_path / "live", tmp_path / "copy", ignore=shutil.ignore_patterns("*-shm"))
+    live.close()
+    ro = read_only(tmp_path / "copy")
+    p = kvm("list", "--json", "--store", str(ro))
+    assert p.returncode == 2, p.stderr
+    err = json.loads(p.stdout)
+    assert err["error"] == "StoreReadOnly" and "catalogue.sqlite-wal" in err["message"], err
