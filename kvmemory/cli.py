@@ -35,15 +35,33 @@ def _model_name(args) -> str:
     return args.model or DEFAULT_MODEL
 
 
-def _memory(args):
-    _quiet_transformers()
-    from kvmemory.memory.facade import KVMemory
+def _memory(args, *, reading: bool = False, writes: bool = False):
+    """The memory a command works on. `reading`: the store must exist already (a reading command
+    never creates one at a mistyped path). `writes`: a read-only store is refused here, before the
+    model loads."""
+    from kvmemory.memory.inputs import check_namespace
+
+    check_namespace(getattr(args, "namespace", "default"))  # before anything is opened or loaded
     from kvmemory.models.devices import resolve_device
     from kvmemory.store.open import open_store
 
-    # A --device this machine does not have fails here, before the store opens or the model loads.
-    device = resolve_device(getattr(args, "device", "auto"), model=_model_name(args))
-    store = open_store(args.store, signing_key=args.signing_key)
+    # An explicit GPU this machine does not have fails here, before the store opens (and is created) or the
+    # model loads; "auto" and "cpu" are resolved after the store's checks, which need no torch.
+    requested = getattr(args, "device", "auto") or "auto"
+    device = None if requested in ("auto", "cpu") else resolve_device(requested, model=_model_name(args))
+    # The store first: a missing or read-only one fails before transformers is even imported.
+    store = _existing_store(args) if reading else open_store(args.store, signing_key=args.signing_key)
+    if writes and getattr(store, "readonly", False):
+        from kvmemory.errors import StoreReadOnly
+
+        where = getattr(store, "url", None) or store.path
+        raise StoreReadOnly(f"the store at {where} is read-only: `kvmemory {args.command}` writes to it; "
+                            "reading commands (ask, recall, list, stats, verify, export) work on it")
+    if device is None:
+        device = resolve_device(requested, model=_model_name(args))
+    _quiet_transformers()
+    from kvmemory.memory.facade import KVMemory
+
     kw = {"chunk": args.chunk} if args.chunk else {}
     if args.threads:
         kw["threads"] = args.threads
@@ -55,8 +73,8 @@ def _memory(args):
                     embedder=getattr(args, "embedder", None), **kw)
 
 
-def _count(minimum: int = 1):
-    """An argparse type: an integer >= `minimum` (a bad value is a usage error, not a traceback)."""
+def _count(minimum: int = 1, maximum: int | None = None):
+    """An argparse type: an integer in [minimum, maximum] (a bad value is a usage error, not a traceback)."""
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -64,6 +82,8 @@ def _count(minimum: int = 1):
             raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
         if value < minimum:
             raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        if maximum is not None and value > maximum:
+            raise argparse.ArgumentTypeError(f"must be at most {maximum}, got {value}")
         return value
     return parse
 
@@ -100,65 +120,57 @@ def _emit(args, obj: dict, text: str) -> None:
 
 
 # ---------------------------------------------------------------------- commands
+def _remember_one(args, mem, d: dict) -> dict:
+    """Remember one solution (a --jsonl line or the --problem options); what --json reports of it."""
+    e = mem.remember(d.get("problem"), d.get("solution"), d.get("answer"),
+                     verifier=d.get("verifier", args.verifier), namespace=d.get("namespace"),
+                     allow_unverified=args.allow_unverified, meta=d.get("meta", _meta(args.meta)))
+    return {"id": e.id, "namespace": e.namespace, "tokens": len(e.token_ids), "blocks": len(e.chain),
+            "verified": e.verified, "attestation_id": e.attestation["attestation_id"],
+            "bit_identical": e.attestation["bit_identical"],
+            # the stored entry with its attestation (examples/check_attestation.py reads this output)
+            "entry": e.to_json()}
+
+
+def _remembered_line(o: dict) -> str:
+    return (f"remembered {o['id']} ({o['tokens']} tokens, {o['blocks']} blocks, "
+            f"{'verified' if o['verified'] else 'UNVERIFIED'}, graft bit-identical: {o['bit_identical']})")
+
+
 def cmd_remember(args) -> int:
-    mem = _memory(args)
-    items = []
-    if args.jsonl:
-        path = Path(args.jsonl)
-        if not path.is_file():
-            from kvmemory.errors import InvalidInput
+    from kvmemory.memory.batch import check_item, read_jsonl, remember_lines
 
-            raise InvalidInput(f"--jsonl needs a file of JSON lines: {path} is not a file")
-        try:
-            text = path.read_text()
-        except (OSError, UnicodeDecodeError) as exc:
-            from kvmemory.errors import InvalidInput
-
-            raise InvalidInput(f"cannot read {path}: {exc}") from exc
-        for i, line in enumerate(text.splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                d = json.loads(line)
-                if not isinstance(d, dict):
-                    raise ValueError("not an object")
-            except ValueError as exc:
-                raise KVMemoryError(f"{path}:{i}: not a JSON object ({exc})") from exc
-            items.append(d)
-    else:
+    if not args.jsonl:
         if args.problem is None or args.solution is None:
-            from kvmemory.errors import InvalidInput
-
             raise InvalidInput("give --problem and --solution (or --jsonl FILE)")
-        items.append({"problem": args.problem, "solution": args.solution, "answer": args.answer})
-    from tqdm import tqdm
-
-    out, failed = [], []
-    for d in tqdm(items, desc="remember", unit="entry", disable=len(items) < 2, file=sys.stderr):
-        try:  # --meta goes to every --jsonl line that has no "meta" of its own
-            e = mem.remember(d.get("problem"), d.get("solution"), d.get("answer"),
-                             verifier=d.get("verifier", args.verifier), namespace=d.get("namespace"),
-                             allow_unverified=args.allow_unverified, meta=d.get("meta", _meta(args.meta)))
-            out.append({"id": e.id, "namespace": e.namespace, "tokens": len(e.token_ids), "blocks": len(e.chain),
-                        "verified": e.verified, "attestation_id": e.attestation["attestation_id"],
-                        "bit_identical": e.attestation["bit_identical"],
-                        # the stored entry with its attestation (examples/check_attestation.py reads this output)
-                        "entry": e.to_json()})
-        except KVMemoryError as exc:
-            if len(items) == 1:
-                raise
-            failed.append({"line": d, "error": f"{type(exc).__name__}: {exc}"})
-    text = "\n".join(f"remembered {o['id']} ({o['tokens']} tokens, {o['blocks']} blocks, "
-                     f"{'verified' if o['verified'] else 'UNVERIFIED'}, graft bit-identical: {o['bit_identical']})"
-                     for o in out)
-    if failed:
-        text += "\n" + "\n".join(f"refused: {f['error']}" for f in failed)
-    _emit(args, {"remembered": out, "refused": failed}, text)
-    return 1 if failed and not out else 0
+        item = {"problem": args.problem, "solution": args.solution, "answer": args.answer}
+        check_item({k: v for k, v in item.items() if v is not None})  # before the model loads
+        o = _remember_one(args, _memory(args, writes=True), item)
+        _emit(args, {"remembered": [o], "refused": []}, _remembered_line(o))
+        return 0
+    # Every line is read and checked before the model loads; each line's fate is reported, and any
+    # refused line makes the exit status 3 (memory/batch.py).
+    report = read_jsonl(args.jsonl)
+    if report.pending:
+        remember_lines(_memory(args, writes=True), report, remember_one=lambda m, d: _remember_one(args, m, d),
+                       progress=True)
+    text = [_remembered_line(f.result) if f.status == "remembered" else
+            f"line {f.line} refused: {f.error}: {f.message}" for f in report.lines]
+    text.append(f"{len(report.remembered)} of {len(report.lines)} lines remembered, {len(report.refused)} refused")
+    _emit(args, report.to_json(), "\n".join(text))
+    return report.exit_code
 
 
 def cmd_ask(args) -> int:
-    mem = _memory(args)
+    from kvmemory.memory.filters import check_where
+    from kvmemory.memory.inputs import check_answer_options, check_entry_id, check_text
+
+    check_text("question", args.question)  # bad input fails here, before the model loads
+    check_answer_options(k=args.k, max_new_tokens=args.max_tokens, choices=args.choice)
+    check_where(_meta(args.where))
+    if args.entry is not None:
+        check_entry_id(args.entry)
+    mem = _memory(args, reading=True)
     stream = None if args.json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
     if args.entry:
         ans = mem.ask(args.entry, args.question, max_new_tokens=args.max_tokens)
@@ -182,7 +194,13 @@ def cmd_ask(args) -> int:
 
 
 def cmd_recall(args) -> int:
-    mem = _memory(args)
+    from kvmemory.memory.filters import check_where
+    from kvmemory.memory.inputs import check_answer_options, check_text
+
+    check_text("query", args.query)  # before the model loads
+    check_answer_options(k=args.k, threshold=args.threshold)
+    check_where(_meta(args.where))
+    mem = _memory(args, reading=True)
     hits = mem.recall(args.query, k=args.k, threshold=args.threshold, where=_meta(args.where))
     out = {"query": args.query, "namespace": mem.namespace, "hits": [h.to_json() for h in hits]}
     text = "\n".join(f"{h.score:.3f}  {h.entry.id}  {'' if h.entry.verified else '[UNVERIFIED] '}"
@@ -192,7 +210,13 @@ def cmd_recall(args) -> int:
 
 
 def cmd_forget(args) -> int:
-    mem = _memory(args)
+    if not args.all_in_namespace:
+        from kvmemory.memory.inputs import check_entry_id
+
+        if args.entry is None:
+            raise InvalidInput("give --entry ID, or --all-in-namespace to forget every entry of --namespace")
+        check_entry_id(args.entry)  # before the model loads
+    mem = _memory(args, reading=True, writes=True)
     if args.all_in_namespace:
         removed = mem.forget_namespace(mem.namespace)
         out = {"namespace": mem.namespace, "blocks_removed": removed}
@@ -204,7 +228,7 @@ def cmd_forget(args) -> int:
 
 
 def cmd_reindex(args) -> int:
-    mem = _memory(args)
+    mem = _memory(args, reading=True, writes=True)
     # --embedder given: the router is rebuilt with it and the store records it (later opens use it)
     n = mem.reindex(progress=_progress(args), embedder=args.embedder)
     name = mem.router.embedder.identity.get("name")
@@ -336,7 +360,11 @@ def _fidelity(args, mem) -> tuple[dict, str]:
 
 
 def cmd_verify(args) -> int:
-    mem = _memory(args)
+    from kvmemory.memory.inputs import check_entry_id
+
+    for eid in args.entry or ():
+        check_entry_id(eid)  # before the model loads
+    mem = _memory(args, reading=True)
     if args.fidelity_texts and not args.fidelity:
         raise InvalidInput("--fidelity-texts goes with --fidelity")
     if args.fidelity and not args.all and not args.entry:
@@ -493,7 +521,9 @@ def cmd_export(args) -> int:
     if r.left_out:
         text += f"\nleft out {len(r.left_out)} unsigned or forged entries: {', '.join(r.left_out)}"
     _emit(args, r.to_json(), text)
-    return 0
+    from kvmemory.memory.batch import EXIT_OK, EXIT_PARTIAL
+
+    return EXIT_PARTIAL if r.left_out else EXIT_OK  # a bundle without every asked-for entry is done in part
 
 
 def cmd_import(args) -> int:
@@ -502,7 +532,7 @@ def cmd_import(args) -> int:
 
     # A damaged bundle is refused before the model loads or the target store is opened.
     bundle = read_bundle(args.file, progress=_progress(args))
-    mem = _memory(args)
+    mem = _memory(args, writes=True)
     r = mem.import_bundle(bundle, sample=args.sample, verify_all=args.verify_all, progress=_progress(args))
     v = r.verify
     lines = [f"bundle {r.bundle}: {len(r.entry_ids)} entries, {r.blocks} blocks, sha256 {r.sha256}"]
@@ -694,13 +724,28 @@ def _examples(*lines: str) -> str:
     return "example" + ("s" if len(lines) > 1 else "") + ":\n" + "\n".join(f"  {x}" for x in lines)
 
 
+_EXIT_HELP = """exit status:
+  0    done
+  1    a check failed: verify found a graft that is not bit-identical, import's proof failed (nothing
+       imported), a bench's answers differ from a recompute
+  2    an error before the work could be done: bad input or usage, no store at --store, a read-only
+       store for a command that writes, a model or store that cannot be opened (one line on stderr;
+       with --json also {"error": ..., "message": ...} on stdout)
+  3    done in part: some items of a batch were refused, the rest done (remember --jsonl: each line's
+       fate is in --json's "lines"; export: entries left out)
+  141  stdout was closed by its reader (kvmemory list --json | head -1)
+fsck: 0 clean, 1 damage found and all of it repaired, 4 damage left"""
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from kvmemory.memory.inputs import MAX_K, MAX_NEW_TOKENS  # the Python API's bounds, for --k / --max-tokens
+
     p = argparse.ArgumentParser(
         prog="kvmemory", description="Exact KV-cache grafting memory for agents: verified solutions stored with the "
         "KV cache a frozen model computed reading them, grafted back bit-identically.",
         epilog=_examples('kvmemory remember --problem "..." --solution "... The answer is 157." --answer 157',
                          'kvmemory ask "a reworded question" --answer-prefix "The answer is" --choices numbers',
-                         "kvmemory <command> --help   (every command's options)"),
+                         "kvmemory <command> --help   (every command's options)") + "\n\n" + _EXIT_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action=_Version, help="print kvmemory's version, the libraries it runs on, the "
                    "platform and CPU (what a bug report needs), and exit")
@@ -717,8 +762,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--problem", help="the problem text (with --solution)")
     r.add_argument("--solution", help="the solution text that was verified")
     r.add_argument("--answer", help="the final answer, checked against the solution by the verifier")
-    r.add_argument("--jsonl", metavar="FILE", help="a file of {problem, solution, answer[, namespace, verifier]} "
-                   "lines instead of --problem / --solution")
+    r.add_argument("--jsonl", metavar="FILE", help="a file of {problem, solution, answer[, namespace, verifier, "
+                   "meta]} lines instead of --problem / --solution. Every line is checked before the model "
+                   "loads and remembered on its own; --json lists each line's fate (line, id or error and "
+                   "message). Exit status 3 when any line was refused (the others are stored)")
     r.add_argument("--verifier", default=None, help="exact-answer (default with --answer), arithmetic, none")
     r.add_argument("--allow-unverified", action="store_true", help="store a solution the verifier refused, marked "
                    "as unverified")
@@ -734,8 +781,9 @@ def build_parser() -> argparse.ArgumentParser:
                                   "--choices numbers", 'kvmemory ask --entry ID "How many were planted?"'))
     a.add_argument("question", help="the question")
     a.add_argument("--entry", metavar="ID", help="ask a follow-up on this entry (no routing)")
-    a.add_argument("--k", type=int, default=2, help="entries to route to (default: %(default)s)")
-    a.add_argument("--max-tokens", type=int, default=256, help="most tokens to decode (default: %(default)s)")
+    a.add_argument("--k", type=_count(1, MAX_K), default=2, help="entries to route to (default: %(default)s)")
+    a.add_argument("--max-tokens", type=_count(1, MAX_NEW_TOKENS), default=256,
+                   help="most tokens to decode (default: %(default)s)")
     a.add_argument("--answer-prefix", help='start the answer with this text (e.g. "The answer is")')
     a.add_argument("--choices", choices=["numbers"],
                    help="choose the answer among the numbers of the routed solutions (by the model's likelihood)")
@@ -764,7 +812,7 @@ def build_parser() -> argparse.ArgumentParser:
     rc = _command(sub, "recall", "the entries a question routes to, with their scores (no model call)",
                   parents=[memory, json_opt])
     rc.add_argument("query", help="the question to route")
-    rc.add_argument("--k", type=int, default=5, help="most entries to return (default: %(default)s)")
+    rc.add_argument("--k", type=_count(1, MAX_K), default=5, help="most entries to return (default: %(default)s)")
     rc.add_argument("--threshold", type=float, default=None, help="cosine threshold (default: the calibrated one)")
     rc.add_argument("--where", type=_pair, action="append", metavar="KEY=VALUE", help=_WHERE_HELP)
     rc.set_defaults(func=cmd_recall)
@@ -1001,11 +1049,31 @@ def _bench_parsers(bench: argparse.ArgumentParser) -> None:
     al.set_defaults(func=bench_agent_loop)
 
 
+def _stdout_gone() -> int:
+    """stdout's reader went away (`kvmemory list --json | head -1`): stop quietly, as Unix tools do
+    (their SIGPIPE death reads as 141 in a shell). Python would otherwise print a BrokenPipeError
+    traceback, then another when it flushes stdout at exit: point stdout at /dev/null first."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # no stdout file descriptor at all: nothing left to silence
+        pass
+    return EXIT_PIPE
+
+
+EXIT_PIPE = 128 + 13  # what a shell reports for a process ended by SIGPIPE
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return args.func(args)
+        code = args.func(args)
+        sys.stdout.flush()  # inside the try: a reader gone now is handled below, not at interpreter exit
+        return code
+    except BrokenPipeError:
+        return _stdout_gone()
     except KVMemoryError as exc:
         msg = {"error": type(exc).__name__, "message": str(exc)}
         if getattr(args, "json", False):
