@@ -93,8 +93,10 @@ class Engine:
         # torch's process-wide settings (deterministic algorithms, threads, ...) are pinned only while
         # this engine computes and restored after each call (determinism.py): nothing leaks to the caller.
         self.determinism = Determinism.for_device(self.device, threads)
-        # step: "auto" = CUDA graphs of static steps on a GPU, the dynamic path on the CPU (static_step.py)
-        self.runner = CanonicalRunner(self.model, chunk, max_positions, kv_dtype, step=step)
+        # step: "auto" = CUDA graphs of static steps on a GPU, the dynamic path on the CPU (static_step.py);
+        # made under the pinned settings: a graph captured now (the probe) is replayed by later calls
+        with self.determinism.applied():
+            self.runner = CanonicalRunner(self.model, chunk, max_positions, kv_dtype, step=step)
         # K/V buffers kept between grafted forwards (cache.Room; room.clear() frees them); a static runner's
         # own cache plays that part, so a graft lands where its steps read
         self.room = self.runner.static or Room()

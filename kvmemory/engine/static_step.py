@@ -398,7 +398,7 @@ class StaticGrid:
         known when the engine opens (and the profile records what runs), and compare a captured step's
         logits with the eager one's (`probe_equal`, a diagnostic). Leaves the buffers zeroed."""
         try:
-            self.ensure(2 * self.C)
+            self.ensure(min(2 * self.C, self.limit))
             equal = True
             for kind in self.kinds:
                 bucket = self.bucket_for(kind)
