@@ -42,3 +42,15 @@ def test_gpu_check_engine_sections_dry_run(tmp_path):
     runs = sections["pytest"]["runs"]  # the GPU tests collected and skipped (no CUDA here)
     assert len(runs) == 2 and all(r["returncode"] == 0 and r["counts"].get("skipped") for r in runs)
     assert not any(r["counts"].get("failed") for r in runs)
+
+
+def test_gpu_check_keeps_to_its_time_budget(tmp_path):
+    """Past the whole budget no section starts: each is listed as skipped, and the run is not all_ok."""
+    out = tmp_path / "gpu_check.json"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--out", str(out), "--budget-s", "0.001",
+                           "--sections", "environment,build,graphs,bench"], capture_output=True, text=True, timeout=600)
+    data = json.loads(out.read_text())
+    assert proc.returncode == 1 and data["all_ok"] is False
+    assert data["sections"]["build"]["ok"]  # always run: the others need it
+    for name in ("graphs", "bench"):
+        assert data["sections"][name] == {"ok": False, "skipped": "the run's time budget was spent"}
