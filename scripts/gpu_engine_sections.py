@@ -5,9 +5,10 @@ does on the device, as opposed to the graft kernel alone (gpu_check.py's own sec
            recompute logits torch.equal between step modes "cuda-graph" and "static" (a diagnostic: the two
            are separate profiles), each engine's probe, and the time per grid step and per decode step of
            a SmolLM2-135M-shaped model under "dynamic" (the runner before graphs), "static" and "cuda-graph"
-  matrix   the tiny architecture matrix (7 families, float32 and bfloat16) through the Engine on CUDA in
-           each step mode: graft + computed suffix torch.equal to the recompute, prefill and decode logits,
-           and verify_tokens bit-identical
+  matrix   the tiny architecture matrix (7 families, float32 and bfloat16) through the Engine on CUDA,
+           step modes "cuda-graph" (the default there) and "dynamic" (the runner before graphs; "static"
+           runs in pytest's GPU tests): graft + computed suffix torch.equal to the recompute, prefill and
+           decode logits, and verify_tokens bit-identical
   bench    `kvmemory bench gpu` (kvmemory/bench/gpu.py): SmolLM2-135M and Llama-3.1-8B shapes at 32k, 8k,
            2k (in that order: what matters most first), 3 repeats, written into the JSON after each length
   pytest   the GPU tests: tests/test_graft_op.py, test_kernel_build.py, test_cache.py whole, and the
@@ -50,10 +51,12 @@ def _modes(dry_run: bool) -> list[str]:
 
 def section_graphs(rec: dict, args, device: torch.device, deadline: float) -> None:
     _tests_on_path()
-    from tiny_models import ARCHS, tiny_engine
+    from tiny_models import tiny_engine
 
     graphs = "static" if args.dry_run else "cuda-graph"
-    archs = ["llama", "gemma3"] if args.dry_run or args.quick else ARCHS
+    # full attention, sliding windows in every layer, mixed layer types, eager attention (the matrix
+    # section and pytest's GPU tests run all seven)
+    archs = ["llama", "gemma3"] if args.dry_run or args.quick else ["llama", "mistral", "gemma2", "gemma3"]
     cases, ok = [], True
     with tempfile.TemporaryDirectory() as tmp:
         for arch in archs:
@@ -125,7 +128,7 @@ def section_matrix(rec: dict, args, device: torch.device, deadline: float) -> No
     archs = ["llama", "gemma3"] if args.dry_run else ARCHS
     cases, ok = [], True
     with tempfile.TemporaryDirectory() as tmp:
-        for mode in _modes(args.dry_run):
+        for mode in ("static", "dynamic") if args.dry_run else ("cuda-graph", "dynamic"):
             for arch in archs:
                 for dtype in (torch.float32, torch.bfloat16):
                     name = f"{mode} {arch} {str(dtype).removeprefix('torch.')}"
