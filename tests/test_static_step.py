@@ -185,3 +185,81 @@ def test_cuda_results_do_not_depend_on_capacity(tmp_path):
     a = fresh.recompute(ids, max_new_tokens=4, stop_token_ids=())
     b = grown.recompute(ids, max_new_tokens=4, stop_token_ids=())
     assert torch.equal(a.prefill_logits, b.prefill_logits) and torch.equal(a.decode_logits, b.decode_logits)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The graph bookkeeping, on the CPU: `_capture` replaced by a stand-in whose replay runs the same static
+# step eagerly into a kept output (what a graph does, without CUDA), so the probe, the per-(rows, bucket)
+# cache of graphs, their output copies, the drop on growth and the failure rules run here.
+
+
+def _emulated(monkeypatch, fail=lambda kind, bucket: False):
+    import kvmemory.engine.runner as runner_mod
+    from kvmemory.errors import GraphCaptureError
+
+    real = runner_mod.resolve_step_mode
+    monkeypatch.setattr(runner_mod, "resolve_step_mode",
+                        lambda req, dev: "cuda-graph" if req in ("auto", "cuda-graph") else real(req, dev))
+    captured = []
+
+    def capture(self, kind, bucket):
+        if fail(kind, bucket):
+            raise GraphCaptureError(f"emulated failure ({kind} rows, {bucket} keys)")
+        out = self._forward(kind, bucket).clone()
+
+        class Graph:
+            def replay(_):
+                out.copy_(self._forward(kind, bucket))
+
+        captured.append((kind, bucket))
+        self.captures += 1
+        return Graph(), out
+
+    monkeypatch.setattr(StaticGrid, "_capture", capture)
+    return captured
+
+
+def test_emulated_graphs_graft_bit_identical_and_captured_once_per_bucket(monkeypatch, store_dir):
+    captured = _emulated(monkeypatch)
+    eng = tiny_engine("qwen2", store_dir, step="cuda-graph")
+    grid = eng.runner.static
+    assert eng.profile.step_mode == "cuda-graph" and grid.probe_equal is True and grid.fallback is None
+    assert captured == [(1, 16), (16, 16)]  # the probe: the smallest decode and grid steps
+    ids = _ids(130)
+    assert_graft_equals_recompute(eng, ids, 96, 5)
+    # the cache grew (to 128, then 256 positions: 130 + 5 decoded), dropping the graphs captured over
+    # the smaller one each time; now every (rows, bucket) the prompt needs is captured once
+    assert grid.capacity == 256
+    assert set(grid.graphs) == {(16, 16), (16, 32), (16, 64), (16, 128), (16, 256), (1, 256)}
+    assert captured[-len(grid.graphs):] and len(set(captured[-len(grid.graphs):])) == len(grid.graphs)
+    before = list(captured)
+    # a replay's output is the graph's own tensor: what the runner got was a copy
+    static = tiny_engine("qwen2", store_dir, step="static").recompute(ids, max_new_tokens=5, stop_token_ids=())
+    again = eng.recompute(ids, max_new_tokens=5, stop_token_ids=())
+    assert captured == before  # replayed, not captured again
+    assert torch.equal(again.prefill_logits, static.prefill_logits)
+    assert torch.equal(again.decode_logits, static.decode_logits)
+
+
+def test_a_capture_failing_at_open(monkeypatch, store_dir, caplog):
+    from kvmemory.errors import GraphCaptureError
+
+    _emulated(monkeypatch, fail=lambda kind, bucket: True)
+    with pytest.raises(GraphCaptureError, match="emulated failure"):
+        tiny_engine("llama", store_dir, step="cuda-graph")  # asked for: raised, never replaced
+    with caplog.at_level("WARNING"):
+        eng = tiny_engine("llama", store_dir, step="auto")  # auto: the static steps, once, said and recorded
+    assert eng.runner.step_mode == eng.profile.step_mode == "static"
+    assert "emulated failure" in eng.runner.static.fallback and "without CUDA graphs" in caplog.text
+    assert_graft_equals_recompute(eng, _ids(90), 80, 3)
+
+
+def test_a_capture_failing_later_raises_and_never_switches(monkeypatch, store_dir):
+    from kvmemory.errors import GraphCaptureError
+
+    _emulated(monkeypatch, fail=lambda kind, bucket: bucket > 64)
+    eng = tiny_engine("llama", store_dir, step="cuda-graph")
+    eng.recompute(_ids(40), max_new_tokens=2)  # buckets up to 64: captured
+    with pytest.raises(GraphCaptureError, match="128 keys"):
+        eng.recompute(_ids(100), max_new_tokens=2)
+    assert eng.runner.step_mode == "cuda-graph" and eng.runner.static.graphs_on

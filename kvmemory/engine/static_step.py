@@ -407,7 +407,8 @@ class StaticGrid:
                 eager = self._forward(kind, bucket).clone()
                 graph, out = self.graphs[(kind, bucket)] = self._capture(kind, bucket)
                 graph.replay()
-                torch.cuda.synchronize(self.device)
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
                 equal = equal and torch.equal(out, eager)
             self.probe_equal = bool(equal)
         except GraphCaptureError as exc:
