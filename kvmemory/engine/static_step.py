@@ -31,6 +31,13 @@ Why buckets, against the two other static designs:
   the keys it needs (a prefill from scratch of a power of two about 1.3x the causal minimum), and a
   graft's tail step at L = 2^k reads exactly L keys.
 
+Why explicit graphs over static buffers rather than `torch.compile(mode="reduce-overhead")` (what
+transformers' generation uses with its StaticCache): compiling generates other kernels (Inductor fuses
+the norms, RoPE and activations into Triton kernels whose arithmetic differs from the eager ops', and
+changes with the compiler's version and autotuning), recompiles behind guards, and its CUDA-graph trees
+decide when to capture; here the kernels are the eager step's, captured as they run, and when each graph
+is captured is the module's own decision.
+
 Exactness (graft == recompute under one profile). A block, a graft's steps and a recompute's steps are
 all computed here, under the same `step_mode` (a profile field): a graft and a recompute run the same
 step (the same graph, chosen by the chunk's position alone) over the same input bytes. Positions < start
@@ -87,7 +94,7 @@ def resolve_step_mode(requested: str, device: torch.device) -> str:
 def _mask_kind(attn_implementation: str) -> str:
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask, sdpa_mask
 
-    fn = ALL_MASK_ATTENTION_FUNCTIONS.get(attn_implementation) if attn_implementation in ALL_MASK_ATTENTION_FUNCTIONS \
+    fn = ALL_MASK_ATTENTION_FUNCTIONS[attn_implementation] if attn_implementation in ALL_MASK_ATTENTION_FUNCTIONS \
         else None
     if fn is sdpa_mask:
         return _BOOL
