@@ -320,7 +320,7 @@ def bench_gpu(args) -> int:
     from kvmemory.bench.gpu import DEFAULT_SHAPES, format_table, plot, run_gpu_bench
 
     shapes = args.shapes if args.shapes is not None else (() if args.model else DEFAULT_SHAPES)
-    r = run_gpu_bench(shapes, models=args.model or (), lengths=args.lengths, repeats=args.repeats, device=args.device,
+    r = run_gpu_bench(shapes, models=[args.model] if args.model else (), lengths=args.lengths, repeats=args.repeats, device=args.device,
                       dtype=args.dtype, step=args.step, seed=args.seed, progress=_progress(args))
     _plot(args, r, plot)
     _emit(args, r, format_table(r))
@@ -868,15 +868,14 @@ def _bench_parsers(bench: argparse.ArgumentParser) -> None:
     gp = _command(sub, "gpu", "time to first token on a GPU: the graft vs transformers' single pass, the recompute, "
                   "remember and the floor (the bytes over the pinned host-to-device link + one step), on random-weight "
                   "model shapes; exits 1 when a graft's first token differs from the recompute's",
-                  parents=[json_opt],
+                  parents=[_parent("model"), json_opt],
                   epilog=_examples("kvmemory bench gpu --plot gpu.png --json > gpu.json   # SmolLM2-135M and "
                                    "Llama-3.1-8B shapes, 2k / 8k / 32k",
                                    "kvmemory bench gpu --shapes tiny --device cpu   # the CPU run CI covers",
                                    "kvmemory bench gpu --model ./my-model --lengths 2048,8192"))
     gp.add_argument("--shapes", type=lambda t: tuple(x.strip() for x in t.split(",") if x.strip()),
                     metavar="S1,S2", help="random-weight shapes: smollm2-135m, llama-3.1-8b, tiny (default: "
-                    "smollm2-135m,llama-3.1-8b; none when --model is given)")
-    gp.add_argument("--model", action="append", metavar="FOLDER", help="also a local model folder (repeatable)")
+                    "smollm2-135m,llama-3.1-8b; none when --model is given, which benches that model)")
     gp.add_argument("--lengths", type=_counts, metavar="L1,L2,...", help="prompt lengths in tokens, multiples of 64 "
                     "(default: 2048,8192,32768; 128,256 for --shapes tiny)")
     gp.add_argument("--repeats", type=_count(), default=3, help="interleaved timed runs of every side at every "
