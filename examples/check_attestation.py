@@ -167,6 +167,9 @@ def stock_reason(profile: dict) -> str | None:
                    "not float32 with float32 K/V")
     if profile.get("device_type") != "cpu":
         why.append(f"it ran on {profile.get('device_type')!r}, not the CPU")
+    if profile.get("step_mode", "dynamic") != "dynamic":  # profiles stored before the field ran dynamic steps
+        why.append(f"its steps ran {profile.get('step_mode')!r} (padded chunks, keys in buckets), not the chunk loop "
+                   "this script recomputes")
     return "; ".join(why) or None
 
 

@@ -157,6 +157,7 @@ _EXPORTS = {
     "UnknownModel": "kvmemory.errors",
     "VerificationFailed": "kvmemory.errors",
     "RouterMismatch": "kvmemory.errors",
+    "GraphCaptureError": "kvmemory.errors",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
@@ -190,8 +191,8 @@ if TYPE_CHECKING:  # what type checkers and IDEs see (py.typed): the same names,
     from kvmemory.engine.graft import GraftReport
     from kvmemory.engine.profile import ExecutionProfile
     from kvmemory.engine.runner import DEFAULT_CHUNK, GREEDY, ForwardResult, Sampling
-    from kvmemory.errors import (BundleError, DeviceUnavailable, IntegrityError, InvalidInput, KVMemoryError, NotOnGrid,
-                                 ProfileMismatch,
+    from kvmemory.errors import (BundleError, DeviceUnavailable, GraphCaptureError, IntegrityError, InvalidInput,
+                                 KVMemoryError, NotOnGrid, ProfileMismatch,
                                  RouterMismatch, StoreError, StoreFormatError, StoreFull, StoreReadOnly,
                                  UnknownEntry, UnsupportedArchitecture, VerificationFailed)
     from kvmemory.memory.background import PendingWrite

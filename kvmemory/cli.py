@@ -343,6 +343,18 @@ def bench_agent_loop(args) -> int:
     return 0 if all(all(row["first_token_equal_recompute"]) for row in r["rows"]) else 1
 
 
+def bench_gpu(args) -> int:
+    _quiet_transformers()
+    from kvmemory.bench.gpu import DEFAULT_SHAPES, format_table, plot, run_gpu_bench
+
+    shapes = args.shapes if args.shapes is not None else (() if args.model else DEFAULT_SHAPES)
+    r = run_gpu_bench(shapes, models=[args.model] if args.model else (), lengths=args.lengths, repeats=args.repeats, device=args.device,
+                      dtype=args.dtype, step=args.step, seed=args.seed, progress=_progress(args))
+    _plot(args, r, plot)
+    _emit(args, r, format_table(r))
+    return 0 if r["ok"] else 1  # a graft whose first token differs from the recompute's, or an unproven remember
+
+
 def _plot(args, report: dict, plot) -> None:
     if args.plot:
         plot(report, args.plot)
@@ -828,7 +840,7 @@ def build_parser() -> argparse.ArgumentParser:
                   epilog=_examples("kvmemory reindex --embedder multilingual   # French, Chinese, ... route too"))
     ri.set_defaults(func=cmd_reindex)
 
-    _bench_parsers(_command(sub, "bench", "benchmarks: graft, answer, agent-loop, recurring, router, store, capacity, "
+    _bench_parsers(_command(sub, "bench", "benchmarks: graft, answer, agent-loop, gpu, recurring, router, store, capacity, "
                             "serve (each with "
                             "its own options: kvmemory bench BENCH --help)",
                             epilog=_examples("kvmemory bench graft --repeats 5 --plot graft.png --json",
@@ -948,6 +960,30 @@ def _bench_parsers(bench: argparse.ArgumentParser) -> None:
     seed(g)
     plot(g)
     g.set_defaults(func=bench_graft)
+
+    gp = _command(sub, "gpu", "time to first token on a GPU: the graft vs transformers' single pass, the recompute, "
+                  "remember and the floor (the bytes over the pinned host-to-device link + one step), on random-weight "
+                  "model shapes; exits 1 when a graft's first token differs from the recompute's",
+                  parents=[_parent("model"), json_opt],
+                  epilog=_examples("kvmemory bench gpu --plot gpu.png --json > gpu.json   # SmolLM2-135M and "
+                                   "Llama-3.1-8B shapes, 2k / 8k / 32k",
+                                   "kvmemory bench gpu --shapes tiny --device cpu   # the CPU run CI covers",
+                                   "kvmemory bench gpu --model ./my-model --lengths 2048,8192"))
+    gp.add_argument("--shapes", type=lambda t: tuple(x.strip() for x in t.split(",") if x.strip()),
+                    metavar="S1,S2", help="random-weight shapes: smollm2-135m, llama-3.1-8b, tiny (default: "
+                    "smollm2-135m,llama-3.1-8b; none when --model is given, which benches that model)")
+    gp.add_argument("--lengths", type=_counts, metavar="L1,L2,...", help="prompt lengths in tokens, multiples of 64 "
+                    "(default: 2048,8192,32768; 128,256 for --shapes tiny)")
+    gp.add_argument("--repeats", type=_count(), default=3, help="interleaved timed runs of every side at every "
+                    "length (default: %(default)s)")
+    gp.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda where there is one)")
+    gp.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16",
+                    help="the dtype the models compute in (default: %(default)s)")
+    gp.add_argument("--step", choices=["auto", "dynamic", "static", "cuda-graph"], default="auto",
+                    help="the engine's step mode (auto: CUDA graphs of static steps on a GPU; default: %(default)s)")
+    seed(gp)
+    plot(gp)
+    gp.set_defaults(func=bench_gpu)
 
     rc = _command(sub, "recurring", "accuracy and tokens computed on recurring problems: the model alone vs "
                   "with its verified solutions remembered; generated problems and their rewordings, or an "

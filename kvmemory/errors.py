@@ -79,3 +79,8 @@ class VerificationFailed(KVMemoryError):
 
 class RouterMismatch(KVMemoryError):
     """A router index built with another embedder; run `kvmemory reindex`."""
+
+
+class GraphCaptureError(KVMemoryError):
+    """A static step that could not be captured in a CUDA graph (engine/static_step.py); open with
+    step='static' (the same shapes, run eagerly) or step='dynamic'."""

@@ -83,6 +83,7 @@ COMPUTE_PATH = (
     "models/loading.py", "models/attention.py", "models/gguf_linear.py", "models/packed_linear.py",
     "models/llama_step.py",
     "kernels/few_query_attention.py", "kernels/quantized_linear.py", "kernels/graft_op.py", "kernels/decode_ops.py",
+    "engine/static_step.py", "engine/pipeline.py",
 )
 # Which native kernel each attention / linear implementation runs (the profile records their builds).
 _KERNEL_OF_ATTENTION = {attention.FEWQ: few_query_attention.KERNEL_LIB}
@@ -178,6 +179,10 @@ class ExecutionProfile:
     code_sha256: str = ""
     math_libraries: dict = field(default_factory=dict)
     accelerator: dict = field(default_factory=dict)
+    # How each forward step runs (engine/static_step.py): "dynamic" (growing shapes; every profile stored
+    # before this field ran so), "static" (static shapes, eagerly), "cuda-graph" (static shapes replayed
+    # from CUDA graphs).
+    step_mode: str = "dynamic"
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -346,7 +351,8 @@ def _sdpa_backend(device: torch.device) -> str:
 
 
 def build_profile(model: torch.nn.Module, tokenizer, chunk: int, determinism: Determinism, *,
-                  model_sha256: str | None = None, kv_dtype: torch.dtype | None = None) -> ExecutionProfile:
+                  model_sha256: str | None = None, kv_dtype: torch.dtype | None = None,
+                  step_mode: str = "dynamic") -> ExecutionProfile:
     """Fingerprint a loaded model under the settings its engine pins (called inside `determinism.applied()`).
     `model_sha256`: the weights' identity when the caller knows it (the model files': module docstring),
     else the weights in memory are hashed."""
@@ -382,4 +388,5 @@ def build_profile(model: torch.nn.Module, tokenizer, chunk: int, determinism: De
         code_sha256=code_sha256(),
         math_libraries=math_libraries(),
         accelerator=accelerator_identity(device),
+        step_mode=step_mode,
     )
