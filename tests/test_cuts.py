@@ -170,3 +170,23 @@ def test_bad_cuts_are_refused(store_dir):
             eng.forward(ids, cuts=bad)
     with pytest.raises(InvalidInput):  # a prefill starts on the grid or at a cut
         eng.runner.forward(ids, start=10, cache=eng.runner.new_cache(40))
+
+
+def test_graft_and_recompute_run_the_chunks_of_their_cuts(store_dir, monkeypatch):
+    """What the runner computes, step by step: a recompute with cuts runs chunk_spans' chunks, and a
+    graft at a cut runs exactly the recompute's chunks after it (the shapes every kernel sees)."""
+    eng = tiny_engine("llama", store_dir)
+    ids = _ids(50, seed=9)
+    _store_segment(eng, ids[:37], [37])
+    steps: list[tuple[int, int]] = []
+    step = eng.runner._step
+    monkeypatch.setattr(eng.runner, "_step", lambda x, start, cache, rows=None: (
+        steps.append((start, int(x.shape[1]))), step(x, start, cache, rows))[1])
+    eng.recompute(ids, max_new_tokens=2, stop_token_ids=(), cuts=[10, 37])
+    assert steps == [(0, 10), (10, 6), (16, 16), (32, 5), (37, 11), (48, 2), (50, 1)]
+    steps.clear()
+    eng.recompute(ids, max_new_tokens=2, stop_token_ids=(), cuts=[37])
+    full = list(steps)
+    steps.clear()
+    _, rep = eng.forward(ids, max_new_tokens=2, stop_token_ids=(), cuts=[37])
+    assert rep.tokens_grafted == 37 and steps == [s for s in full if s[0] >= 37] == [(37, 11), (48, 2), (50, 1)]
