@@ -576,12 +576,10 @@ def _check_entries(raw: list, blocks: dict[str, BlockMeta], profiles: dict) -> l
             raise BundleError(f"entry {e.id}: its chain is incomplete (block {missing[0][:12]} is not in the "
                               "bundle)")
         if e.chain:
-            try:
-                chunk = int(profiles[e.profile_id]["chunk"])
-            except (KeyError, TypeError, ValueError):
-                raise BundleError(f"entry {e.id}: its profile names no chunk grid") from None
-            # An entry's chain: every chunk of its token ids, the last one cut at their end (a tail block)
-            expected = chain_hashes(e.profile_id, list(e.token_ids), chunk, tail=True) if chunk > 0 else []
+            # An entry's chain: every chunk of its token ids, the last one cut at their end (a tail block);
+            # its first block is a whole one of the grid C, or the entry's only block
+            chunk = blocks[e.chain[0]].n_tokens
+            expected = chain_hashes(e.profile_id, list(e.token_ids), chunk, tail=True)
             pos, placed = 0, True
             for k, h in enumerate(e.chain):
                 placed = placed and blocks[h].position == pos and blocks[h].index == k
