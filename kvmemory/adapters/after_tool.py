@@ -46,18 +46,20 @@ from kvmemory.adapters.messages import TOOL_CALL_OPEN, parse_tool_calls, tool_na
 from kvmemory.engine.runner import _choose as choose_token  # the runner's own pick, so a sampled first token follows its rules
 
 # Another call only when the model puts at least twice the probability on opening a call as on
-# answering (log-odds ln 2). Measured on the calibration questions of `bench/agent_questions.py`
-# (never the held-out ones) with the embedded SmolLM2-135M-Instruct: after the first result the
-# log-odds were -2.1 to -4.8 (p 0.11 to 0.01), including the questions that needed a second tool,
-# so the model asks for no second call there; a margin under 0 would let a call that is less likely
-# than an answer through, which is the loop this policy ends.
+# answering (log-odds ln 2): "clearly likelier" by definition, not a tuned figure. A margin under 0
+# would let a call through that is less likely than an answer, which is the loop this policy ends.
+# Checked on the calibration questions of `bench/agent_questions.py` (never the held-out ones) with
+# the embedded SmolLM2-135M-Instruct, `create_agent` and `FunctionAgent`: after the first result the
+# log-odds were -1.8 to -5.4 (p 0.15 to 0.005) over 24 runs, the questions that needed a second tool
+# (-3.1 to -4.8) among them, so no margin at or above 0 separates those: this model answers after
+# one result.
 CALL_MARGIN = math.log(2.0)
 # Results this short are values (a temperature, a sum, a name) an answer must state; longer ones are
 # documents the model summarises in its own words.
 SHORT_RESULT = 200
 PARAGRAPH = "\n\n"
 _NUMBER = re.compile(r"\d[\d,]*(?:\.\d+)?")
-_BANNED: dict[int, list[int]] = {}  # id(tokenizer) -> token ids that would open a call
+_BANNED: dict[str, list[int]] = {}  # profile id (it covers the tokenizer) -> token ids that would open a call
 
 
 @dataclass(slots=True)
@@ -126,11 +128,11 @@ def call_log_odds(loglik: float) -> float:
     return loglik - math.log1p(-p) if p < 1.0 else math.inf
 
 
-def _banned_first(tokenizer) -> list[int]:
+def _banned_first(engine) -> list[int]:
     """Token ids whose text would begin a call (a prefix of `<tool_call>`, after leading space)."""
-    key = id(tokenizer)
+    key = engine.profile_id
     if key not in _BANNED:
-        texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
+        texts = engine.tokenizer.batch_decode([[i] for i in range(len(engine.tokenizer))])
         _BANNED[key] = [i for i, t in enumerate(texts)
                         if (s := t.lstrip()) and (TOOL_CALL_OPEN.startswith(s) or s.startswith(TOOL_CALL_OPEN))]
     return _BANNED[key]
@@ -139,7 +141,7 @@ def _banned_first(tokenizer) -> list[int]:
 def _first_token(dec: Decoder, first_logits: torch.Tensor) -> int:
     """The answer's first token: the model's pick (greedy or sampled) among tokens that open no call."""
     logits = first_logits.clone()
-    logits[_banned_first(dec.memory.engine.tokenizer)] = float("-inf")
+    logits[_banned_first(dec.memory.engine)] = float("-inf")
     return choose_token(logits, dec.sampling, torch.Generator(device="cpu").manual_seed(dec.sampling.seed))
 
 

@@ -172,7 +172,10 @@ def run_llamaindex(q: ToolQuestion, llm, max_calls: int) -> AgentRun:
         return run
     content = final.response.content or ""
     run.answer = content
-    run.finished = bool(content.strip()) and not (outputs and outputs[-1].tool_calls)
+    # The final AgentOutput lists the run's tool results as its tool_calls; the model's own calls of
+    # its last step are in its raw response (KVGraftLLM's report).
+    last_raw = outputs[-1].raw if outputs and isinstance(outputs[-1].raw, dict) else {}
+    run.finished = bool(content.strip()) and not last_raw.get("tool_calls")
     run.answer_words = _words(final.raw if isinstance(final.raw, dict) else {})
     return run
 
