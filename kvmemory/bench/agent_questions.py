@@ -60,3 +60,38 @@ CALIBRATION: tuple[ToolQuestion, ...] = (
 )
 
 SETS = {"held-out": HELD_OUT, "calibration": CALIBRATION}
+
+# The calls (tool, arguments) whose results a right answer states, per question: labels, added after
+# the first held-out run (the questions above are unchanged), so the benchmark can tell "the answer
+# states what the tool returned" from "the answer is right" (a call with wrong arguments returns a
+# wrong or failed result, which an answer can state faithfully).
+REFERENCE: dict[str, tuple[tuple[str, dict], ...]] = {
+    "What's the weather like in Tokyo right now?": (("get_weather", {"city": "Tokyo"}),),
+    "Can you work out 23 times 19 for me?": (("calculator", {"expression": "23 * 19"}),),
+    "How many kilometers is 26 miles?": (("convert_units", {"value": 26, "from_unit": "mi", "to_unit": "km"}),),
+    "What time is it in Sydney at the moment?": (("get_time", {"city": "Sydney"}),),
+    "How many euros would I get for 150 US dollars?": (
+        ("convert_currency", {"amount": 150, "from_currency": "USD", "to_currency": "EUR"}),),
+    "How many people live in Canada?": (("get_population", {"country": "Canada"}),),
+    "Who is the author of Dracula?": (("book_author", {"title": "Dracula"}),),
+    "What does the word ephemeral mean?": (("define_word", {"word": "ephemeral"}),),
+    "What is Apple's share price today?": (("stock_price", {"symbol": "AAPL"}),),
+    "How do you say 'thank you' in Spanish?": (("translate", {"text": "thank you", "language": "Spanish"}),),
+    "Is it hot in Cairo today?": (("get_weather", {"city": "Cairo"}),),
+    "What is 15% of 240?": (("calculator", {"expression": "0.15 * 240"}),),
+    "What is the weather in Berlin?": (("get_weather", {"city": "Berlin"}),),
+    "What is 347 multiplied by 29?": (("calculator", {"expression": "347 * 29"}),),
+    "Convert 5 kilograms to pounds.": (("convert_units", {"value": 5, "from_unit": "kg", "to_unit": "lb"}),),
+    "What's the local time in Tokyo?": (("get_time", {"city": "Tokyo"}),),
+    "What is the population of Brazil?": (("get_population", {"country": "Brazil"}),),
+    "Define the word 'serendipity'.": (("define_word", {"word": "serendipity"}),),
+    "Translate 'good morning' into French.": (("translate", {"text": "good morning", "language": "French"}),),
+    "What's the stock price of Microsoft?": (("stock_price", {"symbol": "MSFT"}),),
+    "Who wrote Frankenstein?": (("book_author", {"title": "Frankenstein"}),),
+    "How much is 40 pounds sterling in dollars?": (
+        ("convert_currency", {"amount": 40, "from_currency": "GBP", "to_currency": "USD"}),),
+    "What is the weather in Rome, and what is 17 times 3?": (
+        ("get_weather", {"city": "Rome"}), ("calculator", {"expression": "17 * 3"})),
+    "What time is it in London, and how many feet are 100 meters?": (
+        ("get_time", {"city": "London"}), ("convert_units", {"value": 100, "from_unit": "m", "to_unit": "ft"})),
+}

@@ -12,7 +12,9 @@ the embedded SmolLM2-135M-Instruct, with an empty store (no stored demonstration
 Per question: model calls, the tools called (and whether they are the expected ones), whether the
 agent finished (a final text answer, no error, no iteration / recursion limit), whether it repeated
 an identical call (a loop), and whether the final answer states every tool result (each number of a
-result, thousands separators aside; the result's text when it has no number). That check is the
+result, thousands separators aside; the result's text when it has no number), and whether it states
+what the reference calls return (`agent_questions.REFERENCE`: the question answered right; a call
+with wrong arguments gets a wrong result the answer may state faithfully). That check is the
 benchmark's own, written apart from the adapter's. `answer` says whose words the answer is: the
 model's, or the model's after an opening holding the results (`adapters/after_tool.py`).
 
@@ -32,7 +34,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
-from kvmemory.bench.agent_questions import SETS, ToolQuestion
+from kvmemory.bench.agent_questions import REFERENCE, SETS, ToolQuestion
 from kvmemory.bench.agent_tools import TOOLS
 
 FRAMEWORKS = ("langchain", "llamaindex")
@@ -49,6 +51,7 @@ class AgentRun:
     calls: int = 0  # model calls
     tool_calls: list[list] = field(default_factory=list)  # [name, args] in order
     results: list[str] = field(default_factory=list)  # what the tools returned
+    reference: list[str] = field(default_factory=list)  # what the reference calls return (agent_questions.REFERENCE)
     answer: str = ""
     answer_words: str = ""  # "model", "opened with results", or "" (not told / no answer)
     # Per model call after a tool result: the log-odds of another call the adapter measured
@@ -69,11 +72,17 @@ class AgentRun:
 
     @property
     def states_result(self) -> bool:
+        """The final answer states what the tools returned (right or wrong)."""
         return bool(self.results) and all(_stated(r, self.answer) for r in self.results)
+
+    @property
+    def right_answer(self) -> bool:
+        """The final answer states what the reference calls return: the question answered right."""
+        return bool(self.reference) and all(_stated(r, self.answer) for r in self.reference)
 
     def to_json(self) -> dict:
         return {**asdict(self), "right_tool": self.right_tool, "repeated_call": self.repeated_call,
-                "states_result": self.states_result}
+                "states_result": self.states_result, "right_answer": self.right_answer}
 
 
 def _stated(result: str, answer: str) -> bool:
@@ -81,6 +90,10 @@ def _stated(result: str, answer: str) -> bool:
     if nums:
         return nums <= {m.group(0).replace(",", "") for m in _NUMBER.finditer(answer)}
     return " ".join(result.lower().split()).strip(" .") in " ".join(answer.lower().split())
+
+
+def _reference(q: ToolQuestion) -> list[str]:
+    return [TOOLS[name](**args) for name, args in REFERENCE.get(q.question, ())]
 
 
 # ---------------------------------------------------------------------- LangChain
@@ -98,7 +111,7 @@ def run_langchain(q: ToolQuestion, llm, max_calls: int) -> AgentRun:
         def on_chat_model_start(self, *args, **kwargs) -> None:
             self.calls += 1
 
-    run = AgentRun("langchain", q.question, list(q.expected))
+    run = AgentRun("langchain", q.question, list(q.expected), reference=_reference(q))
     counter = Count()
     agent = create_agent(llm, [tool(TOOLS[n]) for n in q.tools])
     t0 = time.perf_counter()
@@ -143,7 +156,7 @@ def run_llamaindex(q: ToolQuestion, llm, max_calls: int) -> AgentRun:
     from llama_index.core.agent.workflow import AgentOutput, FunctionAgent, ToolCallResult
     from llama_index.core.tools import FunctionTool
 
-    run = AgentRun("llamaindex", q.question, list(q.expected))
+    run = AgentRun("llamaindex", q.question, list(q.expected), reference=_reference(q))
     agent = FunctionAgent(tools=[FunctionTool.from_defaults(TOOLS[n]) for n in q.tools], llm=llm)
 
     async def go():
@@ -218,14 +231,16 @@ def format_table(runs: Sequence[AgentRun]) -> str:
     frameworks = list(dict.fromkeys(r.framework for r in runs))
     by = {(r.framework, r.question): r for r in runs}
     questions = list(dict.fromkeys(r.question for r in runs))
-    head = "| question | " + " | ".join(f"{fw}: calls / right tool / finished / states result" for fw in frameworks) + " |"
+    head = "| question | " + " | ".join(f"{fw}: calls / right tool / finished / states result / right answer"
+                                       for fw in frameworks) + " |"
     lines = [head, "|" + "---|" * (1 + len(frameworks))]
     for q in questions:
         cells = []
         for fw in frameworks:
             r = by[(fw, q)]
             loop = " (repeat)" if r.repeated_call else ""
-            cells.append(f"{r.calls}{loop} / {_mark(r.right_tool)} / {_mark(r.finished)} / {_mark(r.states_result)}")
+            cells.append(f"{r.calls}{loop} / {_mark(r.right_tool)} / {_mark(r.finished)} / {_mark(r.states_result)}"
+                         f" / {_mark(r.right_answer)}")
         lines.append(f"| {q} | " + " | ".join(cells) + " |")
     totals = []
     for fw in frameworks:
@@ -233,9 +248,26 @@ def format_table(runs: Sequence[AgentRun]) -> str:
         n = len(rs)
         totals.append(f"max {max(r.calls for r in rs)}, mean {sum(r.calls for r in rs) / n:.2f} / "
                       f"{sum(r.right_tool for r in rs)} of {n} / {sum(r.finished for r in rs)} of {n} / "
-                      f"{sum(r.states_result for r in rs)} of {n}")
+                      f"{sum(r.states_result for r in rs)} of {n} / {sum(r.right_answer for r in rs)} of {n}")
     lines.append("| **all** | " + " | ".join(totals) + " |")
     return "\n".join(lines)
+
+
+def _code_version() -> str:
+    """The commit of the checkout the bench runs from ("" outside a git checkout), with "+dirty" when
+    it has uncommitted changes, so a JSON says which code it measured."""
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return head + ("+dirty" if head and dirty else "")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -253,8 +285,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     frameworks = FRAMEWORKS if args.framework == "both" else (args.framework,)
     runs = run_bench(qs, frameworks, max_calls=args.max_calls)
     if args.json:
-        print(json.dumps({"set": args.set, "max_calls": args.max_calls, "runs": [r.to_json() for r in runs]},
-                         indent=1, ensure_ascii=False))
+        print(json.dumps({"set": args.set, "max_calls": args.max_calls, "code": _code_version(),
+                          "runs": [r.to_json() for r in runs]}, indent=1, ensure_ascii=False))
     else:
         print(format_table(runs))
     ok = all(r.finished and r.calls <= 3 and not r.repeated_call for r in runs)
