@@ -197,7 +197,7 @@ def run_llamaindex(q: ToolQuestion, llm, max_calls: int) -> AgentRun:
 def run_bench(questions: Sequence[ToolQuestion], frameworks: Sequence[str] = FRAMEWORKS, *, max_calls: int = 6,
               store: str | None = None, progress: bool = True) -> list[AgentRun]:
     """Every question through every framework's agent, on one shared model and an empty store."""
-    from kvmemory import KVMemory
+    from kvmemory.memory.facade import KVMemory
 
     store = store or tempfile.mkdtemp(prefix="kvmemory-bench-agents-")
     mem = KVMemory(store=store)
