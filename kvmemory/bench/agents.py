@@ -117,10 +117,11 @@ def run_langchain(q: ToolQuestion, llm, max_calls: int) -> AgentRun:
     t0 = time.perf_counter()
     messages = []
     try:
-        # Each model call and each tool step is a graph step.
-        out = agent.invoke({"messages": [("user", q.question)]},
-                           {"recursion_limit": 2 * max_calls, "callbacks": [counter]})
-        messages = out["messages"]
+        # Each model call and each tool step is a graph step. Streamed state by state, so that a run
+        # stopped by the recursion limit still shows the calls it made.
+        for state in agent.stream({"messages": [("user", q.question)]},
+                                  {"recursion_limit": 2 * max_calls, "callbacks": [counter]}, stream_mode="values"):
+            messages = state["messages"]
         last = messages[-1]
         run.finished = isinstance(last, AIMessage) and not last.tool_calls and bool(str(last.content).strip())
         run.answer = str(last.content) if isinstance(last, AIMessage) else ""
