@@ -267,6 +267,9 @@ def load_model(
     if linears == "gguf" and em is None:
         raise InvalidInput("linears='gguf' computes the embedded model from its GGUF file; "
                            f"{name_or_path!r} is not read from one")
+    if linears == "gguf" and not em.gguf_linears:  # refused before the weights are read
+        raise InvalidInput(f"linears='gguf' cannot run {em.name}: its GGUF blocks are not ones the GGUF-block "
+                           "kernel computes (Q4_1 / Q8_0 linears of the llama architecture)")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = resolve_model_path(name_or_path)
