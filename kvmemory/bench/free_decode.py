@@ -42,7 +42,7 @@ def _cpu() -> float:
 
 def run(model: str, *, problems: int = 10, seed: int = 0, kinds=("verbatim", "reworded"), base_budget: int = 256,
         answer_tokens: int = 12, threads: int | None = None, store: str | None = None, progress: bool = True,
-        alone_problems: int | None = None, alone_kinds=None, choices: bool = True) -> dict:
+        alone_problems: int | None = None, alone_kinds=None, choices: bool = True, jsonl: str | None = None) -> dict:
     """`alone_problems` / `alone_kinds`: the alone side (the costly one: up to `base_budget` decode
     tokens per question) is measured on the first `alone_problems` problems and these kinds only (all
     by default); elsewhere it is not measured, and a question with nothing routed is then answered
@@ -89,17 +89,23 @@ def run(model: str, *, problems: int = 10, seed: int = 0, kinds=("verbatim", "re
             loads.append(os.getloadavg()[0])
             return eng.decode([t for t in result.generated if t not in eng.eos_token_ids])
 
-        for i, pair in enumerate(tqdm(pairs, desc="asking", **bar)):
+        def log(row: dict) -> None:  # one line per question as it is answered: a cut-short run keeps them
+            if jsonl is not None:
+                with open(jsonl, "a") as fh:
+                    fh.write(json.dumps({"model": model, "seed": seed, **row}) + "\n")
+
+        asked_of = []
+        for pair in pairs:
             o, s = pair.original, pair.sibling
-            asked = {"verbatim": (o.question, o), "reworded": (paraphrase(o.question), o), "sibling": (s.question, s)}
+            asked_of.append({"verbatim": (o.question, o), "reworded": (paraphrase(o.question), o),
+                             "sibling": (s.question, s)})
+        alone_of = {}  # (problem, kind) -> the alone side's answer
+        # The memory sides first (a few tokens each), then the alone side (up to base_budget tokens each).
+        for i, pair in enumerate(tqdm(pairs, desc="asking with memory", **bar)):
+            o = pair.original
             for kind in kinds:
-                q, truth = asked[kind]
+                q, truth = asked_of[i][kind]
                 row = sides[kind]
-                alone = None
-                if kind in alone_kinds and (alone_problems is None or i < alone_problems):
-                    alone = ask_alone(q)
-                    alone_n[kind] += 1
-                    row["alone"] += extract_value(alone) == truth.value
                 hits = mem.recall(q, k=1, number_check=True)
                 if hits:
                     row["routed"] += 1
@@ -109,13 +115,28 @@ def run(model: str, *, problems: int = 10, seed: int = 0, kinds=("verbatim", "re
                     chosen = (mem.answer_from(q, hits, answer_prefix=ANSWER_PREFIX, choices="numbers").text
                               if choices else None)
                 else:  # nothing routed: the model answers alone (the same tokens as the alone side)
-                    free = chosen = alone if alone is not None else ask_alone(q)
+                    free = chosen = alone_of[(i, kind)] = ask_alone(q)
                 row["memory_free"] += extract_value(free) == truth.value
                 row["memory_choices"] += chosen is not None and extract_value(chosen) == truth.value
+                log({"problem": i, "id": o.id, "kind": kind, "side": "memory", "expected": truth.answer,
+                     "routed": bool(hits), "free": free, "free_ok": extract_value(free) == truth.value,
+                     "choices": chosen, "choices_ok": None if chosen is None else extract_value(chosen) == truth.value})
                 if len(samples) < 2 * len(kinds):
-                    samples.append({"kind": kind, "question": q, "expected": truth.answer,
-                                    "alone": alone[-300:] if alone is not None else None,
-                                    "memory_free": free, "memory_choices": chosen})
+                    samples.append({"kind": kind, "question": q, "expected": truth.answer, "memory_free": free,
+                                    "memory_choices": chosen})
+        for i, pair in enumerate(tqdm(pairs, desc="asking alone", **bar)):
+            if alone_problems is not None and i >= alone_problems:
+                break
+            for kind in kinds:
+                if kind not in alone_kinds:
+                    continue
+                q, truth = asked_of[i][kind]
+                alone = alone_of[(i, kind)] if (i, kind) in alone_of else ask_alone(q)
+                alone_n[kind] += 1
+                ok = extract_value(alone) == truth.value
+                sides[kind]["alone"] += ok
+                log({"problem": i, "id": pair.original.id, "kind": kind, "side": "alone", "expected": truth.answer,
+                     "answer": alone, "ok": ok})
         n = len(pairs)
         return {
             "bench": "free-decode", "dataset": gsm_symbolic.NAME, "model": model, "profile_id": eng.profile_id,
@@ -175,6 +196,7 @@ def main(argv=None) -> int:
                     "problems only (default: all)")
     ap.add_argument("--alone-kinds", default=None, help="measure the alone side on these kinds only (default: all)")
     ap.add_argument("--no-choices", action="store_true", help="leave the choices=numbers side out")
+    ap.add_argument("--jsonl", default=None, help="append each question's outcome to this file as it is answered")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
@@ -184,7 +206,7 @@ def main(argv=None) -> int:
     alone_kinds = None if a.alone_kinds is None else tuple(k for k in a.alone_kinds.split(",") if k)
     r = run(a.model, problems=a.problems, seed=a.seed, kinds=kinds, base_budget=a.base_budget,
             answer_tokens=a.answer_tokens, threads=a.threads, alone_problems=a.alone_problems,
-            alone_kinds=alone_kinds, choices=not a.no_choices)
+            alone_kinds=alone_kinds, choices=not a.no_choices, jsonl=a.jsonl)
     print(json.dumps(r, indent=1) if a.json else format_table(r))
     return 0
 
