@@ -12,7 +12,8 @@ turn as `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`. When a call 
 (`tool_choice="any"` or a tool's name, or `tool_policy="user_turn"` on a user turn), the model picks
 the tool by its own likelihood and decodes every argument value under the tool's JSON schema; with
 `tool_choice="auto"` (the default) the model's likelihoods first decide whether a user message calls a
-tool at all (`tool_policy="scored"`); otherwise its free output is read for a tool call. Token counts
+tool at all (`tool_policy="scored"`); otherwise its free output is read for a tool call. After a tool
+result the model answers unless another call is clearly likelier (`kvmemory.adapters.after_tool`). Token counts
 (`get_num_tokens*`, `trim_messages(token_counter=llm)`) use the model's own tokenizer, offline. Structured output (`with_structured_output`) uses
 the same schema guidance.
 
@@ -148,7 +149,8 @@ class ChatKVGraft(BaseChatModel):
     its arguments decoded under the tool's schema) and answering in text (`kvmemory.adapters.chat.
     wants_tool`); "model" decodes freely and reads a call the model wrote by itself (a model this small
     seldom writes one); "user_turn" always answers a user message with a tool call. After a tool result
-    every policy answers in text unless the model's own output starts another call."""
+    every policy answers, stating the result, unless another call is clearly likelier and repeats no
+    answered call (`kvmemory.adapters.after_tool`), so agent loops end."""
     cache_prefixes: bool = True
     """Store the blocks of a system turn (with its tool descriptions) the first time it is computed,
     so later calls graft it."""

@@ -16,7 +16,8 @@ It is a `FunctionCallingLLM`, so `FunctionAgent`, `AgentWorkflow`, `predict_and_
 LangChain's `ChatKVGraft` makes: the tools are described in the system turn, a required call
 (`tool_required`, a `tool_choice`, or the request's `tool_policy`) is written by the model under the
 tool's JSON schema (`kvmemory.call_tool`: the model picks the tool by likelihood and decodes every
-argument value), and an unforced turn is read for a call the model began by itself. Structured
+argument value), an unforced user turn follows the tool policy, and after a tool result the model
+answers unless another call is clearly likelier (`kvmemory.adapters.after_tool`). Structured
 output (`structured_predict`, `as_structured_llm`) is LlamaIndex's own `FunctionCallingProgram`: a
 required call to a tool whose schema is the output class, so its fields are decoded under the schema's
 guidance instead of the model echoing the schema.
@@ -158,8 +159,9 @@ class KVGraftLLM(FunctionCallingLLM):
     tool_policy: str | None = Field(default=None, description=(
         "What a user turn with tools bound and no required call does (kvmemory.ChatRequest.tool_policy: "
         "'scored' (the default) calls a tool when the model's likelihood of the call clears a margin, "
-        "'model' only when its free output begins one, 'user_turn' always calls a tool); a turn after a "
-        "tool result is decoded freely. None: kvmemory's default, the same as LangChain's ChatKVGraft."))
+        "'model' only when its free output begins one, 'user_turn' always calls a tool); after a tool "
+        "result every policy answers, stating the result, unless another call is clearly likelier "
+        "(kvmemory.adapters.after_tool). None: kvmemory's default, the same as LangChain's ChatKVGraft."))
     cache_prefixes: bool = Field(default=True, description=(
         "Store the blocks of a system turn (with its tool descriptions) the first time it is computed, "
         "so later calls graft it."))
