@@ -376,13 +376,20 @@ def cmd_verify(args) -> int:
 
     for eid in args.entry or ():
         check_entry_id(eid)  # before the model loads
-    mem = _memory(args, reading=True)
     if args.fidelity_texts and not args.fidelity:
         raise InvalidInput("--fidelity-texts goes with --fidelity")
     if args.fidelity and not args.all and not args.entry:
-        report, text = _fidelity(args, mem)
+        # Fidelity alone measures the model under the profile and reads no entry: it needs no store, so it
+        # runs on an empty temporary one (the --store given, existing or not, is left alone).
+        import argparse
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="kvmemory-fidelity-") as tmp:
+            mem = _memory(argparse.Namespace(**{**vars(args), "store": tmp, "signing_key": None}))
+            report, text = _fidelity(args, mem)
         _emit(args, report, text)
         return 0
+    mem = _memory(args, reading=True)
     if not args.all and not args.entry:
         raise KVMemoryError("give --all or --entry ID (or --fidelity)")
     ids = None if args.all else args.entry
