@@ -74,3 +74,9 @@ class VerificationFailed(KVMemoryError):
 
 class RouterMismatch(KVMemoryError):
     """A router index built with another embedder; run `kvmemory reindex`."""
+
+
+class CatalogueLost(StoreError):
+    """A store whose catalogue is missing, empty or damaged while its entry records and blocks are
+    there: nothing is served from it (it is not an empty store); `kvmemory fsck --repair` rebuilds
+    the catalogue from the records and blocks."""

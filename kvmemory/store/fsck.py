@@ -2,24 +2,41 @@
 
     report = run_fsck(store, repair=False)                       # check only: nothing is changed
     report = run_fsck(store, repair=True, router_rebuild=router_rebuilder(store))   # kvmemory.routing.router; or mem.reindex
+    report = fsck_at("./my-store", repair=True)                  # also a store whose catalogue is lost
     print(report.summary()); json.dumps(report.to_json()); sys.exit(report.exit_code)
 
 What is checked (LocalStore, SignedLocalStore and RedisStore alike):
 - the catalogue itself: SQLite `PRAGMA integrity_check` (local); index sets against the keys they
-  index (Redis); every row parsed and type-checked;
+  index (Redis); every row parsed and type-checked; a local catalogue that is missing or empty while
+  entry records or blocks are there (the store then refuses every other command: `CatalogueLost`);
+- every entry against its record (store/records.py: a second copy beside the blocks, with its own
+  SHA-256): a row that differs from its record, a missing or damaged record, a record whose row is
+  gone, a forget that was interrupted;
 - every block: its file (or Redis payload) read whole and checked as a graft would check it --
   canonical header, header against the catalogue row, payload size, payload SHA-256 -- plus, in signed
   stores opened with the master key, that some namespace signed the row;
 - orphans: block files or payloads no row names, and stale `tmp/` files of dead writers;
-- every entry: readable, signed (signed stores), and whether its chain references blocks that are
-  missing, quarantined or damaged (such an entry stays usable: its grafts are just shorter).
+- every entry: readable, signed (signed stores), its chain the chain of its own token ids, what
+  `entry_check` (the memory layer: its texts re-tokenize to its token ids) says, and whether its chain
+  references blocks that are missing, quarantined or damaged;
+- the router, when `router_check` is given (routing/check.py: every routed row names an entry of its
+  namespace by one of that entry's own texts, and every entry is routed).
 
-What `repair=True` does: quarantines damaged, missing and forged blocks (never read again; a later
-write of the same block replaces them); removes orphans older than `grace_seconds` (younger ones may
-belong to a writer that has not committed yet); sets aside unreadable, unsigned or forged entries;
-marks entries with broken chains (table `fsck_damaged_entries` locally, hash `kvm:{<s>}:damaged` in
-Redis; marks of entries found whole again are cleared); recounts Redis block references; and calls
-`router_rebuild()` (e.g. `KVMemory.reindex`) so the router matches the catalogue again.
+What `repair=True` does, never deleting what could still serve:
+- rebuilds a missing, empty or damaged local catalogue from the records and the blocks
+  (store/rebuild.py; the old catalogue is kept in quarantine/);
+- puts back entry rows from their records (a damaged row is kept in `quarantined_entries`), writes
+  missing records, moves damaged records into quarantine/records/ and writes them again from a sound
+  row; sets aside entries with no sound copy at all (kept, never served);
+- catalogues again a block file that an entry names and whose header and payload check; quarantines
+  damaged, missing and forged blocks (never read again; a later write of the same block replaces them);
+- moves orphans older than `grace_seconds` into quarantine/orphans/ (younger ones may belong to a
+  writer that has not committed yet); `purge_orphans=True` deletes them, and empties that folder;
+- marks entries with broken chains (table `fsck_damaged_entries` locally, hash `kvm:{<s>}:damaged` in
+  Redis) and, when `recompute` is given (the memory layer: `KVMemory.recompute`), recomputes and
+  re-proves their blocks, clearing the mark; marks of entries found whole again are cleared;
+- recounts Redis block references, and calls `router_rebuild()` (e.g. `KVMemory.reindex`) so the
+  router matches the catalogue again.
 
 Exit codes (`FsckReport.exit_code`): 0 clean, 1 problems found and all repaired, 4 problems left.
 """
@@ -35,12 +52,25 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvmemory.errors import CatalogueLost, IntegrityError, KVMemoryError, StoreError, UnknownEntry
 from kvmemory.store.blocks import encode_header, parse_header
-from kvmemory.errors import IntegrityError, KVMemoryError, StoreError, UnknownEntry
-from kvmemory.store.local import BlockRow, LocalStore, block_row_from, check_meta
+from kvmemory.store.local import BlockRow, EntryRecord, LocalStore, block_row_from, check_meta
 
 GRACE_SECONDS = 60.0
 MAX_LISTED = 1000
+
+EntryCheck = Callable[[EntryRecord], "str | None"]  # why an entry does not check against itself, or None
+RouterCheck = Callable[[], "list[tuple[str, str]]"]  # (key, detail) per problem of the router
+Recompute = Callable[["list[str]"], "dict[str, str | None]"]  # entry id -> None (re-proven) or why not
+
+_COUNTS = ("blocks_checked", "blocks_ok", "blocks_damaged", "blocks_missing", "blocks_unsigned",
+           "block_rows_damaged", "blocks_already_quarantined", "blocks_adopted", "orphan_payloads",
+           "orphans_recent_kept", "orphans_purged", "stale_tmp_files", "entries_checked", "entries_ok",
+           "entries_broken_chain", "entries_forged", "entry_rows_damaged", "entries_altered",
+           "entries_inconsistent", "entries_self_mismatch", "entries_missing_from_catalogue", "entries_restored",
+           "entry_records_missing", "entry_records_damaged", "entry_records_stale", "entry_records_forgotten",
+           "entries_marked", "entries_unmarked", "entries_recomputed", "entries_unproven", "index_drift",
+           "router_drift", "refs_fixed", "catalogue_rebuilt", "repaired", "unrepaired")
 
 
 @dataclass
@@ -55,6 +85,8 @@ class FsckReport:
     problems: list[dict] = field(default_factory=list)
     router_rebuilt: int | None = None
     seconds: float = 0.0
+    broken: list[str] = field(default_factory=list)  # entries whose chains are broken (recompute them)
+    rebuild: dict | None = None  # what rebuilding the catalogue did (store/rebuild.py), when it ran
 
     def add(self, name: str, n: int = 1) -> None:
         self.counts[name] = self.counts.get(name, 0) + n
@@ -82,16 +114,11 @@ class FsckReport:
         return 1 if self.n("repaired") else 0
 
     def to_json(self) -> dict:
-        keys = ("blocks_checked", "blocks_ok", "blocks_damaged", "blocks_missing", "blocks_unsigned",
-                "block_rows_damaged", "blocks_already_quarantined", "orphan_payloads", "orphans_recent_kept",
-                "stale_tmp_files", "entries_checked", "entries_ok", "entries_broken_chain", "entries_forged",
-                "entry_rows_damaged", "entries_marked", "entries_unmarked", "index_drift", "refs_fixed",
-                "repaired", "unrepaired")
         return {
             "store": self.store, "kind": self.kind, "repair": self.repair, "catalogue": self.catalogue,
-            **{k: self.n(k) for k in keys},
+            **{k: self.n(k) for k in _COUNTS},
             "router_rebuilt": self.router_rebuilt, "exit_code": self.exit_code, "seconds": round(self.seconds, 3),
-            "problems": self.problems,
+            "problems": self.problems, **({"rebuild": self.rebuild} if self.rebuild is not None else {}),
         }
 
     def summary(self) -> str:
@@ -101,8 +128,8 @@ class FsckReport:
                 f"{j['entries_checked']} entries checked, {j['entries_ok']} ok")
         lines = [head]
         for k, v in j.items():
-            if isinstance(v, int) and v and k not in ("blocks_checked", "blocks_ok", "entries_checked", "entries_ok",
-                                                       "exit_code"):
+            if isinstance(v, int) and not isinstance(v, bool) and v and k not in (
+                    "blocks_checked", "blocks_ok", "entries_checked", "entries_ok", "exit_code"):
                 lines.append(f"  {k}: {v}")
         if self.router_rebuilt is not None:
             lines.append(f"  router rebuilt: {self.router_rebuilt} texts")
@@ -136,7 +163,8 @@ def check_block_bytes(data: bytes, row: BlockRow) -> str | None:
 
 
 def run_fsck(store, repair: bool = False, router_rebuild: Callable[[], int] | None = None, *,
-             grace_seconds: float = GRACE_SECONDS) -> FsckReport:
+             grace_seconds: float = GRACE_SECONDS, purge_orphans: bool = False, router_check: RouterCheck | None = None,
+             entry_check: EntryCheck | None = None, recompute: Recompute | None = None) -> FsckReport:
     """Check (and with `repair`, fix) `store`; see the module docstring. Never raises for damage it finds:
     damage is what it reports. Raises StoreError only when the store cannot be reached at all."""
     t0 = time.perf_counter()
@@ -149,15 +177,99 @@ def run_fsck(store, repair: bool = False, router_rebuild: Callable[[], int] | No
 
         raise InvalidInput("fsck --repair works on the whole store: open it without a namespace, with the master key")
     if getattr(store, "kind", "") == "redis":
-        report = _fsck_redis(store, repair, grace_seconds)
+        from kvmemory.store.fsck_redis import fsck_redis
+
+        report = fsck_redis(store, repair, grace_seconds, purge_orphans=purge_orphans, entry_check=entry_check)
     elif isinstance(store, LocalStore):
-        report = _fsck_local(store, repair, grace_seconds)
+        report = _fsck_local(store, repair, grace_seconds, purge_orphans, entry_check)
     else:
         raise StoreError(f"fsck does not know stores of kind {getattr(store, 'kind', type(store).__name__)!r}")
+    if report.catalogue == "ok" and router_check is not None:
+        try:
+            found = router_check()
+        except KVMemoryError as exc:  # an unreadable router: rebuilt by the repair
+            found = [("router", str(exc))]
+        for key, detail in found:
+            report.problem("router_drift", key, detail, fixed=repair and router_rebuild is not None)
+    if repair and report.broken:
+        _recompute(report, store, recompute)
     if repair and router_rebuild is not None and report.catalogue == "ok":
         report.router_rebuilt = int(router_rebuild())
     report.seconds = time.perf_counter() - t0
     return report
+
+
+def _recompute(rep: FsckReport, store, recompute: Recompute | None) -> None:
+    """Entries whose chains are broken: recomputed and re-proven by the memory layer when it is given
+    (then their marks are cleared), else left marked: `kvmemory verify` counts them unproven."""
+    if recompute is None:
+        rep.add("entries_unproven", len(rep.broken))
+        return
+    results = recompute(list(rep.broken))
+    for eid in rep.broken:
+        why = results.get(eid, "not recomputed")
+        if why is None:
+            rep.add("entries_recomputed")
+            _unmark(store, eid)
+        else:
+            rep.add("entries_unproven")
+            rep.problem("entries_unproven", eid, f"its blocks could not be recomputed and re-proven: {why}",
+                        fixed=False)
+
+
+def _unmark(store, eid: str) -> None:
+    if getattr(store, "kind", "") == "redis":
+        store.client.hdel(store.k_damaged(), eid)
+        return
+    try:
+        with store._tx() as db:
+            db.execute("DELETE FROM fsck_damaged_entries WHERE entry_id=?", (eid,))
+    except StoreError:
+        pass  # never marked (no table yet)
+
+
+def fsck_at(spec, *, signing_key=None, repair: bool = False, router: Callable | None = None, **kw) -> FsckReport:
+    """`run_fsck` on the store `spec` names (a folder or a redis:// URL), including a local store whose
+    catalogue is lost (which every other command refuses): check-only reports it without creating
+    anything; `repair` rebuilds the catalogue first (store/rebuild.py). `router(store)` returns
+    (router_check, router_rebuild) for the opened store; `kw` goes to `run_fsck`."""
+    from kvmemory.store.open import is_redis_url, open_store
+
+    extra = {} if is_redis_url(spec) else {"create": False}
+    rebuilt = None
+    try:
+        store = open_store(spec, signing_key=signing_key, **extra)
+    except CatalogueLost as exc:
+        path = Path(str(spec)).expanduser()
+        if not repair:
+            rep = FsckReport(str(path), "local", False, catalogue=f"lost: {exc}")
+            rep.problem("catalogue_lost", "catalogue.sqlite", str(exc), fixed=False)
+            return rep
+        from kvmemory.store.rebuild import rebuild_catalogue
+        from kvmemory.store.signing import Signer
+
+        rebuilt = rebuild_catalogue(path, signer=Signer.resolve(signing_key) if signing_key is not None else None)
+        store = open_store(spec, signing_key=signing_key, **extra)
+    try:
+        check, rebuild = router(store) if router is not None else (None, None)
+        rep = run_fsck(store, repair=repair, router_rebuild=rebuild, router_check=check, **kw)
+    finally:
+        store.close()
+    if rebuilt is not None:
+        _note_rebuild(rep, rebuilt, "the catalogue was missing or empty")
+    return rep
+
+
+def _note_rebuild(rep: FsckReport, rebuilt: dict, why: str) -> None:
+    rep.rebuild = rebuilt
+    c = rebuilt["counts"]
+    rep.problem("catalogue_rebuilt", "catalogue.sqlite",
+                f"{why}: rebuilt with {c['entries_restored']} entries ({c['entries_from_records']} from records, "
+                f"{c['entries_from_old_catalogue']} from the old catalogue's readable rows) and "
+                f"{c['blocks_adopted']} blocks; the old one is kept in {rebuilt['old_catalogue'] or 'nowhere (none)'}",
+                fixed=True)
+    for p in rebuilt["problems"]:
+        rep.problem(p["kind"], p["key"], p["detail"], fixed=p["repaired"])
 
 
 def _master_signer(store):
@@ -194,20 +306,34 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _fsck_local(store: LocalStore, repair: bool, grace: float) -> FsckReport:
+def _fsck_local(store: LocalStore, repair: bool, grace: float, purge: bool = False,
+                entry_check: EntryCheck | None = None) -> FsckReport:
+    from kvmemory.store.fsck_records import reconcile_local
+
     rep = FsckReport(str(store.path), store.kind, repair)
     try:
-        res = [r[0] for r in store._q("PRAGMA integrity_check")]
+        res = [str(r[0]) for r in store._q("PRAGMA integrity_check")]
     except StoreError as exc:
-        rep.catalogue = str(exc)
-        return rep
+        res = [str(exc)]
     if res != ["ok"]:
-        rep.catalogue = "; ".join(str(r) for r in res[:5])
-        return rep  # a damaged SQLite file: nothing below could be trusted (restore it, or .recover it)
+        detail = "; ".join(res[:5])
+        if not repair:
+            rep.catalogue = (f"damaged ({detail}); run `kvmemory fsck --repair` to rebuild it from the entry records "
+                             "and blocks")
+            rep.problem("catalogue_damaged", "catalogue.sqlite", detail, fixed=False)
+            return rep
+        from kvmemory.store.rebuild import rebuild_catalogue
+
+        store.close()
+        _note_rebuild(rep, rebuild_catalogue(store.path, signer=getattr(store, "signer", None)),
+                      f"the catalogue was damaged ({detail})")
     signer = _master_signer(store)
     now = time.time()
 
-    # -- orphan block files and stale tmp files first: removing them frees room on a full disk for the rest
+    # -- entries against their records first: rows put back from records name the blocks adopted below
+    named, reported = reconcile_local(rep, store, repair, entry_check)
+
+    # -- orphan block files and stale tmp files: adopted when an entry names them, else set aside
     catalogued = {h for (h,) in store._q("SELECT hash FROM blocks")}
     for f in sorted((store.path / "blocks").rglob("*")) if (store.path / "blocks").exists() else []:
         if f.is_dir():
@@ -215,16 +341,21 @@ def _fsck_local(store: LocalStore, repair: bool, grace: float) -> FsckReport:
         h = f.stem if f.suffix == ".kvb" else None
         if h is not None and h in catalogued and f == store.block_path(h):
             continue
-        _orphan(rep, f, repair, grace, now, "orphan_payloads", "no catalogue row names this file")
+        if h is not None and h in named and h not in catalogued and f == store.block_path(h):
+            _adopt_local(rep, store, f, h, named[h], repair, now)
+            continue
+        _orphan(rep, store, f, repair, grace, now, "orphan_payloads", "no catalogue row names this file", purge)
     for f in sorted((store.path / "tmp").iterdir()) if (store.path / "tmp").exists() else []:
         parts = f.name.split(".")
         pid = int(parts[1]) if len(parts) >= 3 and parts[1].isdigit() else None
         dead = pid is None or not _pid_alive(pid)
-        _orphan(rep, f, repair, grace if not dead else 0.0, now, "stale_tmp_files",
-                "unfinished write of a writer that is gone" if dead else "unfinished write")
+        # a partial write never served anything: removed, not kept
+        _orphan(rep, store, f, repair, grace if not dead else 0.0, now, "stale_tmp_files",
+                "unfinished write of a writer that is gone" if dead else "unfinished write", purge=True)
+    if purge and repair:
+        _purge_quarantined_orphans(rep, store.path / "quarantine" / "orphans")
 
     # -- block rows and their files
-    rows: dict[str, BlockRow] = {}
     usable: set[str] = set()
     for raw in store._q(f"SELECT {_BLOCK_COLS} FROM blocks"):
         rep.add("blocks_checked")
@@ -238,8 +369,11 @@ def _fsck_local(store: LocalStore, repair: bool, grace: float) -> FsckReport:
                     db.execute("INSERT INTO quarantine(hash, reason, at, path) VALUES(?,?,?,NULL)",
                                (key, f"fsck: unreadable catalogue row ({exc})", now))
             rep.problem("block_rows_damaged", key, str(exc), fixed=repair)
+            f = store.block_path(raw[0]) if isinstance(raw[0], str) and len(raw[0]) == 64 else None
+            if repair and f is not None and raw[0] in named and f.exists() and \
+                    _adopt_local(rep, store, f, raw[0], named[raw[0]], repair, now):  # its file may still serve
+                usable.add(raw[0])
             continue
-        rows[row.hash] = row
         if row.quarantined:
             rep.add("blocks_already_quarantined")
             continue
@@ -270,6 +404,22 @@ def _fsck_local(store: LocalStore, repair: bool, grace: float) -> FsckReport:
         usable.add(row.hash)
 
     # -- entries
+    _check_entries_local(rep, store, repair, usable, now, entry_check, set() if repair else reported)
+    # chain rows of entries that no longer exist
+    dangling = store._q("SELECT COUNT(*) FROM entry_blocks WHERE entry_id NOT IN (SELECT id FROM entries)")[0][0]
+    if dangling:
+        if repair:
+            with store._tx() as db:
+                db.execute("DELETE FROM entry_blocks WHERE entry_id NOT IN (SELECT id FROM entries)")
+        rep.problem("index_drift", "entry_blocks", f"{dangling} chain rows of entries that do not exist", fixed=repair)
+    return rep
+
+
+def _check_entries_local(rep: FsckReport, store: LocalStore, repair: bool, usable: set[str], now: float,
+                         entry_check: EntryCheck | None, reported: set[str]) -> None:
+    """The entries' own checks; `reported`: entries the record comparison already reported (check-only)."""
+    from kvmemory.store.fsck_records import chunk_for, self_problem
+
     cols = LocalStore._ENTRY_COLS
     marks_ok: list[str] = []
     try:
@@ -278,12 +428,14 @@ def _fsck_local(store: LocalStore, repair: bool, grace: float) -> FsckReport:
         marked = set()  # never repaired: no marks table yet
     for (eid,) in store._q("SELECT id FROM entries ORDER BY created, id"):
         rep.add("entries_checked")
+        if eid in reported:
+            continue
         try:
             entry = store.get_entry(eid)
         except IntegrityError as exc:  # SignatureError included
             kind = "entries_forged" if type(exc).__name__ == "SignatureError" else "entry_rows_damaged"
-            if repair:
-                _set_aside_local(store, eid, cols, f"fsck: {exc}")
+            if repair:  # its record, had it been sound, was put back above: it goes too
+                set_aside_local(store, eid, cols, f"fsck: {exc}", record_too=True)
             rep.problem(kind, str(eid), str(exc), fixed=repair)
             continue
         except UnknownEntry:
@@ -292,11 +444,20 @@ def _fsck_local(store: LocalStore, repair: bool, grace: float) -> FsckReport:
         except KVMemoryError as exc:
             rep.problem("entry_rows_damaged", str(eid), str(exc), fixed=False)
             continue
+        kind, why = self_problem(entry, chunk_for(store, entry), entry_check)
+        if why is not None:
+            # No sound copy is left (its record, if any, was compared and put back above): set it aside,
+            # record and all, so that it is never served; kept for whoever wants to look.
+            if repair:
+                set_aside_local(store, eid, cols, f"fsck: {why}", record_too=True)
+            rep.problem(kind, eid, why, fixed=repair)
+            continue
         bad = [h for h in entry.chain if h not in usable]
         if bad:
             first = entry.chain.index(bad[0])
             why = (f"{len(bad)} of {len(entry.chain)} chain blocks missing, quarantined or damaged; grafts stop at "
                    f"block {first}")
+            rep.broken.append(eid)
             if eid in marked:
                 rep.add("entries_broken_chain")  # known and marked by an earlier repair: not a new problem
             else:
@@ -310,22 +471,56 @@ def _fsck_local(store: LocalStore, repair: bool, grace: float) -> FsckReport:
         else:
             rep.add("entries_ok")
             marks_ok.append(eid)
-    # chain rows of entries that no longer exist
-    dangling = store._q("SELECT COUNT(*) FROM entry_blocks WHERE entry_id NOT IN (SELECT id FROM entries)")[0][0]
-    if dangling:
-        if repair:
-            with store._tx() as db:
-                db.execute("DELETE FROM entry_blocks WHERE entry_id NOT IN (SELECT id FROM entries)")
-        rep.problem("index_drift", "entry_blocks", f"{dangling} chain rows of entries that do not exist", fixed=repair)
     if repair and marks_ok and marked:
         with store._tx() as db:
             for eid in marks_ok:
                 if db.execute("DELETE FROM fsck_damaged_entries WHERE entry_id=?", (eid,)).rowcount:
                     rep.add("entries_unmarked")
-    return rep
 
 
-def _orphan(rep: FsckReport, f: Path, repair: bool, grace: float, now: float, kind: str, why: str) -> None:
+def _adopt_local(rep: FsckReport, store: LocalStore, f: Path, h: str, verified: bool, repair: bool, now: float) -> bool:
+    """A block file without a row that an entry's chain names: catalogued again when it checks on its
+    own (header, chain hash, payload), else quarantined. True when it was catalogued."""
+    from kvmemory.store.rebuild import check_block_file, move_aside
+
+    try:
+        data = f.read_bytes()
+    except OSError as exc:
+        rep.problem("blocks_damaged", h, f"unreadable: {exc}", fixed=False)
+        return False
+    meta, why = check_block_file(data, h)
+    if meta is None:
+        if repair:
+            move_aside(f, store.path / "quarantine")
+        rep.problem("blocks_damaged", h, f"an entry names this uncatalogued block file, but {why}", fixed=repair)
+        return False
+    if repair:
+        with store._tx() as db:
+            store._insert_block_rows(db, [meta], {h: len(data)}, verified=verified, pinned=False)
+            signer = _master_signer(store)
+            if signer is not None:  # signed again under each namespace whose signed entry names it
+                for ns in _namespaces_naming(db, h):
+                    db.execute("INSERT OR IGNORE INTO signatures(kind, key, namespace, sig, chain_sha256) "
+                               "VALUES('block',?,?,?,'')", (h, ns, signer.sign_block(meta, ns)))
+    rep.problem("blocks_adopted", h, "a block file an entry names had no catalogue row; it checks on its own and "
+                "is catalogued again", fixed=repair)
+    return repair
+
+
+def _namespaces_naming(db, h: str) -> list[str]:
+    """Namespaces of the entries whose chains name block `h` with its payload hash signed (signed stores)."""
+    out = []
+    for ns, cs, chain in db.execute(
+            "SELECT s.namespace, s.chain_sha256, (SELECT group_concat(hash, ',') FROM (SELECT hash FROM entry_blocks "
+            "WHERE entry_id=e.id ORDER BY idx)) FROM entries e JOIN signatures s ON s.kind='entry' AND s.key=e.id "
+            "WHERE e.id IN (SELECT entry_id FROM entry_blocks WHERE hash=?)", (h,)):
+        if ns not in out and chain and h in (chain or "").split(","):
+            out.append(ns)
+    return out
+
+
+def _orphan(rep: FsckReport, store: LocalStore, f: Path, repair: bool, grace: float, now: float, kind: str,
+            why: str, purge: bool) -> None:
     try:
         age = now - f.stat().st_mtime
     except OSError:
@@ -335,15 +530,36 @@ def _orphan(rep: FsckReport, f: Path, repair: bool, grace: float, now: float, ki
         return
     if repair:
         try:
-            f.unlink()
+            if purge:
+                f.unlink()
+            else:
+                from kvmemory.store.rebuild import move_aside
+
+                move_aside(f, store.path / "quarantine" / "orphans")
         except OSError as exc:
-            rep.problem(kind, f.name, f"{why}; could not remove it: {exc}", fixed=False)
+            rep.problem(kind, f.name, f"{why}; could not {'remove' if purge else 'move'} it: {exc}", fixed=False)
             return
-    rep.problem(kind, f.name, why, fixed=repair)
+        if purge and kind == "orphan_payloads":
+            rep.add("orphans_purged")
+    where = "" if not repair else (" (removed)" if purge else " (kept in quarantine/orphans)")
+    rep.problem(kind, f.name, why + where, fixed=repair)
 
 
-def _set_aside_local(store: LocalStore, eid, cols: str, reason: str) -> None:
-    """Move an entry row out of the catalogue into `quarantined_entries` (kept, never served)."""
+def _purge_quarantined_orphans(rep: FsckReport, folder: Path) -> None:
+    """`purge_orphans`: what earlier repairs set aside as orphans is removed now (only on request)."""
+    if not folder.is_dir():
+        return
+    for f in sorted(folder.iterdir()):
+        try:
+            f.unlink()
+            rep.add("orphans_purged")
+        except OSError:
+            pass
+
+
+def set_aside_local(store: LocalStore, eid, cols: str, reason: str, *, record_too: bool = False) -> None:
+    """Move an entry row out of the catalogue into `quarantined_entries` (kept, never served); with
+    `record_too`, its record into quarantine/records/ as well (so no repair puts it back)."""
     with store._tx() as db:
         _fsck_tables(db)
         row = db.execute(f"SELECT {cols} FROM entries WHERE id=?", (eid,)).fetchone()
@@ -359,184 +575,9 @@ def _set_aside_local(store: LocalStore, eid, cols: str, reason: str) -> None:
             db.execute("DELETE FROM signatures WHERE kind='entry' AND key=?", (eid,))
         except sqlite3.OperationalError:
             pass  # an unsigned store has no signatures table
+    rf = store.records
+    if record_too and rf is not None and isinstance(eid, str) and rf.path(eid).exists():
+        rf.set_aside(rf.path(eid), reason)
 
 
-# ---------------------------------------------------------------------- redis
-def _fsck_redis(store, repair: bool, grace: float) -> FsckReport:
-    r = store.client
-    rep = FsckReport(f"{store.url} store {store.name!r}", store.kind, repair)
-    if not store.ping():
-        raise store._unavailable_error("fsck")
-    signer = _master_signer(store)
-    now = time.time()
-    pre = store.k_block("")
-
-    # -- index drift: row keys the blocks zset does not list, and the reverse
-    indexed = set(_index(store, rep, repair, store.k_blocks(), lambda: store.all_block_hashes()))
-    keyed = {k.decode()[len(pre):] for k in r.scan_iter(match=pre + "*", count=1000)}
-    for h in sorted(keyed - indexed):
-        if repair:
-            r.zadd(store.k_blocks(), {h: now})
-        rep.problem("index_drift", h, "block row missing from the blocks index", fixed=repair)
-    for h in sorted(indexed - keyed):
-        if repair:
-            r.zrem(store.k_blocks(), h)
-        rep.problem("index_drift", h, "blocks index names a row that does not exist", fixed=repair)
-
-    rows: dict[str, BlockRow] = {}
-    usable: set[str] = set()
-    hashes = sorted(keyed)
-    for i in range(0, len(hashes), 200):
-        chunk = hashes[i : i + 200]
-        raws = store._fetch(lambda c=chunk: store._raw_rows(c), "fsck")
-        p = r.pipeline(transaction=False)
-        for h in chunk:
-            p.get(store.k_payload(h))
-        try:
-            payloads = p.execute(raise_on_error=False)
-        except Exception as exc:  # noqa: BLE001 - a pipeline-level failure is an outage
-            raise store._unavailable_error("fsck", exc) from exc
-        for h, raw, data in zip(chunk, raws, payloads):
-            rep.add("blocks_checked")
-            try:
-                row, sigs = store.parse_block_row(h, raw)
-            except IntegrityError as exc:
-                if repair:
-                    r.rename(store.k_block(h), f"{store._pre}qb:{h}")
-                    r.zrem(store.k_blocks(), h)
-                    r.rpush(store.k_qlog(), json.dumps({"hash": h, "reason": f"fsck: {exc}", "at": now}))
-                rep.problem("block_rows_damaged", h, str(exc), fixed=repair)
-                continue
-            rows[h] = row
-            if row.quarantined:
-                rep.add("blocks_already_quarantined")
-                continue
-            if signer is not None and not store._visible(row, sigs):
-                if repair:
-                    store.quarantine(h, "fsck: no valid signature")
-                rep.problem("blocks_unsigned", h, "no namespace signed this row validly (forged or unsigned)",
-                            fixed=repair)
-                continue
-            if data is None:
-                if repair:
-                    store.quarantine(h, "fsck: missing payload")
-                rep.problem("blocks_missing", h, "catalogued but its payload is missing", fixed=repair)
-                continue
-            why = (f"unreadable payload key: {data}" if isinstance(data, Exception)
-                   else check_block_bytes(bytes(data), row))
-            if why is not None:
-                if repair:
-                    store.quarantine(h, f"fsck: {why}")
-                rep.problem("blocks_damaged", h, why, fixed=repair)
-                continue
-            rep.add("blocks_ok")
-            usable.add(h)
-
-    # -- orphan payloads (older than the grace period: a writer SETs payloads before it commits)
-    ppre = store.k_payload("")[:-2]  # "kvm:<s>:p:"
-    for k in r.scan_iter(match=ppre + "{*}", count=1000):
-        h = k.decode()[len(ppre) + 1 : -1]
-        if h in rows:
-            continue
-        idle = r.object("idletime", k) or 0
-        if idle < grace:
-            rep.add("orphans_recent_kept")
-            continue
-        if repair:
-            r.delete(k)
-        rep.problem("orphan_payloads", h, "no catalogue row names this payload", fixed=repair)
-
-    # -- entries and their indexes
-    epre = store.k_entry("")
-    ekeys = {k.decode()[len(epre):] for k in r.scan_iter(match=epre + "*", count=1000)}
-    listed = set(_index(store, rep, repair, store.k_entries(),
-                        lambda: [x.decode() for x in r.zrange(store.k_entries(), 0, -1)]))
-    refs: dict[str, int] = {}
-    marked = set(_index(store, rep, repair, store.k_damaged(), lambda: [k.decode() for k in r.hkeys(store.k_damaged())]))
-    for eid in sorted(listed - ekeys):
-        if repair:
-            r.zrem(store.k_entries(), eid)
-        rep.problem("index_drift", eid, "entries index names an entry that does not exist", fixed=repair)
-    for eid in sorted(ekeys):
-        rep.add("entries_checked")
-        raw = store._hgetall_many([store.k_entry(eid)])[0]
-        try:
-            parsed = store.parse_entry(eid, raw)
-            if store.namespace is not None and parsed[0].namespace != store.namespace:
-                rep.add("entries_checked", -1)  # another tenant's entry (a scoped store): not ours to judge
-                continue
-            entry = store.check_entry(*parsed)
-        except IntegrityError as exc:
-            kind = "entries_forged" if type(exc).__name__ == "SignatureError" else "entry_rows_damaged"
-            if repair:
-                _set_aside_redis(store, eid, raw, f"fsck: {exc}")
-            rep.problem(kind, eid, str(exc), fixed=repair)
-            continue
-        try:
-            in_ns = r.zscore(store.k_ns(entry.namespace), eid) is not None
-        except store._resp_err:  # the namespace index is not a sorted set: damaged
-            if repair:
-                r.delete(store.k_ns(entry.namespace))
-            rep.problem("index_drift", entry.namespace, "namespace index key is damaged", fixed=repair)
-            in_ns = False
-        if eid not in listed or not in_ns:
-            if repair:
-                r.zadd(store.k_entries(), {eid: entry.created})
-                r.zadd(store.k_ns(entry.namespace), {eid: entry.created})
-            rep.problem("index_drift", eid, "entry missing from its indexes", fixed=repair)
-        for h in entry.chain:
-            refs[h] = refs.get(h, 0) + 1
-        bad = [h for h in entry.chain if h not in usable]
-        if bad:
-            first = entry.chain.index(bad[0])
-            why = (f"{len(bad)} of {len(entry.chain)} chain blocks missing, quarantined or damaged; grafts stop at "
-                   f"block {first}")
-            if eid in marked:
-                rep.add("entries_broken_chain")  # known and marked by an earlier repair: not a new problem
-            else:
-                if repair:
-                    r.hset(store.k_damaged(), eid, why)
-                    rep.add("entries_marked")
-                rep.problem("entries_broken_chain", eid, why, fixed=repair)
-        else:
-            rep.add("entries_ok")
-            if repair and eid in marked:
-                r.hdel(store.k_damaged(), eid)
-                rep.add("entries_unmarked")
-    # -- reference counts (they decide when delete_entries frees a block)
-    for h, row in rows.items():
-        raw_refs = r.hget(store.k_block(h), "refs")
-        want = refs.get(h, 0)
-        try:
-            have = int(raw_refs) if raw_refs is not None else None
-        except ValueError:
-            have = -1
-        if have is not None and have != want:
-            if repair:
-                r.hset(store.k_block(h), "refs", want)
-                rep.add("refs_fixed")
-    return rep
-
-
-def _index(store, rep: FsckReport, repair: bool, key: str, read) -> list[str]:
-    """Read an index key; a key of the wrong type is damage: reported, and with repair deleted (fsck then
-    re-adds what it finds under the keys it scans)."""
-    try:
-        return read()
-    except (IntegrityError, store._resp_err):  # WRONGTYPE, through the store or the raw client
-        pass
-    if repair:
-        store.client.delete(key)
-    rep.problem("index_drift", key, "index key is damaged (wrong type)", fixed=repair)
-    return []
-
-
-def _set_aside_redis(store, eid: str, raw: dict, reason: str) -> None:
-    r = store.client
-    ns = raw.get(b"namespace", b"").decode("utf-8", "replace") if b"\x00damaged" not in raw else ""
-    if b"\x00damaged" not in raw:
-        r.hset(store.k_entry(eid), mapping={"fsck_reason": reason, "fsck_at": time.time()})
-    r.rename(store.k_entry(eid), store.k_qentry(eid))
-    r.zrem(store.k_entries(), eid)
-    if ns:
-        r.zrem(store.k_ns(ns), eid)
+_set_aside_local = set_aside_local  # the name earlier versions used
