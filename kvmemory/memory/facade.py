@@ -759,7 +759,17 @@ class KVMemory:
                 try:
                     entry = self.store.get_entry(hit.entry_id, ns)
                 except UnknownEntry:
+                    if self._lost(hit.entry_id) and refused is not None:
+                        dropped = True
+                        refused.append(refusal(hit.entry_id, "it is routed and recorded beside its blocks, but the "
+                                               "catalogue no longer holds it (a damaged catalogue); run `kvmemory "
+                                               "fsck --repair`"))
                     continue  # routed but forgotten meanwhile (or its deferred write failed: flush() says why)
+                except IntegrityError as exc:  # a damaged or forged catalogue row: refused, not fatal
+                    dropped = True
+                    if refused is not None:
+                        refused.append(refusal(hit.entry_id, str(exc)))
+                    continue
                 why = self.checks.route(hit, entry, qvec, self.router.embedder) or self.checks.entry(entry)
                 if why is not None:
                     dropped = True
@@ -945,6 +955,8 @@ class KVMemory:
         for eid in routed - stored:
             if eid in self._pending:
                 continue  # remembered with remember_later: routed before its KV is committed
+            if self._lost(eid):
+                continue  # recorded but missing from a damaged catalogue: `recall` names it, fsck brings it back
             self.router.delete(eid)
             changed += 1
         for eid in sorted(stored - routed):
@@ -955,6 +967,11 @@ class KVMemory:
             self.router.update(e.id, e.namespace, [e.problem, *e.meta.get("aliases", [])])
             changed += 1
         return changed
+
+    def _lost(self, entry_id: str) -> bool:
+        """An entry the catalogue lacks while its record is still there (lost by damage, not forgotten)."""
+        has = getattr(self.store, "has_record", None)
+        return bool(has is not None and has(entry_id))
 
     def reindex(self, progress: bool = False, *, embedder=None) -> int:
         """Re-embed every entry's problem and aliases into a new router index; returns entries routed.

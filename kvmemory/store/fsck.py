@@ -266,7 +266,8 @@ def _note_rebuild(rep: FsckReport, rebuilt: dict, why: str) -> None:
     rep.problem("catalogue_rebuilt", "catalogue.sqlite",
                 f"{why}: rebuilt with {c['entries_restored']} entries ({c['entries_from_records']} from records, "
                 f"{c['entries_from_old_catalogue']} from the old catalogue's readable rows) and "
-                f"{c['blocks_adopted']} blocks; the old one is kept in {rebuilt['old_catalogue'] or 'nowhere (none)'}",
+                f"{c['blocks_adopted']} blocks; " + (f"the old one is kept in {rebuilt['old_catalogue']}"
+                                                         if rebuilt["old_catalogue"] else "there was no old one"),
                 fixed=True)
     for p in rebuilt["problems"]:
         rep.problem(p["kind"], p["key"], p["detail"], fixed=p["repaired"])

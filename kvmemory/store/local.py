@@ -843,6 +843,12 @@ class LocalStore:
         """What a record keeps of the entry's signature (signed stores: signing.py)."""
         return None
 
+    def has_record(self, entry_id: str) -> bool:
+        """Whether the entry has a record beside the blocks (then an entry the catalogue lacks was lost
+        by the catalogue, not forgotten: `kvmemory fsck --repair` puts it back)."""
+        rf = self.records
+        return rf is not None and rf.path(entry_id).exists()
+
     def raw_entry(self, entry_id: str) -> EntryRecord | None:
         """The catalogue row of an entry as it is (no signature check), None when absent or unreadable."""
         try:

@@ -798,6 +798,11 @@ class RedisStore:
         }
         return [x for kv in f.items() for x in kv]
 
+    def has_record(self, entry_id: str) -> bool:
+        """Whether the entry has a record (see LocalStore.has_record); False while Redis is away."""
+        got = self._read(lambda: self._r.exists(self.k_record(entry_id)), "reading a record")
+        return bool(got and got[0])
+
     def record_of(self, entry: EntryRecord, chain_sha: Sequence[str], sig: str) -> bytes:
         """The entry's record (store/records.py), kept in Redis beside the entry and written with it."""
         from kvmemory.store.records import make_record, record_bytes
