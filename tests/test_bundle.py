@@ -48,7 +48,7 @@ def _texts(seed: int, shared: bool, tokenizer, n: int = 70) -> tuple[str, str, s
     """Texts whose rendering is `n` token ids (entries check against themselves: their texts must
     render to their ids, memory/entry_check.py); `shared` entries begin with the same first block."""
     solution, answer = f"Worked solution {seed}.", str(seed)
-    head = "Shared, " if shared else f"Own {seed:03d}, "
+    head = "Shared, " if shared else f"{seed:03d} own, "
     problem = f"{head}{seed}: how many"
     while True:
         ids = render_ids(tokenizer, entry_messages(problem, solution, answer))

@@ -329,6 +329,8 @@ class RedisStore:
         self._scripts = {n: client.register_script(src) for n, src in (
             ("commit", _LUA_COMMIT), ("put", _LUA_PUT_BLOCKS), ("delete", _LUA_DELETE), ("evict", _LUA_EVICT),
             ("quarantine", _LUA_QUARANTINE), ("attest", _LUA_ATTEST))}
+        if path is None and ours.get("tier"):
+            path = ours["tier"]  # ?tier=PATH in the URL (documented above; it was parsed, never used)
         self.path = Path(path).expanduser() if path is not None else self._default_tier()
         self._tier = LocalStore(self.path, records=False)  # a cache: no entry records
         self._check_format()
