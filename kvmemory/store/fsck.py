@@ -332,6 +332,8 @@ def _fsck_local(store: LocalStore, repair: bool, grace: float, purge: bool = Fal
     now = time.time()
 
     # -- entries against their records first: rows put back from records name the blocks adopted below
+    # No grace for records without rows: putting back an entry whose writer is about to commit it
+    # writes the same row the writer writes (a check-only pass may report it meanwhile).
     named, reported = reconcile_local(rep, store, repair, entry_check)
 
     # -- orphan block files and stale tmp files: adopted when an entry names them, else set aside

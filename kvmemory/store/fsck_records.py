@@ -98,10 +98,13 @@ def _restore(store: LocalStore, entry: EntryRecord, signature: dict | None) -> N
                                                   ",".join(signature.get("chain_sha256") or ())))
 
 
-def reconcile_local(rep, store: LocalStore, repair: bool, entry_check=None) -> tuple[dict[str, bool], set[str]]:
+def reconcile_local(rep, store: LocalStore, repair: bool, entry_check=None,
+                    grace: float = 0.0) -> tuple[dict[str, bool], set[str]]:
     """Compare every entry row with its record, report (and with `repair`, fix) what differs. Returns
     the blocks the entries' chains name (after repair; with check-only, also what records would bring
-    back), each with whether a verified entry names it, and the entries reported here."""
+    back), each with whether a verified entry names it, and the entries reported here. A record without
+    a row younger than `grace` seconds is left alone: its writer may not have committed yet."""
+    import time
     from kvmemory.store.fsck import set_aside_local
 
     rf = store.records
@@ -135,7 +138,17 @@ def reconcile_local(rep, store: LocalStore, repair: bool, entry_check=None) -> t
             rep.problem("entry_records_forgotten", eid,
                         "a forget was interrupted before its commit: the entry stays" if live else
                         "a forget was interrupted after its commit: its record goes", fixed=repair)
+        now = time.time()
         for eid in sorted(set(rows) | set(records) | set(damaged), key=str):
+            if eid not in rows and grace > 0:
+                try:
+                    young = now - rf.path(eid).stat().st_mtime < grace
+                except OSError:
+                    young = False
+                if young:
+                    rep.add("orphans_recent_kept")
+                    records.pop(eid, None)
+                    continue
             before = len(rep.problems)
             _one(rep, store, rf, eid, rows.get(eid), records.get(eid), damaged.get(eid), repair, entry_check, cols,
                  set_aside_local)

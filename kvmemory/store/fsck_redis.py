@@ -110,6 +110,7 @@ def fsck_redis(store, repair: bool, grace: float, *, purge_orphans: bool = False
         for h, sha in zip(e.chain, chain_sha):
             named.setdefault(h, (e, sha))
     ppre = store.k_payload("")[:-2]  # "kvm:<s>:p:"
+    adopted: set[str] = set()
     for k in r.scan_iter(match=ppre + "{*}", count=1000):
         h = k.decode()[len(ppre) + 1 : -1]
         if h in rows:
@@ -117,6 +118,7 @@ def fsck_redis(store, repair: bool, grace: float, *, purge_orphans: bool = False
         if h in named:
             if _adopt(rep, store, h, *named[h], repair, now):
                 usable.add(h)
+                adopted.add(h)
             continue
         idle = r.object("idletime", k) or 0
         if idle < grace:
@@ -159,7 +161,7 @@ def fsck_redis(store, repair: bool, grace: float, *, purge_orphans: bool = False
             if repair and eid in marked:
                 r.hdel(store.k_damaged(), eid)
                 rep.add("entries_unmarked")
-    for h, row in rows.items():
+    for h in [*rows, *sorted(adopted)]:
         raw_refs = r.hget(store.k_block(h), "refs")
         want = refs.get(h, 0)
         try:
