@@ -15,6 +15,7 @@ Which copy wins when a catalogue row and its record differ:
 from __future__ import annotations
 
 from kvmemory.errors import IntegrityError, StoreError
+from kvmemory.store.fsck_common import set_aside_local
 from kvmemory.store.local import EntryRecord, LocalStore
 from kvmemory.store.records import Record, content_sha256, entry_json, parse_record
 from kvmemory.store.rebuild import chain_matches_ids, chunk_of
@@ -105,7 +106,6 @@ def reconcile_local(rep, store: LocalStore, repair: bool, entry_check=None,
     back), each with whether a verified entry names it, and the entries reported here. A record without
     a row younger than `grace` seconds is left alone: its writer may not have committed yet."""
     import time
-    from kvmemory.store.fsck import set_aside_local
 
     rf = store.records
     cols = LocalStore._ENTRY_COLS

@@ -21,7 +21,7 @@ import json
 import time
 
 from kvmemory.errors import IntegrityError
-from kvmemory.store.fsck import EntryCheck, FsckReport, _master_signer, check_block_bytes
+from kvmemory.store.fsck_common import EntryCheck, FsckReport, check_block_bytes, master_signer
 from kvmemory.store.fsck_records import differing_fields, self_problem, signature_ok
 from kvmemory.store.local import BlockRow, EntryRecord
 from kvmemory.store.rebuild import check_block_file, chunk_of
@@ -34,7 +34,7 @@ def fsck_redis(store, repair: bool, grace: float, *, purge_orphans: bool = False
     rep = FsckReport(f"{store.url} store {store.name!r}", store.kind, repair)
     if not store.ping():
         raise store._unavailable_error("fsck")
-    signer = _master_signer(store)
+    signer = master_signer(store)
     now = time.time()
     pre = store.k_block("")
 

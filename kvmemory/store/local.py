@@ -33,7 +33,6 @@ import hashlib
 import json
 import logging
 import os
-import re
 import sqlite3
 import threading
 import time
@@ -47,6 +46,8 @@ import numpy as np
 import torch
 
 from kvmemory.store.blocks import BlockMeta, chain_hash, encode_header, read_header
+from kvmemory.store.entries import EntryRecord, _is_hex64, entry_from_fields  # noqa: F401 (EntryRecord: re-exported)
+from kvmemory.store.records import RecordFolder, content_sha256, holds_data
 from kvmemory.errors import (CatalogueLost, IntegrityError, StoreError, StoreFormatError, StoreFull, StoreReadOnly,
                              UnknownEntry)
 
@@ -115,44 +116,6 @@ class BlockRow:
 
 
 @dataclass(slots=True, frozen=True)
-class EntryRecord:
-    """A verified solution as stored: texts, verifier outcome, prompt token ids, chain, attestation."""
-
-    id: str
-    namespace: str
-    problem: str
-    solution: str
-    answer: str | None
-    verifier: dict
-    verified: bool
-    token_ids: tuple[int, ...]
-    profile_id: str
-    chain: tuple[str, ...]
-    attestation: dict
-    meta: dict
-    created: float
-    updated: float
-
-    def to_json(self) -> dict:
-        return {
-            "id": self.id,
-            "namespace": self.namespace,
-            "problem": self.problem,
-            "solution": self.solution,
-            "answer": self.answer,
-            "verifier": self.verifier,
-            "verified": self.verified,
-            "n_tokens": len(self.token_ids),
-            "profile_id": self.profile_id,
-            "chain": list(self.chain),
-            "attestation": self.attestation,
-            "meta": self.meta,
-            "created": self.created,
-            "updated": self.updated,
-        }
-
-
-@dataclass(slots=True, frozen=True)
 class StoreStats:
     entries: int
     verified_entries: int
@@ -212,12 +175,6 @@ def _sync_files(files: Sequence[Path], folder: Path) -> None:
             os.close(fd)
 
 
-def _ids_from_blob(blob: bytes) -> tuple[int, ...]:
-    if not isinstance(blob, bytes) or len(blob) % 4:
-        raise ValueError("token ids are not a whole number of little-endian uint32")
-    return tuple(int(x) for x in np.frombuffer(blob, dtype="<u4"))
-
-
 def check_meta(meta: BlockMeta, row: BlockRow) -> None:
     """Raise IntegrityError unless a block header agrees with its catalogue row and with itself: every
     field the row repeats, and the chain hash recomputed from the header's profile, parent and tokens
@@ -234,13 +191,6 @@ def check_meta(meta: BlockMeta, row: BlockRow) -> None:
         raise IntegrityError("block header is not self-consistent (chain hash or position)")
 
 
-_HEX64 = re.compile(r"[0-9a-f]{64}")
-
-
-def _is_hex64(x: object) -> bool:
-    return isinstance(x, str) and _HEX64.fullmatch(x) is not None
-
-
 def block_row_from(row: Sequence) -> BlockRow:
     """A BlockRow from catalogue values (hash, parent, profile, idx, n_tokens, sha, nbytes, file nbytes,
     verified, pinned, quarantined), type-checked: a damaged row raises IntegrityError, never reaches a read."""
@@ -251,27 +201,6 @@ def block_row_from(row: Sequence) -> BlockRow:
         name = h[:12] if isinstance(h, str) else repr(h)[:20]
         raise IntegrityError(f"the catalogue row of block {name} is damaged; run `kvmemory fsck`")
     return BlockRow(h, parent, profile, idx, n_tok, sha, nbytes, fbytes, bool(ver), bool(pin), bool(quar))
-
-
-def entry_from_fields(row: Sequence, chain: Sequence[str]) -> EntryRecord:
-    """An EntryRecord from catalogue values (the order of `LocalStore._ENTRY_COLS`), type-checked."""
-    try:
-        (eid, ns, problem, solution, answer, verifier, verified, ids, profile, att, meta, created, updated) = row
-        rec = EntryRecord(
-            id=eid, namespace=ns, problem=problem, solution=solution, answer=answer,
-            verifier=json.loads(verifier), verified=bool(verified), token_ids=_ids_from_blob(ids),
-            profile_id=profile, chain=tuple(chain), attestation=json.loads(att), meta=json.loads(meta),
-            created=float(created), updated=float(updated),
-        )
-        if not (all(isinstance(x, str) for x in (eid, ns, problem, solution, profile))
-                and (answer is None or isinstance(answer, str)) and isinstance(verified, int)
-                and all(isinstance(x, dict) for x in (rec.verifier, rec.attestation, rec.meta))
-                and all(_is_hex64(h) for h in rec.chain)):
-            raise ValueError("a field has the wrong type")
-        return rec
-    except (TypeError, ValueError) as exc:
-        name = row[0] if row and isinstance(row[0], str) else "?"
-        raise IntegrityError(f"the catalogue row of entry {name!r} is damaged ({exc}); run `kvmemory fsck`") from exc
 
 
 _IOV_MAX = 1024  # Linux's limit on buffers per preadv call
@@ -353,8 +282,6 @@ class LocalStore:
             return None
         rf = self.__dict__.get("_records")
         if rf is None:
-            from kvmemory.store.records import RecordFolder
-
             rf = self._records = RecordFolder(self.path)
         return rf
 
@@ -370,8 +297,6 @@ class LocalStore:
             empty = True
         if not empty:
             return
-        from kvmemory.store.records import holds_data
-
         if holds_data(self.path):
             state = "is empty" if cat.exists() else "is missing"
             raise CatalogueLost(
@@ -822,8 +747,6 @@ class LocalStore:
             yield
             return
         self._require_writable()
-        from kvmemory.store.records import content_sha256
-
         prev = self.raw_entry(entry.id)
         try:
             old = rf.read_bytes(entry.id)

@@ -40,7 +40,7 @@ from pathlib import Path
 
 from kvmemory.errors import IntegrityError
 from kvmemory.store.blocks import ids_bytes
-from kvmemory.store.local import EntryRecord, entry_from_fields
+from kvmemory.store.entries import EntryRecord, entry_from_fields
 
 RECORD_FORMAT = "kvmemory-entry-record"
 RECORD_VERSION = 1
