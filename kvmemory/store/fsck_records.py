@@ -14,7 +14,7 @@ Which copy wins when a catalogue row and its record differ:
 
 from __future__ import annotations
 
-from kvmemory.errors import IntegrityError, StoreError
+from kvmemory.errors import IntegrityError, StoreError, UnknownEntry
 from kvmemory.store.fsck_common import set_aside_local
 from kvmemory.store.local import EntryRecord, LocalStore
 from kvmemory.store.records import Record, content_sha256, entry_json, parse_record
@@ -114,11 +114,14 @@ def reconcile_local(rep, store: LocalStore, repair: bool, entry_check=None,
         ids = [eid for (eid,) in store._q("SELECT id FROM entries")]
         rows: dict[str, EntryRecord | IntegrityError] = {}
         for eid in ids:
+            if not isinstance(eid, str):  # a damaged id: the entry checks report and set it aside
+                continue
             try:
                 rows[eid] = LocalStore.get_entry(store, eid)
-            except IntegrityError as exc:
-                rows[eid] = exc
-        by_name = {rf.path(eid).name: eid for eid in ids if isinstance(eid, str)}
+            except (IntegrityError, UnknownEntry) as exc:
+                rows[eid] = IntegrityError(str(exc))
+        ids = [eid for eid in ids if isinstance(eid, str)]
+        by_name = {rf.path(eid).name: eid for eid in ids}
         records: dict[str, Record] = {}
         damaged: dict[str, tuple] = {}  # entry id (or file name) -> (path, why)
         for p in rf.files():

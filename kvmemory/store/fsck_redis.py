@@ -182,10 +182,10 @@ def _chunk(store, entry: EntryRecord, chain_sha) -> int | None:
         profile = None
     if chunk_of(profile) or not entry.chain:
         return chunk_of(profile)
-    row = store.client.hget(store.k_block(entry.chain[0]), "n_tokens")
     try:
+        row = store.client.hget(store.k_block(entry.chain[0]), "n_tokens")
         return int(row) if row is not None else None
-    except ValueError:
+    except (ValueError, store._resp_err):  # a damaged row (a number that is not, a key of the wrong type)
         return None
 
 

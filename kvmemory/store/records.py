@@ -23,8 +23,9 @@ A record is canonical JSON (sorted keys, no spaces, ASCII):
 update whose catalogue commit never happened (a crash between the two) from a catalogue row that was
 damaged: the row then still hashes to the record's `previous_sha256`.
 
-Writes are atomic and durable: the record is written under tmp/, fsynced, renamed into place, and the
-folder fsynced, before the catalogue transaction that commits the entry. No pickle.
+Writes are atomic: the record is written under tmp/, fsynced and renamed into place before the catalogue
+transaction that commits the entry (as block files are; a crash may lose the rename, never leave a
+partial record). No pickle.
 """
 
 from __future__ import annotations
@@ -139,14 +140,6 @@ def parse_record(data: bytes, expect_id: str | None = None) -> Record:
     return Record(entry, rec["content_sha256"], prev, sig)
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 class RecordFolder:
     """The `entries/` and `profiles/` folders of a local store (see the module docstring).
 
@@ -177,7 +170,8 @@ class RecordFolder:
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
-        _fsync_dir(final.parent)
+        # No fsync of the folder after the rename, as for block files (local.py): a crash may lose the
+        # rename, never leave a partial record; fsck writes a missing record again from its row.
 
     # ------------------------------------------------------------------ entries
     def read_bytes(self, entry_id: str) -> bytes | None:
