@@ -167,6 +167,9 @@ def stock_reason(profile: dict) -> str | None:
                    "not float32 with float32 K/V")
     if profile.get("device_type") != "cpu":
         why.append(f"it ran on {profile.get('device_type')!r}, not the CPU")
+    if profile.get("step_mode", "dynamic") != "dynamic":  # profiles stored before the field ran dynamic steps
+        why.append(f"its steps ran {profile.get('step_mode')!r} (padded chunks, keys in buckets), not the chunk loop "
+                   "this script recomputes")
     return "; ".join(why) or None
 
 
@@ -234,9 +237,26 @@ def environment_differences(profile: dict) -> list[str]:
     return [f"{k}: attested {profile.get(k)!r}, here {v!r}" for k, v in here.items() if profile.get(k) != v]
 
 
+def weights_match_profile(profile: dict, model_info: dict | None, model) -> bool | None:
+    """Whether the model checked is the one the profile names (None: this script cannot tell).
+
+    A profile names its model one of two ways (kvmemory/engine/profile.py): by its files, `files:` and
+    the SHA-256 of {name: SHA-256} of config.json and the weights files, which for a Hugging Face folder
+    is the attestation's `model.sha256` (each file of which `locate_model` checked); or by the weights in
+    memory, 64 hex digits (`weights_sha256`). The embedded model's profile names the safetensors folder
+    kvmemory converted its GGUF into, which this script does not read: not checked here (the GGUF itself
+    is checked against the attestation)."""
+    want = str(profile.get("model_sha256") or "")
+    if want.startswith("files:"):
+        if (model_info or {}).get("format") == "hf-folder":
+            return want == "files:" + str(model_info.get("sha256"))
+        return None
+    return weights_sha256(model) == want
+
+
 def weights_sha256(model) -> str:
     """SHA-256 over every parameter and buffer (name, dtype, shape, bytes; sorted by name): the same
-    definition as the profile's `model_sha256`."""
+    definition as the in-memory form of the profile's `model_sha256`."""
     h = hashlib.sha256()
     state = model.state_dict()
     for name in sorted(state):
@@ -298,7 +318,7 @@ def check(att: dict, model_path: str | None = None, model=None) -> tuple[bool, d
 
     details["environment_differences"] = environment_differences(profile)
     with pinned_settings(profile):
-        details["weights_match_profile"] = weights_sha256(model) == profile.get("model_sha256")
+        details["weights_match_profile"] = weights_match_profile(profile, att.get("model"), model)
         prefill, decode, generated = reference_logits(model, ids, int(profile["chunk"]), k)
     rows = torch.cat([prefill[g:], decode], 0)
     got = hashlib.sha256(logits_bytes(rows)).hexdigest()
@@ -314,6 +334,10 @@ def check(att: dict, model_path: str | None = None, model=None) -> tuple[bool, d
     if reasons:
         details["reason"] = "; ".join(reasons)
     return not reasons, details
+
+
+def _said(match: bool | None) -> str:
+    return "not checked (the profile names kvmemory's converted copy of the model)" if match is None else str(match)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -347,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  recomputed logits sha256: {d['recomputed_sha256']}")
                 print(f"  {d['rows'][0]} rows of {d['rows'][1]} {d['dtype']} logits from position "
                       f"{d['graft_point']} of {d['tokens']} tokens; weights equal the profile's: "
-                      f"{d['weights_match_profile']}")
+                      f"{_said(d['weights_match_profile'])}")
             if d.get("reason"):
                 print(f"  {d['reason']}")
             if not match:

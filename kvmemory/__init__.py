@@ -12,7 +12,8 @@ The public API, everything users and the framework integrations need:
   and history (`EntryPage`, `EntryVersion`), metadata filters (`matches`, `check_where`), deferred writes
   (`PendingWrite`);
 - the engine underneath: `Engine`, `GraftReport`, `VerifyReport`, `ForwardResult`, `Sampling`,
-  `ExecutionProfile`, `load_model`;
+  `ExecutionProfile`, `load_model`; where a model runs (`resolve_device`, `resolve_dtype`: "auto", "cpu",
+  "cuda", "cuda:N"; `DeviceUnavailable`);
 - stores: `open_store` and the `Store` protocol (`LocalStore`, `SignedLocalStore`, `RedisStore`);
   portable bundles (`KVMemory.export_bundle` / `import_bundle`, `read_bundle`, `ExportReport`, `ImportReport`);
 - verifiers (`verifier_by_name`, `ArithmeticVerifier`, ...) and the typed errors (`KVMemoryError` ...);
@@ -77,6 +78,8 @@ _EXPORTS = {
     "DEFAULT_CHUNK": "kvmemory.engine.runner",
     "ExecutionProfile": "kvmemory.engine.profile",
     "load_model": "kvmemory.models.loading",
+    "resolve_device": "kvmemory.models.devices",
+    "resolve_dtype": "kvmemory.models.devices",
     "LoadedModel": "kvmemory.models.loading",
     "DEFAULT_MODEL": "kvmemory.models.loading",
     # stores
@@ -140,6 +143,7 @@ _EXPORTS = {
     # errors
     "KVMemoryError": "kvmemory.errors",
     "InvalidInput": "kvmemory.errors",
+    "DeviceUnavailable": "kvmemory.errors",
     "ProfileMismatch": "kvmemory.errors",
     "NotOnGrid": "kvmemory.errors",
     "IntegrityError": "kvmemory.errors",
@@ -153,6 +157,7 @@ _EXPORTS = {
     "UnknownModel": "kvmemory.errors",
     "VerificationFailed": "kvmemory.errors",
     "RouterMismatch": "kvmemory.errors",
+    "GraphCaptureError": "kvmemory.errors",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
@@ -186,7 +191,8 @@ if TYPE_CHECKING:  # what type checkers and IDEs see (py.typed): the same names,
     from kvmemory.engine.graft import GraftReport
     from kvmemory.engine.profile import ExecutionProfile
     from kvmemory.engine.runner import DEFAULT_CHUNK, GREEDY, ForwardResult, Sampling
-    from kvmemory.errors import (BundleError, IntegrityError, InvalidInput, KVMemoryError, NotOnGrid, ProfileMismatch,
+    from kvmemory.errors import (BundleError, DeviceUnavailable, GraphCaptureError, IntegrityError, InvalidInput,
+                                 KVMemoryError, NotOnGrid, ProfileMismatch,
                                  RouterMismatch, StoreError, StoreFormatError, StoreFull, StoreReadOnly,
                                  UnknownEntry, UnsupportedArchitecture, VerificationFailed)
     from kvmemory.memory.background import PendingWrite
@@ -199,6 +205,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see (py.typed): the same names,
     from kvmemory.memory.verifiers import (VERIFIERS, ArithmeticVerifier, ExactAnswerVerifier, NoneVerifier,
                                            Verifier, VerifierResult, extract_answer, extract_value, numbers_in,
                                            verifier_by_name)
+    from kvmemory.models.devices import resolve_device, resolve_dtype
     from kvmemory.models.loading import DEFAULT_MODEL, LoadedModel, load_model
     from kvmemory.store.bundle import Bundle, ExportReport, read_bundle, write_bundle
     from kvmemory.store.local import EntryRecord, LocalStore, StoreStats

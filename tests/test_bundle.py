@@ -453,6 +453,14 @@ PROBLEMS = [
 ]
 
 
+def _as_opened(smollm, store, **kw) -> Engine:
+    """An engine on the session's model under the profile `kvmemory` commands (Engine.open) run: the
+    model named by its files (these tests never change its weights), so bundles pass between the two."""
+    from kvmemory.models.loading import files_model_sha256
+
+    return Engine(smollm, store, model_sha256=files_model_sha256(smollm.weights_files), **kw)
+
+
 def kvm(*args, env=None, check=True):
     e = dict(os.environ, **(env or {}))
     p = subprocess.run([sys.executable, "-m", "kvmemory.cli", *args], capture_output=True, text=True, env=e,
@@ -467,7 +475,7 @@ def real_source(smollm, tmp_path_factory):
     """Three remembered solutions under the CLI's default profile (kv_dtype "auto": bfloat16 K/V), and
     the bundle `kvmemory export` wrote of them (through the CLI: no model is loaded for it)."""
     root = tmp_path_factory.mktemp("real")
-    mem = KVMemory(Engine(smollm, LocalStore(root / "store"), kv_dtype="auto"))
+    mem = KVMemory(_as_opened(smollm, LocalStore(root / "store"), kv_dtype="auto"))
     entries = [mem.remember(p, s, a, namespace=ns) for p, s, a, ns in PROBLEMS]
     out = json.loads(kvm("export", "--store", str(root / "store"), "--out", str(root / "three.kvmb"), "--json").stdout)
     return mem, entries, root / "three.kvmb", out
@@ -484,7 +492,7 @@ def test_cli_export_reports_json(real_source):
 
 def test_real_round_trip_ask_recall_and_graft_there(real_source, smollm, tmp_path):
     src, entries, path, _ = real_source
-    dst = KVMemory(Engine(smollm, LocalStore(tmp_path / "there"), kv_dtype="auto"))
+    dst = KVMemory(_as_opened(smollm, LocalStore(tmp_path / "there"), kv_dtype="auto"))
     r = dst.import_bundle(path, verify_all=True)
     assert r.ok and r.imported == [e.id for e in entries]
     assert r.verify["bit_identical"] == 3 and r.verify["attestation_match"] == 3 and r.verify["kl_max"] == 0.0
@@ -503,7 +511,7 @@ def test_real_round_trip_ask_recall_and_graft_there(real_source, smollm, tmp_pat
 
 def test_cli_refuses_a_foreign_kv_dtype_by_name_and_leaves_the_target_untouched(real_source, smollm, tmp_path):
     """Entries made with float32 K/V, imported by the CLI's default profile (bfloat16 K/V)."""
-    src32 = KVMemory(Engine(smollm, LocalStore(tmp_path / "f32"), kv_dtype="float32"))
+    src32 = KVMemory(_as_opened(smollm, LocalStore(tmp_path / "f32"), kv_dtype="float32"))
     e = src32.remember(*PROBLEMS[0][:3])
     src32.export_bundle(tmp_path / "f32.kvmb")
     _, _, path, _ = real_source
@@ -517,7 +525,7 @@ def test_cli_refuses_a_foreign_kv_dtype_by_name_and_leaves_the_target_untouched(
     assert "--kv-dtype float32" in p.stderr  # how to open under the bundle's profile
     assert snapshot(target) == before
     # In-process, the same refusal names the field in ProfileMismatch.fields.
-    dst = KVMemory(Engine(smollm, LocalStore(target), kv_dtype="auto"))
+    dst = KVMemory(_as_opened(smollm, LocalStore(target), kv_dtype="auto"))
     with pytest.raises(ProfileMismatch) as exc:
         dst.import_bundle(tmp_path / "f32.kvmb")
     assert "kv_dtype" in exc.value.fields and e.id not in dst.store.entry_ids()
@@ -567,7 +575,7 @@ def test_import_into_redis_in_another_process_then_verify_and_recall_there(real_
                                    env={"KVMEMORY_SIGNING_KEY": KEY}).stdout)
             assert again["imported"] == [] and again["skipped"] == r["imported"]
             rstore = RedisStore(url, signer=KEY, path=tmp_path / "tier")
-            mem = KVMemory(Engine(smollm, rstore, kv_dtype="auto"))
+            mem = KVMemory(_as_opened(smollm, rstore, kv_dtype="auto"))
             assert sorted(rstore.entry_ids()) == sorted(e.id for e in entries)
             summary = mem.verify()
             assert summary.checked == 3 == summary.bit_identical == summary.attested_match

@@ -85,6 +85,12 @@ def test_stats_json(filled_store):
     assert out["dedup_ratio"] >= 1.0
 
 
+def _empty_store(path) -> None:
+    from kvmemory.store.local import LocalStore
+
+    LocalStore(path).close()
+
+
 def test_errors_are_typed_and_clean(filled_store, tmp_path):
     store, _, _ = filled_store
     p = kvm("ask", "--entry", "enope", "why?", "--json", store=store, check=False)
@@ -108,6 +114,7 @@ def test_demo_runs_and_verifies(tmp_path):
 def test_profile_switch_is_shown_and_contradictions_are_refused(tmp_path):
     help_text = kvm("remember", "--help").stdout
     assert "--profile {default,stock}" in help_text and "stock:" in help_text
+    _empty_store(tmp_path / "s")  # recall reads an existing store (a missing one is its own error)
     for extra, named in ((["--kv-dtype", "bfloat16"], "kv_dtype='bfloat16'"), (["--linears", "gguf"], "linears='gguf'")):
         p = kvm("recall", "anything", "--profile", "stock", *extra, "--json", store=tmp_path / "s", check=False)
         assert p.returncode == 2 and json.loads(p.stdout.splitlines()[0])["error"] == "InvalidInput", p.stderr
@@ -249,6 +256,7 @@ def test_unknown_model_fails_fast_with_a_typed_one_line_error(tmp_path):
     import time
 
     env = {"HF_HUB_OFFLINE": "0"}  # even allowed online, nothing asks the hub: kvmemory downloads nothing
+    _empty_store(tmp_path / "s")  # recall reads an existing store (a missing one is its own error)
     t = time.monotonic()
     p = kvm("recall", "anything", "--model", "no/such-model", "--json", store=tmp_path / "s", check=False, env=env)
     took = time.monotonic() - t

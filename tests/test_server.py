@@ -231,7 +231,11 @@ def test_a_served_answers_logits_equal_a_recompute_here(server, smollm):
         r = c.post("/v1/completions", json={"model": "kvmemory", "prompt": prompt, "max_tokens": 6}).json()
     k = r["kvmemory"]
     assert k["tokens_grafted"] >= 64 and r["usage"]["prompt_tokens_details"]["cached_tokens"] == k["tokens_grafted"]
-    engine = Engine(smollm, LocalStore(server.store), kv_dtype="auto")  # as Engine.open (the server) resolves it
+    from kvmemory.models.loading import files_model_sha256
+
+    # As Engine.open (the server) opens it: kv_dtype resolved, the model named by its files.
+    engine = Engine(smollm, LocalStore(server.store), kv_dtype="auto",
+                    model_sha256=files_model_sha256(smollm.weights_files))
     assert engine.profile_id == k["profile_id"], "the test process runs another profile: the check would be void"
     ids = engine.encode(prompt)
     assert len(ids) == r["usage"]["prompt_tokens"]

@@ -87,10 +87,14 @@ def tiny_model(arch: str, dtype: torch.dtype = torch.float32, seed: int = 0, att
     return model
 
 
-def tiny_engine(arch: str, store_path, dtype=torch.float32, chunk: int = 16, seed: int = 0, kv_dtype=None) -> Engine:
-    model = tiny_model(arch, dtype, seed)
+def tiny_engine(arch: str, store_path, dtype=torch.float32, chunk: int = 16, seed: int = 0, kv_dtype=None,
+                step: str = "auto", device: str = "cpu") -> Engine:
+    """`step`: the runner's step mode (engine/static_step.py); `device`: where the model runs."""
+    model = tiny_model(arch, dtype, seed, pack=device == "cpu",
+                       attn=None if device == "cpu" else ("eager" if arch == "gemma2" else "sdpa"))
+    model.to(device)
     return Engine(LoadedModel(model, IdTokenizer(), f"tiny-{arch}", f"tiny-{arch}"), LocalStore(store_path),
-                  chunk=chunk, kv_dtype=kv_dtype)
+                  chunk=chunk, kv_dtype=kv_dtype, step=step)
 
 
 def assert_graft_equals_recompute(eng: Engine, ids: list[int], stored: int, new_tokens: int) -> None:

@@ -91,3 +91,23 @@ def li_llm(li_memory):
     from llama_index.llms.kvgraft import KVGraftLLM
 
     return KVGraftLLM(memory=li_memory, max_new_tokens=TEST_MAX_NEW_TOKENS, namespace=RECURRING_NAMESPACE)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_folder(tmp_path_factory) -> str:
+    """A 1-layer random-init Llama with SmolLM2's tokenizer, saved as a Hugging Face folder (the device
+    tests open their own memories on it: seconds, not the embedded model's gigabyte)."""
+    import torch
+    import transformers as T
+
+    from kvmemory.models.loading import resolve_model_path
+
+    root = tmp_path_factory.mktemp("li-tiny") / "model"
+    tok = T.AutoTokenizer.from_pretrained(resolve_model_path())
+    torch.manual_seed(0)
+    cfg = T.LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048, head_dim=16,
+                        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    T.AutoModelForCausalLM.from_config(cfg).save_pretrained(root)
+    tok.save_pretrained(root)
+    return str(root)

@@ -7,6 +7,8 @@ layers over these):
 - `guided`: decoding passes over one prompt: free text, choices scored by the model, schema-guided JSON
   and forced tool calls;
 - `chat`: one chat call with routing, prefix caching, tools and structured output, and what it cost;
+- `after_tool`: what a call after a tool result does (answer, stating the result, unless another call
+  is clearly likelier; never a repeated call), so agent loops end;
 - `streaming`: a decode in a worker thread, its visible text delivered to a sync or async consumer,
   stopped (and the lock released) when the consumer goes away;
 - `tokens`: token counts through the model's own tokenizer (text, and conversations as the model reads them),

@@ -10,6 +10,8 @@ Then, under the memory's lock:
   user turn): the model picks the tool and decodes its arguments under its schema (`guided.call_tool`);
 - `tool_policy="scored"` (the default) on a user turn with tool_choice "auto": the model's own
   likelihoods decide between calling a tool and answering (`wants_tool`), then as above;
+- after a tool result with tool_choice "auto" (every policy): an answer that states the result,
+  unless another call is clearly likelier and is not one already answered (`after_tool`);
 - otherwise free text, read for a tool call the model began by itself when tools are bound.
 
 With `cache_prefixes`, the first call over a system turn whose blocks are not stored yet stores the
@@ -23,6 +25,7 @@ import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from kvmemory.adapters.after_tool import after_tool_result, next_step
 from kvmemory.adapters.guided import Decoder, DecodeStats, JsonGuide, call_tool
 from kvmemory.adapters.messages import (TOOL_CALL_OPEN, parse_tool_calls, schema_prompt, tool_names, tools_prompt,
                                         with_instructions)
@@ -59,7 +62,8 @@ class ChatRequest:
     # What an unforced call (tool_choice "auto") with tools does on a user turn: "scored" lets the
     # model's likelihoods decide between a tool call and an answer (`wants_tool`); "model" decodes
     # freely and reads a call the model wrote by itself (a small model seldom does); "user_turn" always
-    # calls a tool. After a tool result every policy decodes as "model" does.
+    # calls a tool. After a tool result every policy answers unless another call is clearly likelier
+    # (`after_tool`: the policy that lets an agent loop end).
     tool_policy: str = "scored"
     response_schema: dict | None = None
     stop: list[str] = field(default_factory=list)
@@ -96,6 +100,7 @@ class ChatOutcome:
     stats: DecodeStats | None = None
     hits: list[Recalled] = field(default_factory=list)
     profile_id: str = ""
+    notes: dict = field(default_factory=dict)  # how the call was decided (e.g. "after_tool": its log-odds)
 
     def provenance(self) -> dict:
         """The token counts of every pass, the routed entries (id, score, verified, attestation) and
@@ -106,6 +111,7 @@ class ChatOutcome:
                          "verified": h.entry.verified, "answer": h.entry.answer,
                          "attestation_id": h.entry.attestation.get("attestation_id")} for h in self.hits],
             "profile_id": self.profile_id,
+            **self.notes,
         }
 
 
@@ -154,6 +160,14 @@ def _decode(req: ChatRequest, dec: Decoder, turns: list[dict]) -> ChatOutcome:
     if forced:
         allowed = names if req.tool_choice in ("any", "auto") else [req.tool_choice]
         return _tool_outcome("", call_tool(dec, req.tools, "", allowed, req.max_tokens))
+    if req.tool_mode and after_tool_result(turns):
+        step = next_step(dec, req.tools, turns, req.max_tokens, req.stop)
+        notes = {"after_tool": step.notes}
+        if step.call is not None:
+            out = _tool_outcome("", step.call)
+            out.notes = notes
+            return out
+        return ChatOutcome(step.text, finish_reason=step.finish_reason, notes=notes)
     if req.tool_mode and req.tool_policy == "scored" and user_turn:
         pick = wants_tool(dec, turns, names)
         if pick is not None:

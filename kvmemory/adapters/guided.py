@@ -118,12 +118,13 @@ class Decoder:
         return lambda _delta: on_text("")
 
     def free(self, assistant_text: str, *, max_new_tokens: int, stop: Sequence[str] = (),
-             shown: bool = False) -> Answer:
-        """Decode after the prompt and `assistant_text` (what the assistant turn already holds);
-        `shown`: the decoded text is the stream's visible text (else it only checks the stream)."""
+             shown: bool = False, after_ids: Sequence[int] = ()) -> Answer:
+        """Decode after the prompt and `assistant_text` (what the assistant turn already holds), then
+        `after_ids` (tokens already chosen, e.g. by `opening`); `shown`: the decoded text is the
+        stream's visible text (else it only checks the stream)."""
         t0 = time.perf_counter()
         on_text = self.on_text if shown else self._watch()
-        ids = self.prompt_ids + self.encode(assistant_text)
+        ids = self.prompt_ids + self.encode(assistant_text) + [int(t) for t in after_ids]
         first = self.stats.passes == 0
         ans = self.memory.generate(ids, max_new_tokens=max(1, max_new_tokens), sampling=self.sampling,
                                    stop=stop, store_new_blocks=self.store_new_blocks and first,
@@ -161,6 +162,25 @@ class Decoder:
             out.append(float(sum(logp[j, t] for j, t in enumerate(tail))))
         self.stats.seconds += time.perf_counter() - t0
         return out
+
+    def opening(self, option: str) -> tuple[float, torch.Tensor]:
+        """The model's log-likelihood of opening the assistant turn with `option`, and its logits for
+        the turn's first token (float32, [vocab]): one forward, the prompt's stored chain grafted."""
+        t0 = time.perf_counter()
+        self._watch()
+        tail = self.encode(option)
+        ids = self.prompt_ids + tail
+        first = self.stats.passes == 0
+        res, report = self.memory.engine.forward(ids, keep_logits=True,
+                                                 store_new_blocks=self.store_new_blocks and first)
+        if res.start > len(self.prompt_ids) - 1:  # the store held the option itself: score it from scratch
+            res, report = self.memory.engine.forward(ids, keep_logits=True, graft=False)
+        self._account(report, 0)
+        at = len(self.prompt_ids) - 1 - res.start
+        rows = res.prefill_logits[at: at + len(tail)].float()
+        logp = torch.log_softmax(rows, -1)
+        self.stats.seconds += time.perf_counter() - t0
+        return float(sum(logp[j, t] for j, t in enumerate(tail))), rows[0].clone()
 
     def add_stats(self, other: DecodeStats) -> None:
         """Count another decoder's passes (over another prompt, e.g. a calibration) in this call's cost."""

@@ -1,5 +1,5 @@
-"""One `KVMemory` per (model, store) in a process, shared by every framework adapter, and the lock
-that serialises its use.
+"""One `KVMemory` per (model, store, device, dtype) in a process, shared by every framework adapter,
+and the lock that serialises its use.
 
 Loading the embedded model takes seconds and a gigabyte, so LangChain's retriever, chat model, tools
 and store and LlamaIndex's LLM, retriever and memory block all borrow the same instance when they are
@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvmemory.memory.facade import KVMemory
+from kvmemory.errors import InvalidInput
+from kvmemory.models.devices import resolve_device, resolve_dtype
 from kvmemory.models.loading import DEFAULT_MODEL
 from kvmemory.paths import default_store_path
 from kvmemory.store.open import is_redis_url
@@ -32,7 +34,7 @@ class SharedMemory:
 
 
 _registry_lock = threading.Lock()
-_memories: dict[tuple[str, str], KVMemory] = {}
+_memories: dict[tuple[str, str, str, str], KVMemory] = {}  # (model, store, device, dtype) -> memory
 _locks: "weakref.WeakKeyDictionary[object, threading.RLock]" = weakref.WeakKeyDictionary()
 
 
@@ -50,13 +52,18 @@ def resolve_store(store: str | os.PathLike[str] | None) -> str:
     return str(Path(spec).expanduser().resolve())
 
 
-def shared_memory(model: str | None = None, store: str | os.PathLike[str] | None = None) -> KVMemory:
-    """The process-wide `KVMemory` for (model, store), created on first use."""
-    key = (model or DEFAULT_MODEL, resolve_store(store))
+def shared_memory(model: str | None = None, store: str | os.PathLike[str] | None = None, *,
+                  device: str | None = None, dtype: str | None = None) -> KVMemory:
+    """The process-wide `KVMemory` for (model, store, device, dtype), created on first use. `device`
+    ("auto" when None) is resolved first (models/devices.py), so "auto" and the device it names share
+    one memory, and a device that is not here raises DeviceUnavailable before anything loads."""
+    name = model or DEFAULT_MODEL
+    where = resolve_device(device, model=name)
+    key = (name, resolve_store(store), where, str(dtype or "auto"))
     with _registry_lock:
         mem = _memories.get(key)
         if mem is None:
-            mem = _memories[key] = KVMemory(model=key[0], store=key[1])
+            mem = _memories[key] = KVMemory(model=key[0], store=key[1], device=where, dtype=key[3])
         return mem
 
 
@@ -71,10 +78,32 @@ def memory_lock(memory: KVMemory) -> threading.RLock:
 
 
 def borrow_memory(memory: KVMemory | None = None, model: str | None = None,
-                  store: str | os.PathLike[str] | None = None) -> SharedMemory:
-    """`memory` (the caller's own) or else the process-wide one for (model, store), with its lock."""
+                  store: str | os.PathLike[str] | None = None, *, device: str | None = None,
+                  dtype: str | None = None) -> SharedMemory:
+    """`memory` (the caller's own) or else the process-wide one for (model, store, device, dtype), with
+    its lock."""
     if memory is None:
-        memory = shared_memory(model, store)
+        memory = shared_memory(model, store, device=device, dtype=dtype)
     elif not isinstance(memory, KVMemory):
         raise TypeError(f"memory must be a kvmemory.KVMemory, got {type(memory).__name__}")
+    else:
+        _check_same_device(memory, device, dtype)
     return SharedMemory(memory, memory_lock(memory))
+
+
+def _check_same_device(memory: KVMemory, device: str | None, dtype: str | None) -> None:
+    """A memory given together with an explicit device or dtype must run there: it is already open, and
+    an option it does not follow would be silently ignored."""
+    engine = memory.engine
+    if not hasattr(engine, "profile"):  # a memory without a model (listing only) runs nowhere
+        return
+    if device not in (None, "auto"):
+        want = resolve_device(device, model=engine.loaded.source)
+        if want != str(engine.device) and not (want == "cpu" and engine.device.type == "cpu"):
+            raise InvalidInput(f"device={device!r} was asked for, but the memory given runs on {engine.device}: "
+                               "pass the memory alone, or open one on that device (KVMemory(device=...))")
+    if dtype not in (None, "auto"):
+        want = resolve_dtype(dtype, str(engine.device))
+        if str(want).removeprefix("torch.") != engine.profile.dtype:
+            raise InvalidInput(f"dtype={dtype!r} was asked for, but the memory given computes in "
+                               f"{engine.profile.dtype}: pass the memory alone, or open one in that dtype")

@@ -157,8 +157,10 @@ def _report(r: dict) -> str:
 
 def run_demo(model: str | None = None, store: str | None = None, chunk: int | None = None,
              progress: bool = True, answer_mode: str = "choices", base_budget: int = 128,
-             answer_budget: int = 12, ttft_repeats: int = 3, problems=DEMO_PROBLEMS) -> dict:
-    """Run the demo; returns its JSON (`table` holds the one-screen text)."""
+             answer_budget: int = 12, ttft_repeats: int = 3, problems=DEMO_PROBLEMS, device: str = "auto",
+             dtype: str = "auto") -> dict:
+    """Run the demo; returns its JSON (`table` holds the one-screen text). `device` / `dtype`: where and
+    in what the model runs (models/devices.py; the embedded model stays on the CPU under "auto")."""
     from kvmemory.errors import InvalidInput
     from kvmemory.memory.facade import KVMemory
     from kvmemory.memory.verifiers import extract_answer
@@ -178,7 +180,8 @@ def run_demo(model: str | None = None, store: str | None = None, chunk: int | No
         store_path = store
     try:
         kw = {"chunk": chunk} if chunk else {}
-        mem = KVMemory(model=model or DEFAULT_MODEL, store=store_path, namespace="kvmemory-demo", **kw)
+        mem = KVMemory(model=model or DEFAULT_MODEL, store=store_path, namespace="kvmemory-demo", device=device,
+                       dtype=dtype, **kw)
         load_s = time.perf_counter() - t_start
         eng = mem.engine
 

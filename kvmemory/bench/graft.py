@@ -187,8 +187,10 @@ def run_graft_bench(lengths=DEFAULT_LENGTHS, *, new_tokens: int = 16, repeats: i
         raise InvalidInput(f"repeats must be at least 1, got {repeats}")
     tmp = tempfile.TemporaryDirectory(prefix="kvmemory-bench-graft-")
     try:
+        # On the CPU, as every side it is compared with (the single pass below, llama.cpp), whatever
+        # Engine.open's device="auto" would pick for a model other than the embedded one on a GPU machine.
         eng = Engine.open(model or DEFAULT_MODEL, f"{tmp.name}/store", chunk=C, dtype=dtype, kv_dtype=kv_dtype,
-                          linears=linears, max_positions=lengths[-1] + new_tokens + 64)
+                          linears=linears, max_positions=lengths[-1] + new_tokens + 64, device="cpu")
         # The single-pass baseline: the same weights as transformers loads them (its sdpa, plain linears).
         plain = AutoModelForCausalLM.from_pretrained(resolve_model_path(model or DEFAULT_MODEL), dtype=dtype).eval()
         vocab = eng.runner.vocab_size

@@ -8,7 +8,8 @@ Nothing is downloaded: the templates are code inside the wheel (`pip install kvm
 `load_problems(n, seed)` takes `n` distinct templates (those reasoning-gym marks as correct) and draws
 one problem from each: the original that memory will hold. Each comes with a **sibling**: the same
 template drawn again with other numbers and another answer, the question memory must *not* answer
-with the original's solution.
+with the original's solution. `draw_solutions(n, seed)` draws `n` problems from all usable templates
+in turn (several per template when `n` is larger than their number): the verifier bench's material.
 """
 
 from __future__ import annotations
@@ -83,3 +84,17 @@ def load_problems(n: int, seed: int = 0) -> list[ProblemPair]:
             continue  # a template whose draws all give the same answer has no sibling: left out
         pairs.append(ProblemPair(original, sibling))
     return pairs
+
+
+def draw_solutions(n: int, seed: int = 0) -> list[OutsideProblem]:
+    """`n` problems with their worked solutions, drawn from the usable templates in a seeded order,
+    round after round (so `n` may exceed the 85 templates); every draw has its own seed."""
+    generators, ok = _generators()
+    if n < 1:
+        raise KVMemoryError(f"asked for {n} gsm-symbolic problems")
+    rng = random.Random(seed)
+    out: list[OutsideProblem] = []
+    while len(out) < n:
+        for template in rng.sample(ok, len(ok))[: n - len(out)]:
+            out.append(_draw(generators[template], template, rng.randrange(1 << 30)))
+    return out

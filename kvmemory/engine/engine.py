@@ -24,8 +24,11 @@ import torch
 from kvmemory.store.blocks import BlockMeta, capture_payload, chain_hashes
 from kvmemory.errors import InvalidInput, ProfileMismatch
 from kvmemory.engine.cache import Room
-from kvmemory.engine.graft import GraftReport, LoadedChain, build_cache, check_chain, load_chain, plan_chain
-from kvmemory.models.loading import DEFAULT_MODEL, LoadedModel, load_model, model_identity
+from kvmemory.engine.tier import VerifiedTier
+from kvmemory.engine import pipeline
+from kvmemory.engine.graft import GraftReport, LoadedChain, build_cache, check_chain, plan_chain
+from kvmemory.models.devices import resolve_device, resolve_dtype
+from kvmemory.models.loading import DEFAULT_MODEL, LoadedModel, files_model_sha256, load_model, model_identity
 from kvmemory.engine.determinism import Determinism
 from kvmemory.engine.profile import ExecutionProfile, build_profile
 from kvmemory.engine.runner import DEFAULT_CHUNK, GREEDY, CanonicalRunner, ForwardResult, Sampling
@@ -83,7 +86,13 @@ class Engine:
     """A frozen model + profile + canonical runner + store."""
 
     def __init__(self, loaded: LoadedModel, store, *, chunk: int = DEFAULT_CHUNK, threads: int | None = None,
-                 max_positions: int | None = None, model_sha256: str | None = None, kv_dtype=None):
+                 max_positions: int | None = None, model_sha256: str | None = None, kv_dtype=None,
+                 step: str = "auto"):
+        """An engine over a model already loaded. The profile's `model_sha256` is the SHA-256 of the
+        weights in memory (profile.weights_sha256) unless `model_sha256` is given: `Engine.open` gives
+        the model files' identity instead (profile.py says why that is sound), which a LoadedModel
+        passed here does not get, since its weights may have been changed after load_model read them.
+        `step`: "auto" = CUDA graphs of static steps on a GPU, the dynamic path on the CPU (static_step.py)."""
         self.loaded = loaded
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
@@ -92,22 +101,34 @@ class Engine:
         # torch's process-wide settings (deterministic algorithms, threads, ...) are pinned only while
         # this engine computes and restored after each call (determinism.py): nothing leaks to the caller.
         self.determinism = Determinism.for_device(self.device, threads)
-        self.runner = CanonicalRunner(self.model, chunk, max_positions, kv_dtype)
-        self.room = Room()  # K/V buffers kept between grafted forwards (cache.Room; room.clear() frees them)
+        # made under the pinned settings: a graph captured now (the probe) is replayed by later calls
+        with self.determinism.applied():
+            self.runner = CanonicalRunner(self.model, chunk, max_positions, kv_dtype, step=step)
+        # K/V buffers kept between grafted forwards (cache.Room; room.clear() frees them); a static runner's
+        # own cache plays that part, so a graft lands where its steps read
+        self.room = self.runner.static or Room()
+        # Verified block payloads kept for chains grafted again (tier.py: budget, trust, memory; tier.clear()).
+        self.tier = VerifiedTier.for_device(self.device)
         self.chunk = chunk
         with self.determinism.applied():
             self.profile: ExecutionProfile = build_profile(self.model, self.tokenizer, chunk, self.determinism,
-                                                         model_sha256=model_sha256, kv_dtype=self.runner.kv_dtype)
+                                                         model_sha256=model_sha256, kv_dtype=self.runner.kv_dtype,
+                                                         step_mode=self.runner.step_mode)
         self.profile_id = self.profile.profile_id
         if not getattr(store, "readonly", False):
             store.put_profile(self.profile_id, self.profile.to_dict())
 
     @classmethod
     def open(cls, model: str = DEFAULT_MODEL, store=None, *, chunk: int = DEFAULT_CHUNK, dtype=None,
-             device: str = "cpu", threads: int | None = None, attn_implementation: str = "sdpa",
+             device: str = "auto", threads: int | None = None, attn_implementation: str = "sdpa",
              max_positions: int | None = None, linears: str = "auto", kv_dtype: str = "auto",
-             profile: str = "default") -> "Engine":
-        """Load `model` and open `store`. `linears`: what computes the linear layers on the CPU
+             profile: str = "default", step: str = "auto") -> "Engine":
+        """Load `model` and open `store`. `device`: "auto" (a GPU where one and the CUDA graft kernel
+        are usable, except for the embedded model, which stays on the CPU), "cpu", "cuda", "cuda:N";
+        `dtype`: "auto" / None (the checkpoint's own on the CPU, bfloat16 on a GPU), "float32",
+        "bfloat16", "float16" (models/devices.py: a device that is not here raises DeviceUnavailable
+        before anything loads). `step`: "auto", "dynamic", "static", "cuda-graph" (static_step.py).
+        `linears`: what computes the linear layers on the CPU
         (loading.LINEARS; each is its own profile): "auto" = from the embedded model's GGUF blocks
         where the kernel runs (gguf_linear.py), else oneDNN-packed (packed_linear.py); "plain" keeps
         torch's (slower, no second copy of the weights in memory).
@@ -118,12 +139,18 @@ class Engine:
         `profile`: "default" (the options above), or "stock": transformers' own `sdpa` attention
         untouched, torch's linears, a float32 model with float32 K/V, on the same grid and pinned
         threads (loading.PROFILES). Its logits can be re-derived without kvmemory
-        (examples/check_attestation.py); options that contradict it raise InvalidInput."""
+        (examples/check_attestation.py); options that contradict it raise InvalidInput.
+        `step`: how each forward step runs (a profile field, `step_mode`): "auto" captures static steps
+        in CUDA graphs on a GPU ("cuda-graph"; "static", said in a warning, where capturing fails) and
+        runs the dynamic path on the CPU; "dynamic", "static", "cuda-graph" ask for one
+        (engine/static_step.py)."""
         from kvmemory.models.loading import PROFILES, stock_options
         from kvmemory.store.open import open_store
 
         if profile not in PROFILES:
             raise InvalidInput(f"profile must be one of {', '.join(PROFILES)}, not {profile!r}")
+        device = resolve_device(device, model=model)  # before the store opens or the model loads
+        dtype = resolve_dtype(dtype, device, profile=profile)
         if profile == "stock":
             dtype, linears = stock_options(dtype=dtype, linears=linears, attn_implementation=attn_implementation,
                                            kv_dtype=kv_dtype)
@@ -132,7 +159,11 @@ class Engine:
         store = open_store(store)
         loaded = load_model(model, dtype=dtype, device=device, attn_implementation=attn_implementation,
                             linears=linears, profile=profile)
-        return cls(loaded, store, chunk=chunk, threads=threads, max_positions=max_positions, kv_dtype=kv_dtype)
+        # The model was read from files by load_model just now, and nothing else has touched it: its files
+        # identify its weights (loading.weights_files), so opening does not hash gigabytes of them.
+        files = files_model_sha256(loaded.weights_files) if loaded.weights_files else None
+        return cls(loaded, store, chunk=chunk, threads=threads, max_positions=max_positions, kv_dtype=kv_dtype,
+                   model_sha256=files, step=step)
 
     @functools.cached_property
     def model_identity(self) -> dict | None:
@@ -273,7 +304,8 @@ class Engine:
         else:  # the last prompt token is always computed: never graft past the graft point
             rows = list(rows)[: graft_point_for(len(token_ids), self.chunk) // self.chunk]
         capacity = len(token_ids) + new_tokens
-        chain = load_chain(self.store, rows, report, runner=self.runner, capacity=capacity, room=self.room)
+        chain = pipeline.load_chain(self.store, rows, report, runner=self.runner, capacity=capacity,
+                                    room=self.room, tier=self.tier)
         cache, start = self.graft_chain(token_ids, chain, report, capacity=capacity)
         return cache, start, report
 
@@ -291,7 +323,7 @@ class Engine:
         cache, start, report = self._graft_longest(token_ids, graft, entries_used)
         result = self.runner.forward(token_ids, start=start, cache=cache, keep_logits=False)
         t0 = time.perf_counter()
-        scores = self.runner.score_choices(len(token_ids), cache, result.extra["next_logits"], choices)
+        scores = self.runner.score_choices(len(token_ids), result.extra["cache"], result.extra["next_logits"], choices)
         best = max(range(len(choices)), key=lambda i: (scores[i], -i))  # ties: the first listed
         report.tokens_grafted = start
         report.tokens_computed = len(token_ids) - start

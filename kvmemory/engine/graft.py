@@ -66,6 +66,7 @@ class GraftReport:
     quarantined: list[str] = field(default_factory=list)
     fallback: str | None = None  # why less than the stored chain was grafted, if it was
     blocks_stored: int = 0
+    blocks_from_tier: int = 0  # of blocks_used: copied from the verified-once tier, not read (tier.py)
 
     def to_json(self) -> dict:
         return {
@@ -84,6 +85,7 @@ class GraftReport:
             "quarantined": list(self.quarantined),
             "fallback": self.fallback,
             "blocks_stored": self.blocks_stored,
+            "blocks_from_tier": self.blocks_from_tier,
         }
 
 
@@ -121,6 +123,10 @@ def load_chain(store, rows: Sequence[BlockRow], report: GraftReport, runner=None
                room=None) -> LoadedChain:
     """Read and verify `rows`; cut the chain at the first damaged block.
 
+    (The engine goes through pipeline.load_chain: on a GPU, and on the CPU for a chain the
+    verified-once tier wants, the pipeline reads, verifies and copies instead; everything else comes
+    here.)
+
     With a `runner`, the cache is built while loading, with room for `capacity` positions (in
     `room`'s kept buffers when they fit, see cache.Room). On the CPU, when every layer is a
     full-attention layer with the same K/V shapes, the cache is one tensor [layers, K|V, H, S, D]
@@ -132,8 +138,8 @@ def load_chain(store, rows: Sequence[BlockRow], report: GraftReport, runner=None
     thread) one at a time into the thread's own small buffer (reused, so it stays in cache), hashed
     there with one call and copied into place with one more — two calls that release the GIL per
     block, where reading straight into the 180 per-head rows of SmolLM2 with hashlib took one hash
-    call (and one GIL hand-over) per row and ran at 60 % of the speed. Otherwise (GPU,
-    sliding-window layers, a store without local files) the first block is read alone for its
+    call (and one GIL hand-over) per row and ran at 60 % of the speed. Otherwise (sliding-window
+    layers, a store without local files) the first block is read alone for its
     shapes, then each worker reads a block into its slice of one staging buffer (pinned on a GPU),
     hashes it there and, once verified, copies it to its positions with `graft_op.graft_copy`.
     Either way the threads overlap reading, hashing and copying, and a cache built from a chain cut

@@ -22,6 +22,28 @@ What identifies the code that computes (each a field, so a change to any of them
 
 A profile stored before one of these fields existed reads back with it empty, so it differs from every
 profile made now and its blocks are refused naming the field.
+
+What identifies the weights (`model_sha256`), one of two things, never confusable:
+
+- a model `Engine.open` loaded from files: `files:` and the SHA-256 of {name: SHA-256} of its
+  `config.json` and weights files (loading.weights_files, files_model_sha256). The files' digests are
+  remembered across processes by their path, size, mtime, ctime, inode and device
+  (models/file_hashes.py), so a second open reads no weight byte: an 8B model no longer costs seconds
+  of hashing at every open. Sound because the in-memory weights are a function of those files and of
+  fields the profile holds beside them: the dtype loaded in (`dtype`), the libraries that read and
+  convert them (`transformers_version`, `torch_version`), the device (`device_type`, `device_name`),
+  and what kvmemory did to them after loading (`linear_impl`, `attn_implementation`, `kernels`, and
+  loading.py itself in `code_sha256`). Where the files do not determine the weights (weights missing
+  from them and filled at random, a file changing while it was read), loading gives no identity and
+  the weights are hashed in memory. A file changed on disk later is a new digest, so a new profile.
+- any other model (built in memory from a config, or a LoadedModel handed to `Engine(...)`, whose
+  weights the caller may have changed after loading): `weights_sha256`, 64 hex digits over every
+  parameter and buffer in memory (name, dtype, shape, bytes; sorted names). A hash of the weights
+  themselves, so always right, and slow for a big model.
+
+Both are plain strings of one field, so profiles stored before the `files:` form read back unchanged
+(`from_dict`); the two forms of one model differ, so blocks made under one are refused under the
+other naming `model_sha256` (recompute, or open the model the same way).
 """
 
 from __future__ import annotations
@@ -61,6 +83,7 @@ COMPUTE_PATH = (
     "models/loading.py", "models/attention.py", "models/gguf_linear.py", "models/packed_linear.py",
     "models/llama_step.py",
     "kernels/few_query_attention.py", "kernels/quantized_linear.py", "kernels/graft_op.py", "kernels/decode_ops.py",
+    "engine/static_step.py", "engine/pipeline.py",
 )
 # Which native kernel each attention / linear implementation runs (the profile records their builds).
 _KERNEL_OF_ATTENTION = {attention.FEWQ: few_query_attention.KERNEL_LIB}
@@ -156,6 +179,10 @@ class ExecutionProfile:
     code_sha256: str = ""
     math_libraries: dict = field(default_factory=dict)
     accelerator: dict = field(default_factory=dict)
+    # How each forward step runs (engine/static_step.py): "dynamic" (growing shapes; every profile stored
+    # before this field ran so), "static" (static shapes, eagerly), "cuda-graph" (static shapes replayed
+    # from CUDA graphs).
+    step_mode: str = "dynamic"
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -324,8 +351,11 @@ def _sdpa_backend(device: torch.device) -> str:
 
 
 def build_profile(model: torch.nn.Module, tokenizer, chunk: int, determinism: Determinism, *,
-                  model_sha256: str | None = None, kv_dtype: torch.dtype | None = None) -> ExecutionProfile:
-    """Fingerprint a loaded model under the settings its engine pins (called inside `determinism.applied()`)."""
+                  model_sha256: str | None = None, kv_dtype: torch.dtype | None = None,
+                  step_mode: str = "dynamic") -> ExecutionProfile:
+    """Fingerprint a loaded model under the settings its engine pins (called inside `determinism.applied()`).
+    `model_sha256`: the weights' identity when the caller knows it (the model files': module docstring),
+    else the weights in memory are hashed."""
     import transformers
 
     param = next(model.parameters())
@@ -358,4 +388,5 @@ def build_profile(model: torch.nn.Module, tokenizer, chunk: int, determinism: De
         code_sha256=code_sha256(),
         math_libraries=math_libraries(),
         accelerator=accelerator_identity(device),
+        step_mode=step_mode,
     )

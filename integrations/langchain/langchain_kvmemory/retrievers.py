@@ -15,7 +15,8 @@ from langchain_core.retrievers import BaseRetriever
 from langchain_core.runnables.config import run_in_executor
 from pydantic import ConfigDict, Field, model_validator
 
-from kvmemory import DEFAULT_MODEL, KVMemory, Recalled, SharedMemory, borrow_memory, env_store
+from kvmemory import (DEFAULT_MODEL, KVMemory, Recalled, SharedMemory, borrow_memory, env_store, resolve_device,
+                      resolve_dtype)
 
 
 def to_document(hit: Recalled) -> Document:
@@ -30,7 +31,8 @@ class KVMemoryRetriever(BaseRetriever):
 
     Key init args: `store` (folder; `$KVMEMORY_STORE` or the per-user default), `namespace`, `k`,
     `score_threshold` (None = the router's calibrated threshold, so an unrelated question finds
-    nothing; -1.0 = the k nearest however far), `model` (the model whose store it is).
+    nothing; -1.0 = the k nearest however far), `model` (the model whose store it is), `device` /
+    `dtype` (where and in what that model runs when the retriever opens it: "auto" by default).
 
     Instantiate and invoke:
         ```python
@@ -49,7 +51,15 @@ class KVMemoryRetriever(BaseRetriever):
     k: int = 4
     score_threshold: float | None = None
     model_name: str = Field(default=DEFAULT_MODEL, alias="model")
+    device: str = "auto"
+    """Where the model runs ("auto", "cpu", "cuda", "cuda:N"), as `ChatKVGraft.device`."""
+    dtype: str = "auto"
     memory: KVMemory | None = Field(default=None, exclude=True, repr=False)
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        if self.memory is None:  # a device that is not here is refused now (typed), not at the first search
+            resolve_dtype(self.dtype, resolve_device(self.device, model=self.model_name))
 
     @model_validator(mode="before")
     @classmethod
@@ -61,7 +71,7 @@ class KVMemoryRetriever(BaseRetriever):
         return values
 
     def shared(self) -> SharedMemory:
-        return borrow_memory(self.memory, self.model_name, self.store)
+        return borrow_memory(self.memory, self.model_name, self.store, device=self.device, dtype=self.dtype)
 
     def _search(self, query: str, k: int | None, namespace: str | None, score_threshold: float | None) -> list[Document]:
         sm = self.shared()

@@ -59,7 +59,7 @@ from langgraph.store.base import (
 )
 
 from kvmemory import (DEFAULT_MODEL, InvalidInput, KVMemory, SharedMemory, borrow_memory, check_where, env_store,
-                      matches)
+                      matches, resolve_device, resolve_dtype)
 
 from .errors import InvalidNamespace
 
@@ -159,12 +159,17 @@ class KVMemoryStore(BaseStore):
 
     def __init__(self, *, store: str | None = None, model: str = DEFAULT_MODEL, memory: KVMemory | None = None,
                  index_fields: Sequence[str] | None = None, verifier: str | None = None,
-                 require_verified: bool = False, threshold: float | None = None, ttl: TTLConfig | None = None):
+                 require_verified: bool = False, threshold: float | None = None, ttl: TTLConfig | None = None,
+                 device: str = "auto", dtype: str = "auto"):
         """`threshold`: the lowest cosine score `search(query=...)` returns (None: the memory's, else
         the router's calibrated threshold, as the retriever routes); -1.0 ranks every indexed item.
-        `ttl`: LangGraph's TTLConfig (`default_ttl` minutes for every put, `refresh_on_read`)."""
+        `ttl`: LangGraph's TTLConfig (`default_ttl` minutes for every put, `refresh_on_read`).
+        `device` / `dtype`: where and in what `model` runs when the store opens it (as `ChatKVGraft`'s)."""
         self._memory = memory
         self._model = model
+        self._device, self._dtype = device, dtype
+        if memory is None:  # a device that is not here is refused now, not at the first call
+            resolve_dtype(dtype, resolve_device(device, model=model))
         self._store = store or env_store()
         self.index_fields = list(index_fields) if index_fields else ["$"]
         self.verifier = verifier
@@ -179,7 +184,7 @@ class KVMemoryStore(BaseStore):
 
     # ------------------------------------------------------------------ plumbing
     def shared(self) -> SharedMemory:
-        return borrow_memory(self._memory, self._model, self._store)
+        return borrow_memory(self._memory, self._model, self._store, device=self._device, dtype=self._dtype)
 
     def _connect(self, memory: KVMemory) -> sqlite3.Connection:
         if self._db_path is None:

