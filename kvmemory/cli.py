@@ -188,6 +188,8 @@ def cmd_ask(args) -> int:
                          for e, s, v in zip(ans.entries, ans.scores, ans.verified)) or "none"
         print(f"\n[entries: {prov} | grafted {r.tokens_grafted}, computed {r.tokens_computed}, "
               f"decoded {r.tokens_decoded} tokens | {ans.seconds:.2f}s]", file=sys.stderr)
+        for x in ans.refused:  # routed but not used: damaged (memory/entry_check.py)
+            print(f"[refused entry {x['entry']}: {x['reason']}]", file=sys.stderr)
     else:
         _emit(args, ans.to_json(), "")
     return 0
@@ -376,13 +378,20 @@ def cmd_verify(args) -> int:
 
     for eid in args.entry or ():
         check_entry_id(eid)  # before the model loads
-    mem = _memory(args, reading=True)
     if args.fidelity_texts and not args.fidelity:
         raise InvalidInput("--fidelity-texts goes with --fidelity")
     if args.fidelity and not args.all and not args.entry:
-        report, text = _fidelity(args, mem)
+        # Fidelity alone measures the model under the profile and reads no entry: it needs no store, so it
+        # runs on an empty temporary one (the --store given, existing or not, is left alone).
+        import argparse
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="kvmemory-fidelity-") as tmp:
+            mem = _memory(argparse.Namespace(**{**vars(args), "store": tmp, "signing_key": None}))
+            report, text = _fidelity(args, mem)
         _emit(args, report, text)
         return 0
+    mem = _memory(args, reading=True)
     if not args.all and not args.entry:
         raise KVMemoryError("give --all or --entry ID (or --fidelity)")
     ids = None if args.all else args.entry
@@ -390,12 +399,13 @@ def cmd_verify(args) -> int:
     s = summary.to_json()
     if not args.details:
         s.pop("entries")
-    lines = [f"checked {summary.checked}: {summary.bit_identical} bit-identical, KL max {summary.kl_max}, "
-             f"argmax agreement {summary.argmax_agreement:.4f}, attestation match {summary.attested_match}"]
+    lines = [f"checked {summary.checked}: {summary.bit_identical} bit-identical, {summary.unproven} unproven, KL max "
+             f"{summary.kl_max}, argmax agreement {summary.argmax_agreement:.4f}, attestation match "
+             f"{summary.attested_match}"]
     for r in summary.results:
         lines.append(f"  {r['entry']}: grafted {r['graft_point']} of {r['tokens']} tokens, {r['positions']} logits "
-                     f"compared, bit-identical {r['bit_identical']}, single-pass gap (diagnostic) "
-                     f"{r['single_pass_max_abs_diff']}")
+                     f"compared, bit-identical {r['bit_identical'] and r['proven']}, single-pass gap (diagnostic) "
+                     f"{r['single_pass_max_abs_diff']}" + ("" if r["proven"] else f"; UNPROVEN: {r['unproven_reason']}"))
     if args.fidelity:  # reported beside the exactness check; the exit status stays the check's
         s["fidelity"], text = _fidelity(args, mem)
         lines += ["", text]
@@ -449,11 +459,24 @@ def cmd_stats(args) -> int:
 
 
 def cmd_fsck(args) -> int:
+    from kvmemory.routing.check import router_checker
     from kvmemory.routing.router import router_rebuilder
-    from kvmemory.store.fsck import run_fsck
+    from kvmemory.store.fsck import fsck_at
 
-    store = _existing_store(args)
-    report = run_fsck(store, repair=args.repair, router_rebuild=router_rebuilder(store) if args.repair else None)
+    held: dict = {}
+
+    def memory():  # the model loads only when something needs it (texts to re-tokenize, blocks to recompute)
+        if "mem" not in held:
+            held["mem"] = _memory(args)
+        return held["mem"]
+
+    deep = args.repair or args.texts
+    report = fsck_at(args.store, signing_key=args.signing_key, repair=args.repair, purge_orphans=args.purge_orphans,
+                     router=lambda st: (router_checker(st), router_rebuilder(st) if args.repair else None),
+                     entry_check=(lambda e: memory().checks.entry(e)) if deep else None,
+                     recompute=(lambda ids: memory().recompute(ids)) if args.repair else None)
+    if "mem" in held:
+        held["mem"].store.close()
     _emit(args, report.to_json(), report.summary())
     return report.exit_code
 
@@ -860,10 +883,18 @@ def build_parser() -> argparse.ArgumentParser:
                  "(kvmemory list shows the entries)", parents=[store, json_opt])
     s.set_defaults(func=cmd_stats)
 
-    fk = _command(sub, "fsck", "check every block's SHA-256 and the catalogue; report (and --repair) damage",
-                  parents=[store, json_opt])
-    fk.add_argument("--repair", action="store_true", help="quarantine damage, remove orphans, rebuild the router")
-    fk.set_defaults(func=cmd_fsck)
+    fk = _command(sub, "fsck", "check every block's SHA-256, every entry against its record and itself, the "
+                  "catalogue and the router; report (and --repair) damage", parents=[store, _parent(*_ENGINE_OPTS,
+                                                                                                   "profile"), json_opt])
+    fk.add_argument("--repair", action="store_true", help="rebuild a lost or damaged catalogue from the entry "
+                    "records and blocks, put damaged entries back from their records, quarantine damaged blocks, "
+                    "set orphans aside, recompute and re-prove entries whose blocks were damaged (loads the model), "
+                    "rebuild the router")
+    fk.add_argument("--purge-orphans", action="store_true", help="with --repair: delete orphan blocks instead of "
+                    "keeping them in quarantine/orphans (and empty that folder)")
+    fk.add_argument("--texts", action="store_true", help="also re-tokenize every entry's texts and compare them with "
+                    "its token ids (loads the model; --repair always does)")
+    fk.set_defaults(func=cmd_fsck, namespace="default")
 
     d = _command(sub, "demo", "the model alone vs with verified solutions remembered (grafted), side by side with "
                  "recomputing, then verify; in a temporary store unless --store",

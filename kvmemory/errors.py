@@ -84,3 +84,9 @@ class RouterMismatch(KVMemoryError):
 class GraphCaptureError(KVMemoryError):
     """A static step that could not be captured in a CUDA graph (engine/static_step.py); open with
     step='static' (the same shapes, run eagerly) or step='dynamic'."""
+
+
+class CatalogueLost(StoreError):
+    """A store whose catalogue is missing, empty or damaged while its entry records and blocks are
+    there: nothing is served from it (it is not an empty store); `kvmemory fsck --repair` rebuilds
+    the catalogue from the records and blocks."""

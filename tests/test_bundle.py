@@ -35,6 +35,7 @@ from kvmemory.errors import BundleError, InvalidInput, ProfileMismatch, UnknownE
 from kvmemory.memory.facade import KVMemory
 from kvmemory.memory.layout import entry_probe
 from kvmemory.memory.ids import entry_id_for
+from kvmemory.memory.prompts import entry_messages, render_ids
 from kvmemory.store.bundle import MANIFEST_JSON, PREFIX, block_member, read_bundle, write_bundle
 from kvmemory.store.local import EntryRecord, LocalStore
 from kvmemory.store.signing import SignedLocalStore
@@ -44,17 +45,25 @@ C = 16  # the tiny engines' chunk grid
 
 
 # ---------------------------------------------------------------------- helpers
-def _ids(seed: int, n: int = 70, prefix: list[int] | None = None) -> list[int]:
-    body = torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-    return (prefix + body[len(prefix):]) if prefix else body
+def _texts(seed: int, shared: bool, tokenizer, n: int = 70) -> tuple[str, str, str, list[int]]:
+    """Texts whose rendering is `n` token ids (entries check against themselves: their texts must
+    render to their ids, memory/entry_check.py); `shared` entries begin with the same first block."""
+    solution, answer = f"Worked solution {seed}.", str(seed)
+    head = "Shared, " if shared else f"{seed:03d} own, "
+    problem = f"{head}{seed}: how many"
+    while True:
+        ids = render_ids(tokenizer, entry_messages(problem, solution, answer))
+        if len(ids) >= n:
+            assert len(ids) == n, "pad by one character at a time"
+            return problem, solution, answer, ids
+        problem += "?"
 
 
-def add_entry(mem: KVMemory, seed: int, namespace: str = "default", prefix: list[int] | None = None) -> EntryRecord:
-    """An entry made from token ids as `remember` makes one (compute, write, prove the graft, commit),
-    for models without a chat tokenizer."""
+def add_entry(mem: KVMemory, seed: int, namespace: str = "default", shared: bool = False) -> EntryRecord:
+    """An entry made as `remember` makes one (compute, write, prove the graft, commit), without running a
+    verifier (the tiny model's tokenizer speaks in bytes)."""
     eng = mem.engine
-    ids = _ids(seed, prefix=prefix)
-    problem, solution, answer = f"Problem number {seed}: how many?", f"Worked solution {seed}.", str(seed)
+    problem, solution, answer, ids = _texts(seed, shared, eng.tokenizer)
     # its ids and the probe question after them, cut at its end (memory/layout.py), as remember proves
     probe = entry_probe(eng.tokenizer, ids, problem, solution, answer)
     ref, blocks = eng.compute_blocks(probe.ids, max_new_tokens=4, cuts=probe.cuts, upto=len(ids))
@@ -119,8 +128,7 @@ def edit_json(members, name, fn):
 def source(tmp_path_factory):
     """A store with four entries: three in "default" (two sharing their first block) and one in "team"."""
     mem = tiny_memory(tmp_path_factory.mktemp("src") / "store")
-    shared = _ids(99, n=C)
-    entries = [add_entry(mem, 1, prefix=shared), add_entry(mem, 2, prefix=shared), add_entry(mem, 3),
+    entries = [add_entry(mem, 1, shared=True), add_entry(mem, 2, shared=True), add_entry(mem, 3),
                add_entry(mem, 4, namespace="team")]
     bundle = tmp_path_factory.mktemp("out") / "all.kvmb"
     report = mem.export_bundle(bundle)

@@ -5,7 +5,8 @@
 - random bit flips, truncations, extensions and overwrites in block files and Redis payloads: 100 %
   detected before a byte is returned;
 - random bit flips in the catalogue (the SQLite file of a signed store, Redis entry and row fields):
-  every change is refused or harmless, none delivered; unsigned, the KV bytes are still never wrong;
+  every change is refused or harmless, none delivered; unsigned, the KV bytes are still never wrong,
+  and an entry field changed silently is found by fsck against the entry's record;
 - a full disk (a 2 MiB tmpfs): a clean StoreFull, the store intact; the Redis tier on a full disk
   keeps serving;
 - 4 writer and 4 reader processes at once (signed local store, Redis): nothing lost, nothing corrupted.
@@ -100,8 +101,9 @@ def test_200_writers_killed_at_random_points(kind, srv, tmp_path):
     assert run_fsck(store, grace_seconds=0).exit_code == 0
     print(f"\n[{kind}] {kills} writers SIGKILLed ({mid_run} after >= 1 commit) in {elapsed:.1f}s; "
           f"{len(ids)} entries visible, all whole ({blocks_read} blocks read back byte-exact); orphans left by "
-          f"kills: {repaired.n('orphan_payloads')} payloads, {repaired.n('stale_tmp_files')} tmp files (removed "
-          f"by fsck --repair)")
+          f"kills: {repaired.n('orphan_payloads')} payloads (set aside by fsck --repair), "
+          f"{repaired.n('stale_tmp_files')} tmp files (removed); entries whose record was written before the "
+          f"kill put back: {repaired.n('entries_restored')}")
     assert mid_run >= 100  # most kills landed while writing, not before the first commit
 
 
@@ -236,7 +238,7 @@ def test_catalogue_bit_flips_never_reach_the_model(signed, tmp_path):
     assert not (src / "catalogue.sqlite-wal").exists() or (src / "catalogue.sqlite-wal").stat().st_size == 0
     rng = random.Random(7)
     outcomes: dict[str, int] = {}
-    entry_text_changes = 0
+    entry_text_changes = found_by_fsck = 0
     for t in range(trials):
         work = tmp_path / f"w{t % 2}"
         shutil.rmtree(work, ignore_errors=True)
@@ -251,14 +253,18 @@ def test_catalogue_bit_flips_never_reach_the_model(signed, tmp_path):
             outcomes["detected"] = outcomes.get("detected", 0) + 1
             continue
         verdict, what = _judge(st, truth)
-        st.close()
         if verdict == "silent" and not signed and not any("block" in w for w in what):
             entry_text_changes += 1  # unsigned stores do not protect entry texts: counted, not hidden
             verdict = "silent entry fields (unsigned)"
+            # ... but each entry's record (beside its blocks) tells: fsck finds the changed row
+            assert run_fsck(st).exit_code == 4, f"flip at byte {i}: fsck did not find {what}"
+            found_by_fsck += 1
+        st.close()
         outcomes[verdict] = outcomes.get(verdict, 0) + 1
         assert verdict != "silent", f"flip at byte {i}: {what}"
     label = "signed" if signed else "unsigned"
-    print(f"\n[{label}] catalogue bit flips: {trials} trials -> {outcomes}")
+    print(f"\n[{label}] catalogue bit flips: {trials} trials -> {outcomes}; silent entry changes found by fsck "
+          f"against the entries' records: {found_by_fsck} of {entry_text_changes}")
     assert sum(outcomes.values()) == trials
 
 
@@ -325,7 +331,7 @@ def test_full_disk_is_a_clean_error_and_the_store_stays_whole(tiny_disk):
     assert rep.n("entries_broken_chain") == 0
     freed = run_fsck(store, repair=True, grace_seconds=0)  # the refused entry's block files are orphans
     assert freed.n("unrepaired") == 0, freed.summary()
-    print(f"\nfull disk: {ok} entries stored, then StoreFull; store whole; fsck removed "
+    print(f"\nfull disk: {ok} entries stored, then StoreFull; store whole; fsck set aside "
           f"{freed.n('orphan_payloads')} orphan block files of the refused entry")
 
 

@@ -68,7 +68,7 @@ def reference(smollm):
 @pytest.fixture(scope="module")
 def engines(smollm, tmp_path_factory):
     """Engines by profile name, opened on first use (the default and float32-K/V ones share `smollm`)."""
-    from kvmemory.models.loading import load_model
+    from kvmemory.models.loading import files_model_sha256, load_model
 
     made: dict[str, Engine] = {}
 
@@ -77,7 +77,8 @@ def engines(smollm, tmp_path_factory):
             store = LocalStore(tmp_path_factory.mktemp(f"fidelity-{name}") / "store")
             opts = PROFILES[name][0]
             if name in ("default", "kv-float32"):  # what Engine.open builds, on the already loaded model
-                made[name] = Engine(smollm, store, kv_dtype=opts.get("kv_dtype", "auto"))
+                made[name] = Engine(smollm, store, kv_dtype=opts.get("kv_dtype", "auto"),
+                                    model_sha256=files_model_sha256(smollm.weights_files))
             elif name == "stock":
                 made[name] = Engine.open(store=store, **opts)
             else:

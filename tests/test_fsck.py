@@ -80,6 +80,7 @@ def test_local_damage_found_then_repaired(tmp_path):
     assert rep.exit_code == 1 and rep.router_rebuilt == 7 and calls == [1], rep.summary()
     assert rep.n("entries_marked") == 3 and rep.n("unrepaired") == 0
     assert not st.block_path(orphan_meta.hash).exists() and not tmp.exists()
+    assert (st.path / "quarantine" / "orphans" / st.block_path(orphan_meta.hash).name).exists()  # kept aside
     assert st.block_path(recent_meta.hash).exists()  # younger than the grace period: kept
     for h in (b0[2][0].hash, b1[2][0].hash, b2[1][0].hash):
         assert st.get_block(h).quarantined
@@ -97,7 +98,7 @@ def test_local_damage_found_then_repaired(tmp_path):
     assert not list(st._db().execute("SELECT * FROM fsck_damaged_entries"))
 
 
-def test_damaged_rows_and_forged_entries_are_set_aside(tmp_path):
+def test_damaged_rows_are_put_back_from_their_records_and_forged_entries_set_aside(tmp_path):
     st = SignedLocalStore(tmp_path / "s", signer=KEY)
     made = _filled(st)
     db = st._db()
@@ -106,13 +107,17 @@ def test_damaged_rows_and_forged_entries_are_set_aside(tmp_path):
     db.execute("UPDATE blocks SET payload_nbytes='lots' WHERE hash=?", (made[2][1][2][0].hash,))
     LocalStore(tmp_path / "s").commit_entry(*synth_entry(50))  # unsigned, written without the key
     rep = run_fsck(st)
-    assert (rep.n("entries_forged"), rep.n("entry_rows_damaged"), rep.n("block_rows_damaged"),
-            rep.n("blocks_unsigned")) == (2, 1, 1, 2), rep.summary()
+    assert (rep.n("entries_altered"), rep.n("entry_rows_damaged"), rep.n("entries_forged"),
+            rep.n("block_rows_damaged"), rep.n("blocks_unsigned")) == (1, 1, 1, 1, 2), rep.summary()
     rep = run_fsck(st, repair=True)
     assert rep.exit_code == 1, rep.summary()
+    # the damaged rows are kept aside, and their entries served again from their signed records;
+    # the entry nobody signed is set aside with its record (never served)
     aside = {r[0] for r in db.execute("SELECT id FROM quarantined_entries")}
     assert aside == {made[0][0].id, made[1][0].id, synth_entry(50)[0].id}
-    assert {e.id for e in st.list_entries()} == {made[2][0].id, made[3][0].id} and st.rejected == []
+    assert {e.id for e in st.list_entries()} == {e.id for e, _ in made} and st.rejected == []
+    assert st.get_entry(made[0][0].id) == made[0][0] and st.get_entry(made[1][0].id) == made[1][0]
+    assert not st.records.path(synth_entry(50)[0].id).exists()
     assert run_fsck(st, repair=True).exit_code == 0
 
 
@@ -153,9 +158,10 @@ def test_redis_damage_found_then_repaired(tmp_path):
         assert r.exists(st.k_payload("ab" * 32))  # check-only changed nothing
         rep = run_fsck(st, repair=True, grace_seconds=0, router_rebuild=lambda: 3)
         assert rep.exit_code == 1 and rep.router_rebuilt == 3 and rep.n("refs_fixed") >= 1, rep.summary()
-        assert not r.exists(st.k_payload("ab" * 32))
-        assert r.exists(st.k_qentry(e2.id)) and not r.exists(st.k_entry(e2.id))
-        assert set(st.entry_ids()) == {e0.id, e1.id, e3.id}
+        assert not r.exists(st.k_payload("ab" * 32)) and r.exists(st.k_orphan("ab" * 32))  # set aside, not deleted
+        # the forged entry is kept aside, and the entry served again from its signed record
+        assert r.exists(st.k_qentry(e2.id)) and st.get_entry(e2.id) == e2
+        assert set(st.entry_ids()) == {e0.id, e1.id, e2.id, e3.id}
         assert set(k.decode() for k in r.hkeys(st.k_damaged())) == {e0.id, e1.id}
         rep2 = run_fsck(st, repair=True, grace_seconds=0)
         assert rep2.exit_code == 0, rep2.summary()

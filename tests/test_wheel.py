@@ -88,6 +88,10 @@ def _snapshot(folder: Path) -> dict[str, tuple[int, int]]:
             for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
+def _without_hashes(snapshot: dict) -> dict:
+    return {k: v for k, v in snapshot.items() if k != "file-sha256.json"}
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
 def test_the_wheel_holds_the_kernels_not_their_sources(wheel):
@@ -133,9 +137,15 @@ def test_two_installs_used_alternately_load_kernels_graft_exactly_and_rebuild_no
         assert result["kl_max"] == 0.0 and result["argmax_agreement"] == 1.0, result
         if expected["fewq"] is not None:
             assert result["attn"] == "kvmemory_fewq" and result["linears"] == "gguf-blocks", result
+        # The file hash cache (models/file_hashes.py) may learn the other install's own files on its first
+        # turn (its embedded GGUF is another file); nothing else is built or rewritten, and the first
+        # install's second turn changes nothing at all.
+        now = _snapshot(cache)
         if snapshot is None:
-            snapshot = _snapshot(cache)
-            assert any(name.endswith("model.safetensors") for name in snapshot), snapshot
-        else:  # the other install (turn 1) and the first again (turn 2) build and rewrite nothing
-            assert _snapshot(cache) == snapshot, f"turn {turn}: the cache changed"
+            assert any(name.endswith("model.safetensors") for name in now), now
+        elif turn == 1:
+            assert _without_hashes(now) == _without_hashes(snapshot), f"turn {turn}: the cache changed"
+        else:
+            assert now == snapshot, f"turn {turn}: the cache changed"
+        snapshot = now
     assert [_snapshot(p) for p in installs] == before_installs, "an install's own files changed at run time"

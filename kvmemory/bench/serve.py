@@ -32,8 +32,8 @@ seeded order, `per_kind` requests of each of three kinds:
   llama.cpp reuses its cached prefix.
 
 Both sides get the same requests (the JSON bodies' SHA-256 are in the report) in the same order per
-client: greedy (`temperature` 0, and `repeat_penalty` 1.0, which llama.cpp applies before its greedy
-pick otherwise), the same `max_tokens`, `stream` on. The scope goes in the `X-KVMemory-User-Id` header
+client: greedy (`temperature` 0; llama.cpp's requests also carry `repeat_penalty` 1.0, which it applies
+before its greedy pick otherwise, and which kvmemory's server refuses as a field OpenAI's API lacks), the same `max_tokens`, `stream` on. The scope goes in the `X-KVMemory-User-Id` header
 (one per run, so runs do not see each other's entries; llama.cpp ignores it). Each run's content is
 new (seeded by N and the repeat) and each side runs right after the other, interleaved, so drift in a
 shared machine's speed hits both. One untimed warm-up request per side comes first.
@@ -122,7 +122,7 @@ class Request:
 
     def body(self, max_tokens: int) -> dict:
         return {"model": SERVED_MODEL, "messages": self.messages, "max_tokens": max_tokens, "temperature": 0,
-                "repeat_penalty": 1.0, "stream": True, "stream_options": {"include_usage": True}}
+                "stream": True, "stream_options": {"include_usage": True}}
 
 
 @dataclass(slots=True)
@@ -195,6 +195,7 @@ class Server:
     proc: subprocess.Popen | None = None
     started_s: float = 0.0
     info: dict = field(default_factory=dict)
+    body_extra: dict = field(default_factory=dict)  # fields only this server takes, added to every request
 
     @property
     def url(self) -> str:
@@ -279,16 +280,20 @@ def llamacpp_server(tmp: Path, gguf: str, threads: int, n_ctx: int) -> Server:
            # its default ends a stream early (with [DONE], no finish reason) as soon as another request waits:
            # every request is served in full here, as kvmemory serves them
            "--interrupt_requests", "false"]
-    return Server("llamacpp", cmd, port, tmp / "llamacpp-server.log", "/v1/models")
+    return Server("llamacpp", cmd, port, tmp / "llamacpp-server.log", "/v1/models",
+                  body_extra={"repeat_penalty": 1.0})
 
 
 # ---------------------------------------------------------------------- one request, one run
-def send(client, url: str, req: Request, max_tokens: int, headers: dict, t0: float) -> dict:
+def send(client, url: str, req: Request, max_tokens: int, headers: dict, t0: float,
+         extra: dict | None = None) -> dict:
     """One streamed chat completion: when it started (from the run's start), its time to first token
-    and to the last, the text, and what the server reported about it. Never raises: errors are data."""
+    and to the last, the text, and what the server reported about it. Never raises: errors are data.
+    `extra`: the server's own fields (Server.body_extra), added after the request's SHA-256 is taken."""
     body = req.body(max_tokens)
     rec = {"client": req.client, "seq": req.seq, "kind": req.kind, "index": req.index,
            "request_sha256": body_sha256(body), "ok": False, "error": None}
+    body = {**body, **(extra or {})}
     start = time.perf_counter()
     rec["start_s"] = start - t0
     text, first = [], None
@@ -332,7 +337,8 @@ def send(client, url: str, req: Request, max_tokens: int, headers: dict, t0: flo
     return rec
 
 
-def run_load(url: str, workload: Workload, max_tokens: int, headers: dict) -> tuple[list[dict], float]:
+def run_load(url: str, workload: Workload, max_tokens: int, headers: dict,
+             extra: dict | None = None) -> tuple[list[dict], float]:
     """Every client in its own thread, all released together; returns the records and the wall time."""
     import httpx
 
@@ -345,7 +351,7 @@ def run_load(url: str, workload: Workload, max_tokens: int, headers: dict) -> tu
         with httpx.Client(timeout=httpx.Timeout(REQUEST_TIMEOUT_S, connect=60.0)) as http:
             barrier.wait()
             for req in workload.clients[c]:
-                records[c].append(send(http, url, req, max_tokens, headers, t0[0]))
+                records[c].append(send(http, url, req, max_tokens, headers, t0[0], extra))
 
     threads = [threading.Thread(target=client, args=(c,), daemon=True) for c in range(n)]
     for t in threads:
@@ -621,7 +627,7 @@ def run_serve_bench(clients=DEFAULT_CLIENTS, *, per_kind: int = 3, repeats: int 
             sides[name]["start_s"] = s.started_s
             with httpx.Client(timeout=REQUEST_TIMEOUT_S) as http:  # one untimed warm-up request
                 warm = send(http, s.url, Request(-1, 0, "warmup", 0, WARMUP), max_tokens, {SCOPE_HEADER: "bench-warmup"},
-                            time.perf_counter())
+                            time.perf_counter(), s.body_extra)
             if not warm["ok"]:
                 raise KVMemoryError(f"the {name} server's warm-up request failed: {warm['error']}\n{s.tail()}")
         for repeat in range(repeats):
@@ -642,7 +648,7 @@ def run_serve_bench(clients=DEFAULT_CLIENTS, *, per_kind: int = 3, repeats: int 
                     offset = s.log_size()
                     say(f"[repeat {repeat + 1}/{repeats}] {name}: {n} client(s), "
                         f"{sum(len(c) for c in wl.clients)} requests")
-                    records, wall = run_load(s.url, wl, max_tokens, headers)
+                    records, wall = run_load(s.url, wl, max_tokens, headers, s.body_extra)
                     run.update(summarize_run(records, wall))
                     if name == "kvmemory":
                         kvmemory_tokens(records, run)

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from kvmemory.errors import InvalidInput, KVMemoryError, UnknownEntry, VerificationFailed
+from kvmemory.errors import IntegrityError, InvalidInput, KVMemoryError, UnknownEntry, VerificationFailed
 from kvmemory.engine.graft import GraftReport
 from kvmemory.engine.engine import Engine, VerifyReport
 from kvmemory.models.loading import DEFAULT_MODEL
@@ -29,8 +29,10 @@ from kvmemory.memory.filters import check_where, matches
 from kvmemory.memory.listing import (DEFAULT_PAGE, HISTORY_KEY, RESERVED_META, EntryPage, EntryVersion, check_limit,
                                      page_of, snapshot, user_meta, versions)
 from kvmemory.memory.ids import entry_id_for
+from kvmemory.memory.entry_check import EntryChecks, refusal
 from kvmemory.memory.inputs import (MAX_K, MAX_TEXT_CHARS, check_answer_options, check_count, check_entry_id,
                                      check_namespace, check_text, check_threshold)
+from kvmemory.memory.proof import VerifySummary
 from kvmemory.memory.token_text import TokenText
 from kvmemory.memory.layout import Layout, chat_layout, entry_probe, question_layout
 from kvmemory.memory.prompts import entry_messages, render_ids, solution_text
@@ -71,10 +73,14 @@ class Answer:
     stopped_by: str = "length"
     choices: list[str] = field(default_factory=list)  # what the answer was chosen among ([] = free decode)
     choice_scores: list[float] = field(default_factory=list)  # the model's log-likelihood of each
+    # Entries routed to but not used, each {"entry", "reason"}: they did not check against themselves
+    # or the route to them could not be trusted (memory/entry_check.py); the answer did without them.
+    refused: list[dict] = field(default_factory=list)
 
     def to_json(self) -> dict:
         return {
             "text": self.text,
+            "refused": self.refused,
             "choices": self.choices,
             "choice_scores": [round(s, 4) for s in self.choice_scores],
             "entries": self.entries,
@@ -129,26 +135,7 @@ class ChatPrompt:
     hits: list[Recalled]
     store_new_blocks: bool
     cuts: tuple[int, ...] = ()  # where its segments end (memory/layout.py): entries, earlier turns, itself
-
-
-@dataclass(slots=True)
-class VerifySummary:
-    checked: int = 0
-    bit_identical: int = 0
-    kl_max: float = 0.0
-    argmax_agreement: float = 1.0
-    attested_match: int = 0
-    results: list[dict] = field(default_factory=list)
-
-    def to_json(self) -> dict:
-        return {
-            "checked": self.checked,
-            "bit_identical": self.bit_identical,
-            "kl_max": self.kl_max,
-            "argmax_agreement": self.argmax_agreement,
-            "attestation_match": self.attested_match,
-            "entries": self.results,
-        }
+    refused: list[dict] = field(default_factory=list)  # routed entries not used (Answer.refused)
 
 
 def _check_namespace(namespace: object) -> str:
@@ -245,6 +232,8 @@ class KVMemory:
         self._writer = Writer()
         self._pending: dict[str, PendingWrite] = {}
         self._warned_namespaces: set[str] = set()
+        # Every entry an answer uses is checked against itself first (cached per entry version)
+        self.checks = EntryChecks(engine)
 
     @property
     def router(self):
@@ -637,6 +626,9 @@ class KVMemory:
         question = _check_text("question", question)
         check_answer_options(max_new_tokens=max_new_tokens)
         entry = self.entry(entry_id, namespace)
+        why = self.checks.entry(entry)
+        if why is not None:
+            raise IntegrityError(f"entry {entry.id} does not check against itself and is not used: {why}")
         self.engine.require_profile(entry.profile_id, f"entry {entry.id}'s blocks")
         prompt = self.question_layout(question, [entry])
         return self.generate(prompt.ids, max_new_tokens=max_new_tokens, sampling=sampling, stop=stop, entries=[entry],
@@ -645,36 +637,39 @@ class KVMemory:
     # ------------------------------------------------------------------ verify and stats
     def verify_entry(self, entry_id: str, *, decode_tokens: int | None = None, single_pass: bool = True,
                      namespace: str | None = None) -> VerifyReport:
-        entry = self.store.get_entry(entry_id, namespace)
-        self.engine.require_profile(entry.profile_id, f"entry {entry.id}'s blocks")
-        k = decode_tokens if decode_tokens is not None else int(entry.attestation.get("decode_tokens", self.probe_tokens))
-        # What `remember` proved: the entry's ids and the probe question, cut at the entry's end (layout.py)
-        probe = entry_probe(self.engine.tokenizer, entry.token_ids, entry.problem, entry.solution, entry.answer)
-        return self.engine.verify_tokens(probe.ids, decode_tokens=k, single_pass=single_pass, cuts=probe.cuts)
+        """One entry's graft against its recompute (memory/proof.py), without `verify`'s proof rules."""
+        from kvmemory.memory import proof
+
+        return proof.verify_entry(self, entry_id, decode_tokens=decode_tokens, single_pass=single_pass,
+                                  namespace=namespace)
 
     def verify(self, entry_ids: Sequence[str] | None = None, *, namespace: str | None = None,
                single_pass: bool = True, progress: bool = False) -> VerifySummary:
-        """Recompute each entry from scratch and compare it with its graft (and with its attestation)."""
-        ids = list(entry_ids) if entry_ids is not None else self.store.entry_ids(namespace)
-        summary = VerifySummary()
-        it = ids
-        if progress:
-            from tqdm import tqdm
+        """Recompute each entry from scratch and compare it with its graft (and with its attestation). An
+        entry that does not check against itself, or whose graft covers nothing or not all of its chain,
+        counts as unproven, not bit-identical (memory/proof.py)."""
+        from kvmemory.memory import proof
 
-            it = tqdm(ids, desc="verify", unit="entry")
-        for eid in it:
-            entry = self.store.get_entry(eid)
-            vr = self.verify_entry(eid, single_pass=single_pass)
-            c = vr.comparison
-            attested = (entry.attestation.get("logits_sha256") == c.reference_sha256
-                        and entry.attestation.get("graft_point") == vr.graft_point)
-            summary.checked += 1
-            summary.bit_identical += int(c.bit_identical)
-            summary.kl_max = max(summary.kl_max, c.kl_max)
-            summary.argmax_agreement = min(summary.argmax_agreement, c.argmax_agreement)
-            summary.attested_match += int(attested)
-            summary.results.append({"entry": eid, "attestation_match": attested, **vr.to_json()})
-        return summary
+        return proof.verify(self, entry_ids, namespace=namespace, single_pass=single_pass, progress=progress)
+
+    def recompute(self, entry_ids: Sequence[str]) -> dict[str, str | None]:
+        """Compute the blocks of these entries again from their own texts and prove them (after damage);
+        per entry None (re-proven) or why not (memory/proof.py)."""
+        from kvmemory.memory import proof
+
+        return proof.recompute(self, entry_ids)
+
+    def fsck(self, repair: bool = False, *, purge_orphans: bool = False, recompute: bool = True, **kw):
+        """`kvmemory fsck` on this memory's store (store/fsck.py), with what only the memory layer can
+        check and do: each entry's texts against its token ids, the router against the entries, and, with
+        `repair`, damaged entries recomputed and re-proven and the router rebuilt."""
+        from kvmemory.routing.check import router_checker
+        from kvmemory.store.fsck import run_fsck
+
+        return run_fsck(self.store, repair=repair, router_rebuild=self.reindex if repair else None,
+                        router_check=router_checker(self.store), entry_check=self.checks.entry,
+                        recompute=self.recompute if (repair and recompute) else None, purge_orphans=purge_orphans,
+                        **kw)
 
     def stats(self) -> dict:
         s = self.store.stats().to_json()
@@ -684,13 +679,14 @@ class KVMemory:
 
     def forget(self, entry_id: str, namespace: str | None = None) -> int:
         """Remove an entry and the blocks no other entry references. Returns the blocks removed.
+        The entry is found as `get` finds it: in any namespace, or only in `namespace` when one is given.
         An entry still pending (`remember_later`) is dropped before its KV is computed."""
         job = self._pending.get(entry_id)
-        if job is not None and job.namespace == (namespace or self.namespace) and job.cancel():
+        if job is not None and (namespace is None or job.namespace == namespace) and job.cancel():
             self._pending.pop(entry_id, None)
             self.router.delete(entry_id)
             return 0
-        self.entry(entry_id, namespace)
+        self.get(entry_id, namespace)  # found as `get` finds it: in any namespace, or only in `namespace`
         removed = self.store.delete_entries([entry_id])
         self._after_forget([entry_id])
         return removed
@@ -711,8 +707,8 @@ class KVMemory:
         return removed
 
     # ------------------------------------------------------------------ routing
-    def recall(self, query: str, k: int = 5, *, namespace: str | None = None,
-               threshold: float | None = None, number_check: bool = False, where: dict | None = None) -> list[Recalled]:
+    def recall(self, query: str, k: int = 5, *, namespace: str | None = None, threshold: float | None = None,
+               number_check: bool = False, where: dict | None = None, refused: list | None = None) -> list[Recalled]:
         """Entries whose problem is close to `query`, best first, with cosine scores; an unrelated
         query returns [] (scores below the calibrated threshold are dropped). With `number_check`,
         entries whose problem writes other numbers than the query are left out (`answer` routes so).
@@ -721,7 +717,11 @@ class KVMemory:
 
         A namespace that holds no entries recalls [] (an agent's memory may be empty); when other
         namespaces do hold entries, a warning names them once (a misspelt namespace is the usual
-        cause). An entry remembered with `remember_later` and routed here is computed now."""
+        cause). An entry remembered with `remember_later` and routed here is computed now.
+
+        Every routed entry is checked against itself, and its route against it (memory/entry_check.py),
+        before it is returned: one that fails is left out, logged, and named in `refused` (a list the
+        caller passes, as {"entry", "reason"}); `kvmemory fsck --repair` puts it right."""
         query = _check_text("query", query)
         check_count("k", k, maximum=MAX_K)
         check_threshold(threshold)
@@ -736,29 +736,52 @@ class KVMemory:
         # Over-fetch when hits may be dropped (other numbers, metadata), so k good ones can still be
         # returned: ask for 4k, then 4x more while the router keeps returning full lists.
         fetch = 4 * k if (wanted or where) else k
+        # The question is embedded once: the router searches with it, and each route is re-scored with it
+        # against the entry's own text (a damaged router row or vector is refused, not followed).
+        qvec = self.router.embedder.embed([query])[0] if ns in self.router.namespaces() else None
+        dropped = False
         while True:
-            hits = self.router.search(query, k=fetch, namespace=ns, threshold=th)
+            hits = (self.router.search_vector(qvec, fetch, ns, self.router.threshold if th is None else float(th))
+                    if qvec is not None else [])
             if not hits and not seen and ns not in self._warned_namespaces:
                 self._warn_empty(ns)
             for hit in hits:
                 if hit.entry_id in seen:
                     continue
                 seen.add(hit.entry_id)
-                if wanted and (found := set(numbers_in(hit.matched_text))) and found != wanted:
-                    continue  # a near-duplicate with other numbers is another problem
                 job = self._pending.get(hit.entry_id)
                 if job is not None:
                     job.run()  # computed on first use (or finished by whoever had started it)
                 try:
                     entry = self.store.get_entry(hit.entry_id, ns)
                 except UnknownEntry:
+                    if self._lost(hit.entry_id) and refused is not None:
+                        dropped = True
+                        refused.append(refusal(hit.entry_id, "it is routed and recorded beside its blocks, but the "
+                                               "catalogue no longer holds it (a damaged catalogue); run `kvmemory "
+                                               "fsck --repair`"))
                     continue  # routed but forgotten meanwhile (or its deferred write failed: flush() says why)
+                except IntegrityError as exc:  # a damaged or forged catalogue row: refused, not fatal
+                    dropped = True
+                    if refused is not None:
+                        refused.append(refusal(hit.entry_id, str(exc)))
+                    continue
+                why = self.checks.route(hit, entry, qvec, self.router.embedder) or self.checks.entry(entry)
+                if why is not None:
+                    dropped = True
+                    if refused is not None:
+                        refused.append(refusal(entry.id, why))
+                    continue
+                # the entry's own problem, never the router's copy of a text: a near-duplicate with other
+                # numbers is another problem
+                if wanted and (found := set(numbers_in(entry.problem))) and found != wanted:
+                    continue
                 if where and not matches(user_meta(entry), where):
                     continue
                 out.append(Recalled(entry=entry, score=float(hit.score), matched_text=hit.matched_text))
                 if len(out) == k:
                     return out
-            if len(hits) < fetch or not (wanted or where):
+            if len(hits) < fetch or not (wanted or where or dropped):
                 return out
             fetch *= 4
 
@@ -799,20 +822,42 @@ class KVMemory:
         query = _check_text("query", query)
         check_answer_options(k=k, max_new_tokens=max_new_tokens, threshold=threshold, choices=choices,
                              contrast=contrast)
-        hits = self.recall(query, k, namespace=namespace, threshold=threshold,
-                           number_check=self.number_check, where=where) if use_memory else []
-        return self.answer_from(query, hits, max_new_tokens=max_new_tokens, sampling=sampling, stop=stop,
-                                on_text=on_text, answer_prefix=answer_prefix, choices=choices,
-                                choice_end=choice_end, contrast=contrast)
+        refused: list[dict] = []
+        hits = self.recall(query, k, namespace=namespace, threshold=threshold, number_check=self.number_check,
+                           where=where, refused=refused) if use_memory else []
+        ans = self.answer_from(query, hits, max_new_tokens=max_new_tokens, sampling=sampling, stop=stop,
+                               on_text=on_text, answer_prefix=answer_prefix, choices=choices,
+                               choice_end=choice_end, contrast=contrast)
+        ans.refused = refused + ans.refused
+        return ans
 
     def answer_from(self, query: str, hits: Sequence[Recalled], *, max_new_tokens: int = 256,
                     sampling: Sampling = GREEDY, stop: Sequence[str] = (), on_text=None,
                     answer_prefix: str | None = None, choices: str | Sequence[str] | None = None,
                     choice_end: str = ".", contrast: float = DEFAULT_CONTRAST) -> Answer:
         """`answer` after routing: answer `query` from these routed entries (e.g. the ones a framework's
-        retriever returned), the first one's KV grafted; the options are `answer`'s."""
+        retriever returned), the first one's KV grafted; the options are `answer`'s. An entry that does not
+        check against itself is left out and named in `Answer.refused`."""
         query = _check_text("query", query)
         check_answer_options(max_new_tokens=max_new_tokens, choices=choices, contrast=contrast)
+        refused: list[dict] = []
+        kept = []
+        for h in hits:
+            why = self.checks.entry(h.entry)
+            if why is None:
+                kept.append(h)
+            else:
+                refused.append(refusal(h.entry.id, why))
+        hits = kept
+        ans = self._answer_from(query, hits, max_new_tokens=max_new_tokens, sampling=sampling, stop=stop,
+                                on_text=on_text, answer_prefix=answer_prefix, choices=choices, choice_end=choice_end,
+                                contrast=contrast)
+        ans.refused = refused
+        return ans
+
+    def _answer_from(self, query: str, hits: Sequence[Recalled], *, max_new_tokens: int, sampling: Sampling,
+                     stop: Sequence[str], on_text, answer_prefix: str | None, choices, choice_end: str,
+                     contrast: float) -> Answer:
         entries = [h.entry for h in hits]
         for e in entries:
             self.engine.require_profile(e.profile_id, f"entry {e.id}'s blocks")
@@ -877,9 +922,11 @@ class KVMemory:
         """
         check_answer_options(k=k, max_new_tokens=max_new_tokens, threshold=threshold)
         prompt = self.chat_prompt(messages, route=route, k=k, namespace=namespace, threshold=threshold, where=where)
-        return self.generate(prompt.ids, max_new_tokens=max_new_tokens, sampling=sampling, stop=stop,
-                             store_new_blocks=prompt.store_new_blocks, entries=[h.entry for h in prompt.hits],
-                             scores=[h.score for h in prompt.hits], on_text=on_text, cuts=prompt.cuts)
+        ans = self.generate(prompt.ids, max_new_tokens=max_new_tokens, sampling=sampling, stop=stop,
+                            store_new_blocks=prompt.store_new_blocks, entries=[h.entry for h in prompt.hits],
+                            scores=[h.score for h in prompt.hits], on_text=on_text, cuts=prompt.cuts)
+        ans.refused = list(prompt.refused)
+        return ans
 
     def chat_prompt(self, messages: Sequence[dict], *, route: bool = True, k: int = 1, namespace: str | None = None,
                     threshold: float | None = None, where: dict | None = None) -> ChatPrompt:
@@ -890,7 +937,8 @@ class KVMemory:
         if not msgs:
             raise InvalidInput("empty conversation")
         last_user = next((m["content"] for m in reversed(msgs) if m["role"] == "user"), "")
-        hits = (self.recall(last_user, k, namespace=namespace, threshold=threshold, where=where)
+        refused: list[dict] = []
+        hits = (self.recall(last_user, k, namespace=namespace, threshold=threshold, where=where, refused=refused)
                 if route and last_user.strip() else [])
         entries = [h.entry for h in hits]
         for e in entries:
@@ -898,7 +946,7 @@ class KVMemory:
         store_new = self.block_policy == "always" or (self.block_policy == "multi" and (len(entries) > 1 or (
             bool(entries) and msgs[0]["role"] == "system")))
         layout = self.chat_layout(msgs, entries)
-        return ChatPrompt(layout.ids, hits, store_new, layout.cuts)
+        return ChatPrompt(layout.ids, hits, store_new, layout.cuts, refused)
 
     def sync_router(self, namespace: str) -> int:
         """Route entries another process or machine remembered into this one's (local) router, and
@@ -920,6 +968,8 @@ class KVMemory:
         for eid in routed - stored:
             if eid in self._pending:
                 continue  # remembered with remember_later: routed before its KV is committed
+            if self._lost(eid):
+                continue  # recorded but missing from a damaged catalogue: `recall` names it, fsck brings it back
             self.router.delete(eid)
             changed += 1
         for eid in sorted(stored - routed):
@@ -930,6 +980,11 @@ class KVMemory:
             self.router.update(e.id, e.namespace, [e.problem, *e.meta.get("aliases", [])])
             changed += 1
         return changed
+
+    def _lost(self, entry_id: str) -> bool:
+        """An entry the catalogue lacks while its record is still there (lost by damage, not forgotten)."""
+        has = getattr(self.store, "has_record", None)
+        return bool(has is not None and has(entry_id))
 
     def reindex(self, progress: bool = False, *, embedder=None) -> int:
         """Re-embed every entry's problem and aliases into a new router index; returns entries routed.

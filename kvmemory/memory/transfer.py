@@ -10,8 +10,9 @@ nothing of the bundle is written before steps 1-4 pass:
 2. Every profile it carries must be this engine's (`ExecutionProfile.require_same`): another profile
    raises `ProfileMismatch` naming the fields that differ (another KV dtype, CPU, thread count,
    kernel build, library version ...). Blocks made under another profile are never grafted here.
-3. Each entry's id must be the content hash of its namespace, texts and profile (memory/ids.py), so
-   "already present" means the same entry; entries of a namespace the target store is not scoped to
+3. Each entry's id must be the content hash of its namespace, texts and profile (memory/ids.py; for an
+   updated entry, its first version's texts, which its history carries), so "already present" means
+   the same entry; entries of a namespace the target store is not scoped to
    are refused (`InvalidInput`); a read-only store is refused.
 4. Entries already in the store are skipped (and reported): importing twice adds nothing.
 5. Proof before commit, as `remember` does: for each entry to prove, its blocks are written into the
@@ -54,7 +55,7 @@ from dataclasses import dataclass, field
 from kvmemory.memory.layout import entry_probe
 from kvmemory.engine.profile import ExecutionProfile
 from kvmemory.errors import BundleError, InvalidInput, ProfileMismatch, StoreReadOnly
-from kvmemory.memory.ids import entry_id_for
+from kvmemory.memory.ids import expected_id
 from kvmemory.store.bundle import Bundle, read_bundle
 from kvmemory.store.local import EntryRecord
 
@@ -136,8 +137,10 @@ def import_bundle(mem, bundle: Bundle | str | os.PathLike, *, sample: int = DEFA
     for pid, prof in bundle.profiles.items():
         check_profile(engine, pid, prof)
     for e in bundle.entries:
-        if entry_id_for(e.namespace, e.problem, e.solution, e.answer, e.profile_id) != e.id:
-            raise BundleError(f"entry {e.id}: its id is not the hash of its namespace, texts and profile (altered)")
+        # an updated entry keeps the id of its first version, whose texts its history holds
+        if expected_id(e) != e.id:
+            raise BundleError(f"entry {e.id}: its id is not the hash of its namespace, first version's texts and "
+                              "profile (altered)")
     scope = getattr(store, "namespace", None)
     if scope is not None:
         others = sorted({e.namespace for e in bundle.entries} - {scope})

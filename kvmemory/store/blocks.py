@@ -88,6 +88,16 @@ def chain_hashes(profile_id: str, token_ids: Sequence[int], chunk: int, limit: i
     return out
 
 
+def is_entry_chain(chain: Sequence[str], profile_id: str, token_ids: Sequence[int], chunk: int) -> bool:
+    """Whether `chain` is the chain of an entry with these token ids: every chunk of them, the last one a
+    tail block cut at their end (how `remember` stores entries since cuts, runner.chunk_spans), or, for
+    entries made before, their whole grid blocks (all of them, or those before the last token)."""
+    chain, ids = list(chain), list(token_ids)
+    if chain == chain_hashes(profile_id, ids, chunk, tail=True):
+        return True
+    return chain in (chain_hashes(profile_id, ids, chunk), chain_hashes(profile_id, ids, chunk, limit=len(ids) - 1))
+
+
 def span_hashes(profile_id: str, token_ids: Sequence[int], spans: Sequence[tuple[int, int]]) -> list[str]:
     """Chain hashes of consecutive chunks [(0, e0), (e0, e1), ...] of `token_ids`, of any lengths (a grid
     block, a tail block at a cut), in order. Equal to `chain_hashes` where every span is a whole block."""

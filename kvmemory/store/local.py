@@ -5,13 +5,20 @@ Layout of a store folder:
     FORMAT                 JSON {"format": N, ...}: a store from a newer format is refused
     catalogue.sqlite       blocks, entries, entry->block chains, profiles, quarantine (WAL mode)
     blocks/ab/<hash>.kvb   one file per block (see blocks.py), named by its chain hash
-    quarantine/            damaged block files moved aside, never read again
+    entries/<id>.json      one record per entry (records.py): the catalogue can be rebuilt from these
+    profiles/<id>.json     the execution profiles, beside the blocks made under them (records.py)
+    quarantine/            damaged block files, records and catalogues moved aside, never read again
     tmp/                   files being written; renamed into place only when complete
 
 Guarantees:
 - Atomic: a block file appears under its name only once fully written and fsynced (write to tmp/,
-  fsync, rename); an entry appears only when its catalogue transaction commits, after its blocks are
-  in place. A process killed mid-write leaves at most an orphan file, never a visible partial entry.
+  fsync, rename); an entry appears only when its catalogue transaction commits, after its blocks and
+  its record are in place. A process killed mid-write leaves at most an orphan file (or a record
+  `kvmemory fsck --repair` commits), never a visible partial entry.
+- Rebuildable: every entry is also recorded beside its blocks (entries/, written and fsynced before
+  the commit), and blocks describe themselves (.kvb headers), so `kvmemory fsck --repair` rebuilds a
+  missing or damaged catalogue (store/rebuild.py). A store whose catalogue is missing while records or
+  blocks are there is refused (`CatalogueLost`), never served as an empty store.
 - Verified reads: every payload read is hashed (SHA-256) and compared with the catalogue before any
   byte can reach the model; a mismatch quarantines the block and raises `IntegrityError`.
 - Several processes may read and write at once (SQLite WAL + busy timeout; content addressing makes
@@ -26,13 +33,12 @@ import hashlib
 import json
 import logging
 import os
-import re
 import sqlite3
 import threading
 import time
 import uuid
 from collections.abc import Iterable, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,7 +47,10 @@ import torch
 
 from kvmemory.store import drops
 from kvmemory.store.blocks import BlockMeta, chain_hash, encode_header, read_header
-from kvmemory.errors import IntegrityError, StoreError, StoreFormatError, StoreFull, StoreReadOnly, UnknownEntry
+from kvmemory.store.entries import EntryRecord, _is_hex64, entry_from_fields  # noqa: F401 (EntryRecord: re-exported)
+from kvmemory.store.records import RecordFolder, content_sha256, holds_data
+from kvmemory.errors import (CatalogueLost, IntegrityError, StoreError, StoreFormatError, StoreFull, StoreReadOnly,
+                             UnknownEntry)
 
 STORE_FORMAT = 1
 _log = logging.getLogger("kvmemory.store.local")
@@ -108,44 +117,6 @@ class BlockRow:
 
 
 @dataclass(slots=True, frozen=True)
-class EntryRecord:
-    """A verified solution as stored: texts, verifier outcome, prompt token ids, chain, attestation."""
-
-    id: str
-    namespace: str
-    problem: str
-    solution: str
-    answer: str | None
-    verifier: dict
-    verified: bool
-    token_ids: tuple[int, ...]
-    profile_id: str
-    chain: tuple[str, ...]
-    attestation: dict
-    meta: dict
-    created: float
-    updated: float
-
-    def to_json(self) -> dict:
-        return {
-            "id": self.id,
-            "namespace": self.namespace,
-            "problem": self.problem,
-            "solution": self.solution,
-            "answer": self.answer,
-            "verifier": self.verifier,
-            "verified": self.verified,
-            "n_tokens": len(self.token_ids),
-            "profile_id": self.profile_id,
-            "chain": list(self.chain),
-            "attestation": self.attestation,
-            "meta": self.meta,
-            "created": self.created,
-            "updated": self.updated,
-        }
-
-
-@dataclass(slots=True, frozen=True)
 class StoreStats:
     entries: int
     verified_entries: int
@@ -205,12 +176,6 @@ def _sync_files(files: Sequence[Path], folder: Path) -> None:
             os.close(fd)
 
 
-def _ids_from_blob(blob: bytes) -> tuple[int, ...]:
-    if not isinstance(blob, bytes) or len(blob) % 4:
-        raise ValueError("token ids are not a whole number of little-endian uint32")
-    return tuple(int(x) for x in np.frombuffer(blob, dtype="<u4"))
-
-
 def check_meta(meta: BlockMeta, row: BlockRow) -> None:
     """Raise IntegrityError unless a block header agrees with its catalogue row and with itself: every
     field the row repeats, and the chain hash recomputed from the header's profile, parent and tokens
@@ -230,13 +195,6 @@ def check_meta(meta: BlockMeta, row: BlockRow) -> None:
         raise IntegrityError("block header is not self-consistent (chain hash or position)")
 
 
-_HEX64 = re.compile(r"[0-9a-f]{64}")
-
-
-def _is_hex64(x: object) -> bool:
-    return isinstance(x, str) and _HEX64.fullmatch(x) is not None
-
-
 def block_row_from(row: Sequence) -> BlockRow:
     """A BlockRow from catalogue values (hash, parent, profile, idx, n_tokens, sha, nbytes, file nbytes,
     verified, pinned, quarantined), type-checked: a damaged row raises IntegrityError, never reaches a read."""
@@ -247,27 +205,6 @@ def block_row_from(row: Sequence) -> BlockRow:
         name = h[:12] if isinstance(h, str) else repr(h)[:20]
         raise IntegrityError(f"the catalogue row of block {name} is damaged; run `kvmemory fsck`")
     return BlockRow(h, parent, profile, idx, n_tok, sha, nbytes, fbytes, bool(ver), bool(pin), bool(quar))
-
-
-def entry_from_fields(row: Sequence, chain: Sequence[str]) -> EntryRecord:
-    """An EntryRecord from catalogue values (the order of `LocalStore._ENTRY_COLS`), type-checked."""
-    try:
-        (eid, ns, problem, solution, answer, verifier, verified, ids, profile, att, meta, created, updated) = row
-        rec = EntryRecord(
-            id=eid, namespace=ns, problem=problem, solution=solution, answer=answer,
-            verifier=json.loads(verifier), verified=bool(verified), token_ids=_ids_from_blob(ids),
-            profile_id=profile, chain=tuple(chain), attestation=json.loads(att), meta=json.loads(meta),
-            created=float(created), updated=float(updated),
-        )
-        if not (all(isinstance(x, str) for x in (eid, ns, problem, solution, profile))
-                and (answer is None or isinstance(answer, str)) and isinstance(verified, int)
-                and all(isinstance(x, dict) for x in (rec.verifier, rec.attestation, rec.meta))
-                and all(_is_hex64(h) for h in rec.chain)):
-            raise ValueError("a field has the wrong type")
-        return rec
-    except (TypeError, ValueError) as exc:
-        name = row[0] if row and isinstance(row[0], str) else "?"
-        raise IntegrityError(f"the catalogue row of entry {name!r} is damaged ({exc}); run `kvmemory fsck`") from exc
 
 
 _IOV_MAX = 1024  # Linux's limit on buffers per preadv call
@@ -300,7 +237,10 @@ class LocalStore:
 
     kind = "local"
 
-    def __init__(self, path: str | os.PathLike, *, readonly: bool = False, create: bool = True):
+    def __init__(self, path: str | os.PathLike, *, readonly: bool = False, create: bool = True, records: bool = True):
+        """`records=False`: a cache (Redis's local tier): no entry records are kept, and a lost catalogue
+        is simply started again."""
+        self.keeps_records = records
         try:
             self._open(path, readonly, create)
         except (OSError, ValueError) as exc:  # a path that is a file, holds a NUL, is unreadable, ...
@@ -322,6 +262,7 @@ class LocalStore:
         if not readonly and not os.access(self.path, os.W_OK):
             self.readonly = True  # a read-only folder is served read-only rather than refused
         self._check_format()
+        self._check_catalogue_present()
         self._local = threading.local()
         self._init_lock = threading.Lock()
         # Headers already checked in full (parsed, canonical, matching the catalogue, chain hash
@@ -339,6 +280,34 @@ class LocalStore:
             raise StoreError(f"{self.path} is read-only and holds no catalogue")
 
     # ----------------------------------------------------------------- format and connection
+    @property
+    def records(self):
+        """The store's entry records and profile files (records.py); None for a cache."""
+        if not self.keeps_records:
+            return None
+        rf = self.__dict__.get("_records")
+        if rf is None:
+            rf = self._records = RecordFolder(self.path)
+        return rf
+
+    def _check_catalogue_present(self) -> None:
+        """Refuse a store whose catalogue is missing or empty while its records or blocks are there: it
+        is not an empty store, and creating a new catalogue would hide every entry it holds."""
+        if not self.keeps_records:
+            return
+        cat = self.path / "catalogue.sqlite"
+        try:
+            empty = cat.stat().st_size == 0
+        except FileNotFoundError:
+            empty = True
+        if not empty:
+            return
+        if holds_data(self.path):
+            state = "is empty" if cat.exists() else "is missing"
+            raise CatalogueLost(
+                f"the catalogue of the store at {self.path} {state}, but its entry records and blocks are there: "
+                "nothing is served from it. Run `kvmemory fsck --repair` to rebuild the catalogue from them")
+
     def _check_format(self) -> None:
         f = self.path / "FORMAT"
         if f.exists():
@@ -431,7 +400,8 @@ class LocalStore:
         if "readonly" in msg or "read-only" in msg:
             return StoreReadOnly(f"the store at {self.path} is read-only ({msg})")
         if "malformed" in msg or "not a database" in msg or "corrupt" in msg:
-            return StoreError(f"the catalogue at {self.path} is damaged ({msg}); run `kvmemory fsck`")
+            return CatalogueLost(f"the catalogue at {self.path} is damaged ({msg}); run `kvmemory fsck --repair` "
+                                 "to rebuild it from the entry records and blocks")
         return StoreError(f"store catalogue error at {self.path}: {msg}")
 
     def _require_writable(self) -> None:
@@ -446,6 +416,12 @@ class LocalStore:
 
     # ----------------------------------------------------------------- profiles
     def put_profile(self, profile_id: str, profile: dict) -> None:
+        self._require_writable()
+        if self.records is not None:
+            try:
+                self.records.write_profile(profile_id, profile)
+            except OSError as exc:
+                raise self._wrap_os(exc, "writing the profile file") from exc
         with self._tx() as db:
             db.execute(
                 "INSERT OR IGNORE INTO profiles(profile_id, profile_json) VALUES(?, ?)",
@@ -544,7 +520,8 @@ class LocalStore:
             raise StoreError(f"writing blocks into {self.path} failed: {exc}") from exc
         return sizes
 
-    def _insert_block_rows(self, db: sqlite3.Connection, metas: Iterable[BlockMeta], sizes: dict[str, int],
+    @staticmethod
+    def _insert_block_rows(db: sqlite3.Connection, metas: Iterable[BlockMeta], sizes: dict[str, int],
                            verified: bool, pinned: bool) -> None:
         now = time.time()
         for m in metas:
@@ -759,12 +736,17 @@ class LocalStore:
 
     # ----------------------------------------------------------------- entries
     def commit_entry(self, entry: EntryRecord, blocks: Sequence[tuple[BlockMeta, torch.Tensor]]) -> None:
-        """Write the entry's new block files, then the entry and its chain in one transaction."""
+        """Write the entry's new block files and its record, then the entry and its chain in one transaction."""
         sizes = self.write_block_files(blocks)
-        with self._tx() as db:
+        with self._recorded(entry, self._record_signature(entry)), self._tx() as db:
             self._insert_block_rows(db, [m for m, _ in blocks], sizes, verified=entry.verified, pinned=False)
-            db.execute("DELETE FROM entry_blocks WHERE entry_id=?", (entry.id,))
-            db.execute(
+            self.insert_entry_rows(db, entry)
+
+    @staticmethod
+    def insert_entry_rows(db: sqlite3.Connection, entry: EntryRecord) -> None:
+        """The entry's catalogue row and chain rows (replacing any), inside the caller's transaction."""
+        db.execute("DELETE FROM entry_blocks WHERE entry_id=?", (entry.id,))
+        db.execute(
                 "INSERT OR REPLACE INTO entries(id, namespace, problem, solution, answer, verifier_json, verified, "
                 "token_ids, n_tokens, profile_id, attestation_json, meta_json, created, updated) "
                 "VALUES(?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
@@ -774,8 +756,57 @@ class LocalStore:
                  json.dumps(entry.attestation, sort_keys=True), json.dumps(entry.meta, sort_keys=True),
                  entry.created, entry.updated),
             )
-            db.executemany("INSERT INTO entry_blocks(entry_id, idx, hash) VALUES(?,?,?)",
-                           [(entry.id, i, h) for i, h in enumerate(entry.chain)])
+        db.executemany("INSERT INTO entry_blocks(entry_id, idx, hash) VALUES(?,?,?)",
+                       [(entry.id, i, h) for i, h in enumerate(entry.chain)])
+
+    # Records (records.py) are written, fsynced, before the catalogue commit: a crash after the write
+    # and before the commit leaves a record whose `previous_sha256` is the row's hash, which fsck tells
+    # from a damaged row. A commit that fails in this process puts the previous record back at once.
+    @contextmanager
+    def _recorded(self, entry: EntryRecord, signature: dict | None = None):
+        rf = self.records
+        if rf is None:
+            yield
+            return
+        self._require_writable()
+        prev = self.raw_entry(entry.id)
+        try:
+            old = rf.read_bytes(entry.id)
+            rf.write(entry, previous_sha256=content_sha256(prev) if prev is not None else None, signature=signature)
+        except OSError as exc:
+            raise self._wrap_os(exc, f"writing the record of entry {entry.id}") from exc
+        try:
+            yield
+        except BaseException:
+            try:
+                rf.restore(entry.id, old)
+            except OSError:
+                pass  # fsck tells the uncommitted record by its previous_sha256
+            raise
+
+    def _record_signature(self, entry: EntryRecord) -> dict | None:
+        """What a record keeps of the entry's signature (signed stores: signing.py)."""
+        return None
+
+    def has_record(self, entry_id: str) -> bool:
+        """Whether the entry has a record beside the blocks (then an entry the catalogue lacks was lost
+        by the catalogue, not forgotten: `kvmemory fsck --repair` puts it back)."""
+        rf = self.records
+        return rf is not None and rf.path(entry_id).exists()
+
+    def raw_entry(self, entry_id: str) -> EntryRecord | None:
+        """The catalogue row of an entry as it is (no signature check), None when absent or unreadable."""
+        try:
+            return LocalStore.get_entry(self, entry_id)
+        except (UnknownEntry, IntegrityError, StoreError):
+            return None
+
+    def _wrap_os(self, exc: OSError, what: str) -> StoreError:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            return StoreFull(f"no room on the disk holding {self.path}: {what} failed; nothing was stored ({exc})")
+        if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+            return StoreReadOnly(f"cannot write into {self.path}: {what} failed ({exc})")
+        return StoreError(f"{what} in {self.path} failed: {exc}")
 
     def _entry_from_row(self, row) -> EntryRecord:
         chain = tuple(h for (h,) in self._q("SELECT hash FROM entry_blocks WHERE entry_id=? ORDER BY idx", (row[0],)))
@@ -811,22 +842,44 @@ class LocalStore:
         return [r[0] for r in self._q("SELECT id FROM entries WHERE namespace=? ORDER BY created, id", (namespace,))]
 
     def update_attestation(self, entry_id: str, attestation: dict, verified: bool) -> None:
-        with self._tx() as db:
+        import dataclasses
+
+        now = time.time()
+        cur = self.raw_entry(entry_id)
+        new = None if cur is None else dataclasses.replace(
+            cur, attestation=json.loads(json.dumps(attestation, sort_keys=True)), updated=now)
+        with (self._recorded(new) if new is not None else nullcontext()), self._tx() as db:
             db.execute("UPDATE entries SET attestation_json=?, updated=? WHERE id=?",
-                       (json.dumps(attestation, sort_keys=True), time.time(), entry_id))
+                       (json.dumps(attestation, sort_keys=True), now, entry_id))
             if verified:
                 db.execute("UPDATE blocks SET verified=1 WHERE hash IN "
                            "(SELECT hash FROM entry_blocks WHERE entry_id=?)", (entry_id,))
 
     def delete_entries(self, entry_ids: Sequence[str]) -> int:
-        """Remove entries and every block no longer referenced by an entry (pinned blocks stay)."""
-        with self._tx() as db:
-            for eid in entry_ids:
-                db.execute("DELETE FROM entries WHERE id=?", (eid,))
-                db.execute("DELETE FROM entry_blocks WHERE entry_id=?", (eid,))
-            gone = [h for (h,) in db.execute(
-                "SELECT hash FROM blocks WHERE pinned=0 AND hash NOT IN (SELECT hash FROM entry_blocks)")]
-            db.executemany("DELETE FROM blocks WHERE hash=?", [(h,) for h in gone])
+        """Remove entries and every block no longer referenced by an entry (pinned blocks stay).
+
+        Each record is marked forgotten before the catalogue commit and removed after it, so a crash in
+        between is not mistaken by fsck for a catalogue row that was lost."""
+        rf = self.records
+        self._require_writable()
+        try:
+            marked = [eid for eid in dict.fromkeys(entry_ids) if rf is not None and rf.begin_forget(eid)]
+        except OSError as exc:
+            raise self._wrap_os(exc, "marking entry records forgotten") from exc
+        try:
+            with self._tx() as db:
+                for eid in entry_ids:
+                    db.execute("DELETE FROM entries WHERE id=?", (eid,))
+                    db.execute("DELETE FROM entry_blocks WHERE entry_id=?", (eid,))
+                gone = [h for (h,) in db.execute(
+                    "SELECT hash FROM blocks WHERE pinned=0 AND hash NOT IN (SELECT hash FROM entry_blocks)")]
+                db.executemany("DELETE FROM blocks WHERE hash=?", [(h,) for h in gone])
+        except BaseException:
+            for eid in marked:
+                rf.undo_forget(eid)
+            raise
+        for eid in marked:
+            rf.end_forget(eid)
         drops.dropped(gone, "deleted")
         for h in gone:
             self.block_path(h).unlink(missing_ok=True)

@@ -52,6 +52,8 @@ class Store(Protocol):
     def update_attestation(self, entry_id: str, attestation: dict, verified: bool) -> None: ...
     def delete_entries(self, entry_ids: Sequence[str]) -> int: ...
 
+    # Optional: has_record(entry_id) -> bool: the entry has a record beside its blocks (store/records.py),
+    # so one the catalogue lacks was lost by damage, not forgotten (recall names it, fsck puts it back).
     # Optional fast paths the graft uses when a store has them (LocalStore does):
     #   block_meta(row) -> BlockMeta                 a block's checked header without its payload
     #   read_blocks_lanes(rows, place) -> list       up to 16 blocks read and hashed straight into place

@@ -22,8 +22,14 @@ hash tag, so keys with the same tag live in the same slot):
     kvm:{<s>}:damaged           hash   entry id -> why (marked by `kvmemory fsck --repair`)
     kvm:{<s>}:qlog              list   quarantine log (JSON: hash, reason, at)
     kvm:{<s>}:qe:<id>           hash   an entry set aside by fsck (unsigned, forged or unreadable)
+    kvm:{<s>}:r:<id>            string the entry's record (store/records.py: JSON, its own SHA-256, the
+                                       entry's signature), written in the same script as the entry: the
+                                       second copy `kvmemory fsck --repair` puts a damaged or lost entry
+                                       back from
+    kvm:{<s>}:qr:<id>           string a damaged record set aside by fsck
     kvm:<s>:p:{<hash>}          string a block file (blocks.py format: header + raw payload bytes)
     kvm:<s>:qp:{<hash>}         string a quarantined block file (same slot as its payload key)
+    kvm:<s>:op:{<hash>}         string an orphan payload set aside by fsck (removed on request only)
 
 The catalogue (rows and entries: metadata, a few hundred bytes per block) shares one tag, so every
 multi-key update is one atomic Lua script in one slot, on a single server or a cluster alike; the block
@@ -33,8 +39,8 @@ are raw bytes (no pickle, no base64).
 Guarantees (the local store's, over the network):
 - Atomic entries: payloads are written first (single SETs), then the entry, its chain and its block rows
   in one Lua script (declared `#!lua`, so Redis refuses it whole when out of memory rather than half
-  way). A writer killed at any point leaves at most orphan payloads (`kvmemory fsck` removes them),
-  never a partial entry.
+  way). A writer killed at any point leaves at most orphan payloads (`kvmemory fsck --repair` sets them
+  aside), never a partial entry.
 - Verified reads: every payload is checked (canonical header, sizes, SHA-256) against its catalogue row
   before a byte reaches the model; damage quarantines the block for everyone.
 - Signed (shared mode, the default): each entry and each block row is signed (signing.py); unsigned or
@@ -116,9 +122,9 @@ local function upsert(k, zblocks, now, a)
 end
 """
 
-# KEYS: entry, entries zset, ns zset, blocks zset, nb block rows, nc chain rows, no old-chain rows
+# KEYS: entry, entries zset, ns zset, blocks zset, nb block rows, nc chain rows, no old-chain rows, record
 # ARGV: now, id, namespace, created, expected old chain ('-' = absent), nb, nc, no, nf, nf field/value
-#       pairs, then nb x 12 block values
+#       pairs, then nb x 12 block values, then the record
 _LUA_COMMIT = "#!lua\n" + _LUA_UPSERT + """
 local now, id, ns, created, expect = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
 local nb, nc, no, nf = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9])
@@ -143,6 +149,7 @@ redis.call('DEL', KEYS[1])
 redis.call('HSET', KEYS[1], unpack(fields))
 redis.call('ZADD', KEYS[2], created, id)
 redis.call('ZADD', KEYS[3], created, id)
+redis.call('SET', KEYS[#KEYS], ARGV[#ARGV])
 return 'ok'
 """
 
@@ -153,14 +160,14 @@ for i = 1, #KEYS - 1 do a = upsert(KEYS[1 + i], KEYS[1], ARGV[1], a) end
 return 'ok'
 """
 
-# KEYS: entries zset, blocks zset, damaged hash, then per entry (entry key, ns zset), then chain rows
+# KEYS: entries zset, blocks zset, damaged hash, then per entry (entry key, ns zset, record), then chain rows
 # ARGV: ne, then per entry (id, expected chain ('-' = absent)), then per chain row (hash, decrement)
 # Returns the hashes whose rows were removed (their payloads are deleted by the caller: other slots).
 _LUA_DELETE = """#!lua
 local ne = tonumber(ARGV[1])
 local a = 2
 for i = 1, ne do
-  local k = KEYS[3 + 2 * i - 1]
+  local k = KEYS[3 + 3 * i - 2]
   local chain = '-'
   if redis.call('EXISTS', k) == 1 then chain = redis.call('HGET', k, 'chain') or '' end
   if chain ~= ARGV[a + 1] then return {'retry'} end
@@ -169,14 +176,15 @@ end
 a = 2
 for i = 1, ne do
   local id = ARGV[a]
-  redis.call('DEL', KEYS[3 + 2 * i - 1])
+  redis.call('DEL', KEYS[3 + 3 * i - 2])
   redis.call('ZREM', KEYS[1], id)
-  redis.call('ZREM', KEYS[3 + 2 * i], id)
+  redis.call('ZREM', KEYS[3 + 3 * i - 1], id)
+  redis.call('DEL', KEYS[3 + 3 * i])
   redis.call('HDEL', KEYS[3], id)
   a = a + 2
 end
 local gone = {'ok'}
-for i = 3 + 2 * ne + 1, #KEYS do
+for i = 3 + 3 * ne + 1, #KEYS do
   local k = KEYS[i]
   local h, dec = ARGV[a], tonumber(ARGV[a + 1])
   a = a + 2
@@ -216,13 +224,15 @@ redis.call('LTRIM', KEYS[2], -10000, -1)
 return 'ok'
 """
 
-# KEYS: entry, chain rows...; ARGV: expected sig, attestation JSON, updated, new sig, verified flag
+# KEYS: entry, record, chain rows...; ARGV: expected sig, attestation JSON, updated, new sig, verified flag,
+# the new record
 _LUA_ATTEST = """#!lua
 if redis.call('EXISTS', KEYS[1]) == 0 then return 'gone' end
 if (redis.call('HGET', KEYS[1], 'sig') or '') ~= ARGV[1] then return 'retry' end
 redis.call('HSET', KEYS[1], 'attestation', ARGV[2], 'updated', ARGV[3], 'sig', ARGV[4])
+redis.call('SET', KEYS[2], ARGV[6])
 if ARGV[5] == '1' then
-  for i = 2, #KEYS do
+  for i = 3, #KEYS do
     if redis.call('EXISTS', KEYS[i]) == 1 then redis.call('HSET', KEYS[i], 'verified', 1) end
   end
 end
@@ -320,8 +330,10 @@ class RedisStore:
         self._scripts = {n: client.register_script(src) for n, src in (
             ("commit", _LUA_COMMIT), ("put", _LUA_PUT_BLOCKS), ("delete", _LUA_DELETE), ("evict", _LUA_EVICT),
             ("quarantine", _LUA_QUARANTINE), ("attest", _LUA_ATTEST))}
+        if path is None and ours.get("tier"):
+            path = ours["tier"]  # ?tier=PATH in the URL (documented above; it was parsed, never used)
         self.path = Path(path).expanduser() if path is not None else self._default_tier()
-        self._tier = LocalStore(self.path)
+        self._tier = LocalStore(self.path, records=False)  # a cache: no entry records
         self._check_format()
 
     # ------------------------------------------------------------------ keys
@@ -357,6 +369,15 @@ class RedisStore:
 
     def k_payload(self, h: str) -> str:
         return f"{self._ppre}p:{{{h}}}"
+
+    def k_record(self, eid: str) -> str:
+        return f"{self._pre}r:{eid}"
+
+    def k_qrecord(self, eid: str) -> str:
+        return f"{self._pre}qr:{eid}"
+
+    def k_orphan(self, h: str) -> str:
+        return f"{self._ppre}op:{{{h}}}"
 
     def k_qpayload(self, h: str) -> str:
         return f"{self._ppre}qp:{{{h}}}"
@@ -781,6 +802,18 @@ class RedisStore:
         }
         return [x for kv in f.items() for x in kv]
 
+    def has_record(self, entry_id: str) -> bool:
+        """Whether the entry has a record (see LocalStore.has_record); False while Redis is away."""
+        got = self._read(lambda: self._r.exists(self.k_record(entry_id)), "reading a record")
+        return bool(got and got[0])
+
+    def record_of(self, entry: EntryRecord, chain_sha: Sequence[str], sig: str) -> bytes:
+        """The entry's record (store/records.py), kept in Redis beside the entry and written with it."""
+        from kvmemory.store.records import make_record, record_bytes
+
+        return record_bytes(make_record(entry, signature={"namespace": entry.namespace, "sig": sig,
+                                                          "chain_sha256": list(chain_sha)}))
+
     def _check_scope(self, entry: EntryRecord) -> None:
         if self.namespace is not None and entry.namespace != self.namespace:
             raise InvalidInput(f"this store is scoped to namespace {self.namespace!r}; "
@@ -803,6 +836,7 @@ class RedisStore:
         chain_sha = [given[h] for h in entry.chain]
         sig = self.signer.sign_entry(entry, chain_sha) if self.signer is not None else ""
         fields = self._entry_fields(entry, chain_sha, sig)
+        record = self.record_of(entry, chain_sha, sig)
         ns = entry.namespace
         block_args: list = []
         for m, _ in blocks:
@@ -813,9 +847,9 @@ class RedisStore:
             old_chain = [h for h in expect.split(",") if h] if old[0] is not None else []
             keys = ([self.k_entry(entry.id), self.k_entries(), self.k_ns(ns), self.k_blocks()]
                     + [self.k_block(m.hash) for m, _ in blocks] + [self.k_block(h) for h in entry.chain]
-                    + [self.k_block(h) for h in old_chain])
+                    + [self.k_block(h) for h in old_chain] + [self.k_record(entry.id)])
             args = [repr(time.time()), entry.id, ns, repr(float(entry.created)), expect, len(blocks),
-                    len(entry.chain), len(old_chain), len(fields) // 2, *fields, *block_args]
+                    len(entry.chain), len(old_chain), len(fields) // 2, *fields, *block_args, record]
             res = self._write(lambda: self._scripts["commit"](keys=keys, args=args), f"committing entry {entry.id}")
             res = res.decode() if isinstance(res, bytes) else res
             if res == "ok":
@@ -969,8 +1003,9 @@ class RedisStore:
             att = json.loads(json.dumps(attestation, sort_keys=True))
             new = dataclasses.replace(entry, attestation=att, updated=time.time())
             sig = self.signer.sign_entry(new, chain_sha) if self.signer is not None else ""
-            keys = [self.k_entry(entry_id)] + [self.k_block(h) for h in entry.chain]
-            args = [old_sig, json.dumps(att, sort_keys=True), repr(new.updated), sig, int(verified)]
+            keys = [self.k_entry(entry_id), self.k_record(entry_id)] + [self.k_block(h) for h in entry.chain]
+            args = [old_sig, json.dumps(att, sort_keys=True), repr(new.updated), sig, int(verified),
+                    self.record_of(new, chain_sha, sig)]
             res = self._write(lambda: self._scripts["attest"](keys=keys, args=args), "updating an attestation")
             res = res.decode() if isinstance(res, bytes) else res
             if res == "ok":
@@ -1003,7 +1038,7 @@ class RedisStore:
                 ns_s = ns.decode() if ns is not None else "\x00absent"
                 if ns is not None and self.namespace is not None and ns_s != self.namespace:
                     raise UnknownEntry(f"no entry {eid!r} in namespace {self.namespace!r}")
-                keys += [self.k_entry(eid), self.k_ns(ns_s)]
+                keys += [self.k_entry(eid), self.k_ns(ns_s), self.k_record(eid)]
                 expect = "-" if ns is None else (chain or b"").decode()
                 args += [eid, expect]
                 if ns is not None:

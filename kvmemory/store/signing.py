@@ -347,6 +347,13 @@ class SignedLocalStore(LocalStore):
         with self._signing(rows):
             super().commit_entry(entry, blocks)
 
+    def _record_signature(self, entry: EntryRecord) -> dict | None:
+        """The entry's signature as its record keeps it (so a rebuilt catalogue is signed as before)."""
+        for kind, key, ns, sig, cs in getattr(self._pending, "rows", None) or ():
+            if kind == "entry" and key == entry.id:
+                return {"namespace": ns, "sig": sig, "chain_sha256": cs.split(",") if cs else []}
+        return None
+
     def _checked(self, entry: EntryRecord) -> EntryRecord:
         sigs = [(sig, cs) for ns, sig, cs in self._sigs("entry", entry.id) if ns == entry.namespace]
         if not sigs:
@@ -396,7 +403,8 @@ class SignedLocalStore(LocalStore):
         new = dataclasses.replace(entry, attestation=json.loads(json.dumps(attestation, sort_keys=True)), updated=now)
         chain_sha = cs.split(",") if cs else []
         sig = self.signer.sign_entry(new, chain_sha)
-        with self._tx() as db:
+        signature = {"namespace": entry.namespace, "sig": sig, "chain_sha256": chain_sha}
+        with self._recorded(new, signature), self._tx() as db:
             db.execute("UPDATE entries SET attestation_json=?, updated=? WHERE id=?",
                        (json.dumps(attestation, sort_keys=True), now, entry_id))
             db.execute("UPDATE signatures SET sig=? WHERE kind='entry' AND key=? AND namespace=?",
