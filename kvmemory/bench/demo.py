@@ -219,16 +219,17 @@ def run_demo(model: str | None = None, store: str | None = None, chunk: int | No
             # verified and grafted, the rest computed, against the same prompt recomputed from scratch.
             # Wall clock around each whole call, interleaved, the median of `ttft_repeats` of each
             # (on a busy machine single timings swing several-fold).
-            ids = mem.question_ids(p.reworded, [mem.entry(eid) for eid in ans.entries], ANSWER_PREFIX)
+            prompt = mem.question_layout(p.reworded, [mem.entry(eid) for eid in ans.entries], ANSWER_PREFIX)
+            ids, cuts = prompt.ids, prompt.cuts  # cut where the answer cut it (at each entry's end)
             graft_times, recompute_times = [], []
             for _ in range(ttft_repeats):
                 t0 = time.perf_counter()
-                _, fr = eng.forward(ids, max_new_tokens=0, logits="last")  # as the answer computed it
+                _, fr = eng.forward(ids, max_new_tokens=0, logits="last", cuts=cuts)  # as the answer computed it
                 graft_times.append(time.perf_counter() - t0)
                 if fr.tokens_grafted != r.tokens_grafted:  # the timed graft must be the answer's graft
                     raise RuntimeError(f"timing run grafted {fr.tokens_grafted} tokens, the answer {r.tokens_grafted}")
                 t0 = time.perf_counter()
-                eng.recompute(ids, max_new_tokens=0, keep_logits=False, logits="last")
+                eng.recompute(ids, max_new_tokens=0, keep_logits=False, logits="last", cuts=cuts)
                 recompute_times.append(time.perf_counter() - t0)
             ttft_graft, ttft_recompute = statistics.median(graft_times), statistics.median(recompute_times)
             rows.append({
