@@ -237,7 +237,7 @@ def run_demo(model: str | None = None, store: str | None = None, chunk: int | No
                 "correct": got == p.answer, "entry": ans.entries[0] if ans.entries else None,
                 "routed_to_its_entry": ans.entries[:1] == [e.id],
                 "route_score": ans.scores[0] if ans.scores else 0.0, "verified": ans.verified,
-                "choices": ans.choices, "tokens": r.tokens_total, "grafted": r.tokens_grafted,
+                "choices": ans.choices, "tokens": r.tokens_total, "grafted": r.tokens_grafted, "cuts": list(cuts),
                 "computed": r.tokens_computed, "decoded": r.tokens_decoded, "scored": r.tokens_scored,
                 "bytes_read": r.bytes_read, "ttft_graft_s": ttft_graft, "ttft_recompute_s": ttft_recompute,
                 "ttft_speedup": ttft_recompute / ttft_graft, "ttft_graft_runs_s": graft_times,
