@@ -16,7 +16,8 @@ this script can compute them again with nothing but torch and transformers, and 
    a one-row float32 linear rounds by its weight's alignment), and applies the profile's torch
    settings (thread count, deterministic algorithms, float32 matmul precision);
 3. it runs the canonical loop, written here on its own (`reference_logits`): prefill in chunks cut
-   at absolute multiples of the profile's grid C through transformers' `DynamicCache` and the model's
+   at absolute multiples of the profile's grid C (and at the attestation's `cuts`, if any) through
+   transformers' `DynamicCache` and the model's
    own forward, logits for every position of every chunk, then greedy decode one token at a time;
 4. it hashes the rows the attestation says were hashed (positions from the graft point, then the
    decode steps) and prints `match` or `no match` with both hashes.
@@ -54,11 +55,13 @@ class Unusable(Exception):
 
 
 # ---------------------------------------------------------------------- the reference computation
-def reference_logits(model, token_ids: Sequence[int], chunk: int, decode_tokens: int = 0):
+def reference_logits(model, token_ids: Sequence[int], chunk: int, decode_tokens: int = 0,
+                     cuts: Sequence[int] = ()):
     """The canonical chunk-grid loop with transformers alone.
 
-    Prefill `token_ids` in chunks cut at absolute multiples of `chunk` (position p in chunk p // chunk),
-    each chunk one call of the model's own forward over a transformers `DynamicCache`, keeping the
+    Prefill `token_ids` in chunks cut at absolute multiples of `chunk` (position p in chunk p // chunk)
+    and at every position in `cuts` (an attestation's `cuts`: where a segment of the prompt ended, a
+    stored entry in front of a question), each chunk one call of the model's own forward over a transformers `DynamicCache`, keeping the
     logits of every position of every chunk; then decode `decode_tokens` tokens greedily, one at a
     time (the last one is not fed back). Returns (prefill logits [n, V], decode logits
     [max(decode_tokens - 1, 0), V], the decoded token ids)."""
@@ -74,9 +77,12 @@ def reference_logits(model, token_ids: Sequence[int], chunk: int, decode_tokens:
     cache = DynamicCache(config=model.config)  # what the model's forward makes itself when given none
     prefill, decode, generated = [], [], []
     with torch.inference_mode():
-        for start in range(0, n, chunk):
-            out = model(input_ids=ids[:, start:start + chunk], use_cache=True, **{cache_arg: cache})
+        ends = sorted({e for e in range(chunk, n, chunk)} | {int(c) for c in cuts if 0 < int(c) < n} | {n})
+        start = 0
+        for end in ends:
+            out = model(input_ids=ids[:, start:end], use_cache=True, **{cache_arg: cache})
             prefill.append(out.logits[0])
+            start = end
         last = prefill[-1][-1]
         for i in range(decode_tokens):
             token = int(last.argmax())
@@ -319,7 +325,7 @@ def check(att: dict, model_path: str | None = None, model=None) -> tuple[bool, d
     details["environment_differences"] = environment_differences(profile)
     with pinned_settings(profile):
         details["weights_match_profile"] = weights_match_profile(profile, att.get("model"), model)
-        prefill, decode, generated = reference_logits(model, ids, int(profile["chunk"]), k)
+        prefill, decode, generated = reference_logits(model, ids, int(profile["chunk"]), k, att.get("cuts") or ())
     rows = torch.cat([prefill[g:], decode], 0)
     got = hashlib.sha256(logits_bytes(rows)).hexdigest()
     details.update({"attested_sha256": att["logits_sha256"], "recomputed_sha256": got,

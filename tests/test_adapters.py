@@ -376,11 +376,11 @@ def test_a_system_prompt_is_stored_by_the_first_call_and_grafted_by_the_next(mem
     first = call("What colour is the sky?")
     assert first.stats.prompt_grafted == 0 and first.stats.blocks_stored > 0
     second = call("What colour is grass?")
-    assert second.stats.prompt_grafted >= memory.engine.chunk
-    assert second.stats.prompt_grafted % memory.engine.chunk == 0
-    ids = memory.chat_prompt(to_turns([Message("system", system), Message("user", "What colour is grass?")]),
-                             route=False).ids
-    assert memory.engine.stored_prefix_tokens(ids) == second.stats.prompt_grafted
+    prompt = memory.chat_prompt(to_turns([Message("system", system), Message("user", "What colour is grass?")]),
+                                route=False)
+    # the whole system segment, up to its cut (memory/layout.py), not only its whole chunks
+    assert second.stats.prompt_grafted == prompt.cuts[0] > memory.engine.chunk
+    assert memory.engine.stored_prefix_tokens(prompt.ids, cuts=prompt.cuts) == second.stats.prompt_grafted
 
 
 def test_guided_passes_check_the_stream_before_they_compute(memory):

@@ -111,8 +111,8 @@ def test_remember_json_prints_the_entry_with_a_stock_attestation(remembered):
     p = att["profile"]
     assert (p["attn_implementation"], p["linear_impl"], p["dtype"], p["kv_dtype"]) == ("sdpa", "aten", "float32",
                                                                                       "float32")
-    ids = att["token_ids"]
-    assert len(ids) == entry["n_tokens"]
+    ids = att["token_ids"]  # the entry's ids, then the probe question, cut at the entry's end
+    assert att["cuts"] == [entry["n_tokens"]] and len(ids) > entry["n_tokens"]
     assert att["token_ids_sha256"] == hashlib.sha256(b"".join(t.to_bytes(4, "little") for t in ids)).hexdigest()
     from kvmemory.models.loading import embedded_gguf_path
 

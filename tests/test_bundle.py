@@ -33,6 +33,7 @@ from tiny_models import tiny_engine
 from kvmemory.engine.engine import Engine
 from kvmemory.errors import BundleError, InvalidInput, ProfileMismatch, UnknownEntry
 from kvmemory.memory.facade import KVMemory
+from kvmemory.memory.layout import entry_probe
 from kvmemory.memory.ids import entry_id_for
 from kvmemory.memory.prompts import entry_messages, render_ids
 from kvmemory.store.bundle import MANIFEST_JSON, PREFIX, block_member, read_bundle, write_bundle
@@ -63,9 +64,12 @@ def add_entry(mem: KVMemory, seed: int, namespace: str = "default", shared: bool
     verifier (the tiny model's tokenizer speaks in bytes)."""
     eng = mem.engine
     problem, solution, answer, ids = _texts(seed, shared, eng.tokenizer)
-    ref, blocks = eng.compute_blocks(ids, max_new_tokens=4)
+    # its ids and the probe question after them, cut at its end (memory/layout.py), as remember proves
+    probe = entry_probe(eng.tokenizer, ids, problem, solution, answer)
+    ref, blocks = eng.compute_blocks(probe.ids, max_new_tokens=4, cuts=probe.cuts, upto=len(ids))
     eng.store.write_block_files(blocks)
-    vr = eng.verify_tokens(ids, decode_tokens=4, single_pass=False, reference=ref, rows=eng.rows_for(blocks))
+    vr = eng.verify_tokens(probe.ids, decode_tokens=4, single_pass=False, reference=ref, rows=eng.rows_for(blocks),
+                           cuts=probe.cuts)
     assert vr.bit_identical
     now = time.time()
     e = EntryRecord(id=entry_id_for(namespace, problem, solution, answer, eng.profile_id), namespace=namespace,
@@ -146,7 +150,8 @@ def test_bundle_layout_manifest_last_every_member_hashed(source):
     assert names[:3] == [PREFIX + "bundle.json", PREFIX + "profiles.json", PREFIX + "entries.json"]
     assert names[-2:] == [PREFIX + "catalogue.json", MANIFEST_JSON]  # the manifest is the last member
     blocks = list(dict.fromkeys(h for e in entries for h in e.chain))
-    assert len(blocks) == 4 * 4 - 1  # 70 tokens = 4 blocks of 16 each; the shared first block once
+    # 70 tokens = 4 blocks of 16 and a 6-token tail block each; the shared first block once
+    assert len(blocks) == 4 * 5 - 1
     assert names[3:-2] == [block_member(h) for h in blocks]
     data = dict(members_of(bundle))
     manifest = json.loads(data[MANIFEST_JSON])
@@ -173,7 +178,7 @@ def test_bundle_layout_manifest_last_every_member_hashed(source):
     # The report: counts, sizes and the file's own SHA-256.
     raw = bundle.read_bytes()
     assert report.sha256 == hashlib.sha256(raw).hexdigest() and report.bytes == len(raw)
-    assert report.to_json()["entries"] == 4 and report.blocks == 15
+    assert report.to_json()["entries"] == 4 and report.blocks == 19  # 4 x (4 whole + 1 tail) - the shared first
     assert report.payload_bytes == sum(len(data[block_member(h)]) for h in blocks)
     assert read_bundle(bundle).sha256 == report.sha256
 
@@ -203,7 +208,7 @@ def test_import_round_trip_grafts_byte_equal_to_a_recompute(source, target):
     report = target.import_bundle(bundle)
     assert report.ok and report.sha256 == export.sha256
     assert report.imported == [e.id for e in entries] and report.skipped == []
-    assert report.blocks == 15 and report.blocks_new == 15
+    assert report.blocks == 19 and report.blocks_new == 19
     v = report.verify
     assert report.proof == "sample" and v["checked"] == 3 and v["bit_identical"] == 3
     assert v["attestation_match"] == 3 and v["kl_max"] == 0.0 and v["argmax_agreement"] == 1.0
@@ -246,7 +251,7 @@ def test_partial_overlap_imports_only_what_is_missing(source, tmp_path):
     src.export_bundle(tmp_path / "two.kvmb", entry_ids=[entries[0].id, entries[1].id])
     r = dst.import_bundle(tmp_path / "two.kvmb", sample=0)
     assert r.imported == [entries[1].id] and r.skipped == [entries[0].id]
-    assert r.blocks_new == 3 and r.proof == "none" and r.verify["checked"] == 0  # the shared block was there
+    assert r.blocks_new == 4 and r.proof == "none" and r.verify["checked"] == 0  # 3 whole + the tail; the shared block was there
     assert dst.verify().bit_identical == 2
 
 
@@ -500,11 +505,11 @@ def test_real_round_trip_ask_recall_and_graft_there(real_source, smollm, tmp_pat
     assert [h.entry.id for h in hit] == [entries[1].id]
     ans = dst.ask(entries[0].id, "How many cabbages were planted?", max_new_tokens=8)
     assert ans.report.tokens_grafted > 0 and ans.entries == [entries[0].id]
-    ids = dst.followup_ids([entries[0]], "How many cabbages were planted?")
-    got, rep = dst.engine.forward(ids, max_new_tokens=4, stop_token_ids=(), keep_logits=True)
-    ref = dst.engine.recompute(ids, max_new_tokens=4)
+    prompt = dst.question_layout("How many cabbages were planted?", [entries[0]])  # cut at the entry's end
+    got, rep = dst.engine.forward(prompt.ids, max_new_tokens=4, stop_token_ids=(), keep_logits=True, cuts=prompt.cuts)
+    ref = dst.engine.recompute(prompt.ids, max_new_tokens=4, cuts=prompt.cuts)
     g = rep.tokens_grafted
-    assert g == len(entries[0].chain) * dst.engine.chunk
+    assert g == len(entries[0].token_ids)  # the whole entry, its tail block included
     assert torch.equal(got.prefill_logits, ref.prefill_logits[g:]) and torch.equal(got.decode_logits, ref.decode_logits)
     assert dst.verify().bit_identical == 3
 

@@ -48,7 +48,8 @@ def test_remember_reports_json(filled_store):
     att = e["entry"]["attestation"]
     assert e["entry"]["id"] == e["id"] and att["attestation_id"] == e["attestation_id"] and att["version"] == 2
     assert att["profile_id"] == e["entry"]["profile_id"] and att["profile"]["chunk"] == 64
-    assert len(att["token_ids"]) == e["tokens"] and att["model"]["format"] == "gguf"
+    # what was proved: the entry's ids, then the probe question, cut at the entry's end (memory/layout.py)
+    assert att["cuts"] == [e["tokens"]] and len(att["token_ids"]) > e["tokens"] and att["model"]["format"] == "gguf"
     assert len(more["remembered"]) == 2 and more["refused"] == []
 
 

@@ -71,7 +71,8 @@ def test_demo_numbers_come_from_the_run(demo):
     qs = r["questions"]
     for q in qs:
         assert q["grafted"] > 0 and q["computed"] > 0 and q["grafted"] + q["computed"] == q["tokens"]
-        assert q["grafted"] % r["chunk"] == 0
+        # the graft ends at the end of a routed entry (a cut: memory/layout.py) or on the grid
+        assert q["grafted"] in q["cuts"] or q["grafted"] % r["chunk"] == 0
         assert q["decoded"] > 0 and q["bytes_read"] > 0
         assert q["ttft_graft_s"] > 0 and q["ttft_recompute_s"] > 0
         assert q["ttft_speedup"] == pytest.approx(q["ttft_recompute_s"] / q["ttft_graft_s"])

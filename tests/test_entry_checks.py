@@ -28,9 +28,13 @@ def mem(smollm, tmp_path):
     return KVMemory(Engine(smollm, LocalStore(tmp_path / "store")))
 
 
-def test_verify_calls_a_graft_of_nothing_unproven(mem):
+def test_verify_proves_a_short_entry_and_calls_a_graft_of_nothing_unproven(mem):
     short = mem.remember("What is 2 + 3?", "2 + 3 = 5. The answer is 5.", "5")
-    assert len(short.chain) == 0  # shorter than one block of 64 tokens: nothing to graft
+    assert len(short.token_ids) < mem.engine.chunk and len(short.chain) == 1  # one tail block: all of it
+    s = mem.verify([short.id], single_pass=False)
+    assert (s.checked, s.bit_identical, s.unproven) == (1, 1, 0), s.to_json()
+    assert s.results[0]["graft_point"] == len(short.token_ids)
+    mem.store.block_path(short.chain[0]).unlink()  # its only block gone: a graft of nothing proves nothing
     s = mem.verify([short.id], single_pass=False)
     assert (s.checked, s.bit_identical, s.unproven) == (1, 0, 1), s.to_json()
     assert not s.results[0]["proven"] and "nothing was grafted" in s.results[0]["unproven_reason"]
@@ -50,7 +54,7 @@ def test_a_repaired_entry_is_recomputed_and_proven_again(mem):
     rep = mem.fsck(repair=True)
     assert rep.n("entries_recomputed") == 1 and rep.exit_code == 1, rep.summary()
     s = mem.verify([e.id], single_pass=False)
-    assert (s.bit_identical, s.unproven) == (1, 0) and s.results[0]["graft_point"] == 64, s.to_json()
+    assert (s.bit_identical, s.unproven) == (1, 0) and s.results[0]["graft_point"] == len(e.token_ids), s.to_json()
     assert mem.fsck().exit_code == 0
 
 

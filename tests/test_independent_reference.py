@@ -227,3 +227,27 @@ def test_the_comparison_tells_another_profile_apart(tmp_path):
     got = eng.recompute(ids)
     assert not _bytes_equal(got.prefill_logits, pre)
     assert float((got.prefill_logits - pre).abs().max()) < 1.0  # the same model, in other last bits
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_grafts_at_cuts_equal_the_independent_reference(arch, tmp_path):
+    """A prompt cut off the grid (an entry of 37 tokens, then a question: memory/layout.py): the runner
+    and a graft that reads the cut's tail block equal the reference loop cut at the same place."""
+    model = tiny_model(arch, attn=_stock_attention(arch), pack=False)
+    eng = Engine(LoadedModel(model, IdTokenizer(), f"tiny-{arch}", f"tiny-{arch}"), LocalStore(tmp_path / "s"),
+                 chunk=16, kv_dtype="float32")
+    ref_model = _transformers_model(arch)
+    ids, cuts, decode = _ids(70, seed=3), (37,), 5
+    with reference.pinned_settings(eng.profile.to_dict()):
+        pre, dec, gen = reference.reference_logits(ref_model, ids, eng.chunk, decode, cuts=cuts)
+        plain, _, _ = reference.reference_logits(ref_model, ids, eng.chunk, decode)
+    assert not _bytes_equal(pre, plain), "a cut changes the chunking, so the logits' bytes (the check has teeth)"
+    got = eng.recompute(ids, max_new_tokens=decode, cuts=cuts)
+    assert got.generated == gen and _bytes_equal(got.prefill_logits, pre) and _bytes_equal(got.decode_logits, dec)
+    _, blocks = eng.compute_blocks(ids, cuts=cuts, upto=37)
+    assert [m.n_tokens for m, _ in blocks] == [16, 16, 5]  # two grid blocks and the tail block at the cut
+    eng.store.put_blocks(blocks)
+    res, rep = eng.forward(ids, max_new_tokens=decode, stop_token_ids=(), keep_logits=True, cuts=cuts)
+    assert rep.tokens_grafted == 37 and rep.fallback is None, rep
+    assert res.generated == gen
+    assert _bytes_equal(res.prefill_logits, pre[37:]) and _bytes_equal(res.decode_logits, dec)

@@ -61,10 +61,11 @@ def test_answer_chosen_among_the_solution_numbers(library):
     tokenized = [eng.encode(f" {c}.") for c in ans.choices]
     assert ans.report.tokens_decoded == len(tokenized[best]) and ans.report.tokens_grafted >= 64
     # The scores do not depend on where the prefix's KV came from: grafted or recomputed, the same floats.
-    ids = mem.followup_ids([e], q) + eng.encode(prefix)
-    g_best, g_scores, g_rep = eng.choose(ids, tokenized)
-    r_best, r_scores, r_rep = eng.choose(ids, tokenized, graft=False)
-    assert g_rep.tokens_grafted >= 64 and r_rep.tokens_grafted == 0
+    prompt = mem.question_layout(q, [e], prefix)  # the ids, cut at the entry's end (memory/layout.py)
+    assert prompt.ids == mem.followup_ids([e], q) + eng.encode(prefix) and prompt.cuts == (len(e.token_ids),)
+    g_best, g_scores, g_rep = eng.choose(prompt.ids, tokenized, cuts=prompt.cuts)
+    r_best, r_scores, r_rep = eng.choose(prompt.ids, tokenized, graft=False, cuts=prompt.cuts)
+    assert g_rep.tokens_grafted == len(e.token_ids) and r_rep.tokens_grafted == 0  # the whole entry, tail too
     assert g_scores == r_scores and g_best == r_best
     assert g_rep.tokens_scored == sum(map(len, tokenized))
     plain = mem.answer(q, answer_prefix=prefix, choices="numbers", contrast=0.0)
@@ -76,8 +77,8 @@ def test_answer_chosen_among_the_solution_numbers(library):
     assert ans.report.tokens_scored == 2 * g_rep.tokens_scored + len(alone)
     # Each batched score is the choice's log-likelihood, as a plain forward over prompt + choice gives it.
     for c, score in zip(tokenized[:3], g_scores):
-        full = eng.recompute(ids + c[:-1]).prefill_logits.float().log_softmax(-1)
-        ref = sum(float(full[len(ids) - 1 + t, tok]) for t, tok in enumerate(c))
+        full = eng.recompute(prompt.ids + c[:-1], cuts=prompt.cuts).prefill_logits.float().log_softmax(-1)
+        ref = sum(float(full[len(prompt.ids) - 1 + t, tok]) for t, tok in enumerate(c))
         assert abs(ref - score) < 1e-3
     with pytest.raises(InvalidInput):
         mem.answer(q, choices="numbers", contrast=2.0)

@@ -115,16 +115,19 @@ class ChatOutcome:
         }
 
 
-def prefix_missing(memory: KVMemory, system_turn: dict[str, str], prompt_ids: Sequence[int]) -> bool:
-    """Whether the system turn's full blocks are not stored yet. The first pass over such a prompt then
+def prefix_missing(memory: KVMemory, system_turn: dict[str, str], prompt_ids: Sequence[int],
+                   cuts: Sequence[int] = ()) -> bool:
+    """Whether the system turn's blocks are not stored yet (its whole blocks, and its tail block where
+    its end is one of the prompt's `cuts`: memory/layout.py). The first pass over such a prompt then
     stores the blocks it computes anyway, so later calls graft them; the blocks after the system turn
     that are stored with them are as content-addressed as any."""
     eng = memory.engine
     ids = render_ids(eng.tokenizer, [system_turn])
-    n_blocks = min(len(ids), len(prompt_ids) - 1) // eng.chunk
-    if n_blocks == 0 or list(prompt_ids[: len(ids)]) != ids or getattr(memory.store, "readonly", False):
+    end = min(len(ids), len(prompt_ids) - 1)
+    want = end if end in cuts else end // eng.chunk * eng.chunk
+    if want == 0 or list(prompt_ids[: len(ids)]) != ids or getattr(memory.store, "readonly", False):
         return False
-    return eng.stored_prefix_tokens(prompt_ids) < n_blocks * eng.chunk
+    return eng.stored_prefix_tokens(prompt_ids, cuts) < want
 
 
 def run_chat(shared: SharedMemory, req: ChatRequest, on_text: Callable[[str], None] | None = None) -> ChatOutcome:
@@ -139,9 +142,10 @@ def run_chat(shared: SharedMemory, req: ChatRequest, on_text: Callable[[str], No
             store_new = req.store_blocks and not getattr(mem.store, "readonly", False)
         else:
             store_new = prompt.store_new_blocks or (
-                req.cache_prefixes and turns[0]["role"] == "system" and prefix_missing(mem, turns[0], prompt.ids))
+                req.cache_prefixes and turns[0]["role"] == "system"
+                and prefix_missing(mem, turns[0], prompt.ids, prompt.cuts))
         dec = Decoder(mem, prompt.ids, req.sampling, [h.entry for h in prompt.hits],
-                      [h.score for h in prompt.hits], store_new, on_text)
+                      [h.score for h in prompt.hits], store_new, on_text, prompt.cuts)
         out = _decode(req, dec, turns)
     out.stats, out.hits, out.profile_id = dec.stats, prompt.hits, mem.engine.profile_id
     return out

@@ -89,6 +89,9 @@ class Decoder:
     scores: Sequence[float] = ()
     store_new_blocks: bool = False
     on_text: Callable[[str], None] | None = None  # a stream's callback: raises once its consumer went away
+    # where the prompt's segments end (memory/layout.py: routed entries, earlier turns, the prompt itself):
+    # every pass cuts its chunks there, so it grafts up to them and stores them for the next turn
+    cuts: tuple[int, ...] = ()
     stats: DecodeStats = field(init=False)
 
     def __post_init__(self) -> None:
@@ -97,6 +100,11 @@ class Decoder:
     def encode(self, text: str) -> list[int]:
         return self.memory.engine.encode(text) if text.strip() else (
             list(self.memory.engine.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else [])
+
+    def _cuts_before(self, n: int) -> tuple[int, ...]:
+        """The cuts before position n: a pass that needs the logits at n - 1 must not graft past it (a
+        cut at n would let it end its graft there, on a tail block the first pass stored)."""
+        return tuple(c for c in self.cuts if c < n)
 
     def _account(self, report, decoded: int) -> None:
         s = self.stats
@@ -128,7 +136,7 @@ class Decoder:
         first = self.stats.passes == 0
         ans = self.memory.generate(ids, max_new_tokens=max(1, max_new_tokens), sampling=self.sampling,
                                    stop=stop, store_new_blocks=self.store_new_blocks and first,
-                                   entries=self.entries, scores=self.scores, on_text=on_text)
+                                   entries=self.entries, scores=self.scores, on_text=on_text, cuts=self.cuts)
         self._account(ans.report, len(ans.token_ids))
         self.stats.seconds += time.perf_counter() - t0
         self.stats.stopped_by = ans.stopped_by
@@ -153,9 +161,11 @@ class Decoder:
             tail = self.encode(opt)
             ids = base + tail
             first = self.stats.passes == 0
-            res, report = eng.forward(ids, keep_logits=True, store_new_blocks=self.store_new_blocks and first)
+            cuts = self._cuts_before(len(base))
+            res, report = eng.forward(ids, keep_logits=True, store_new_blocks=self.store_new_blocks and first,
+                                      cuts=cuts)
             if res.start > len(base) - 1:  # the store held the option itself: score it from scratch
-                res, report = eng.forward(ids, keep_logits=True, graft=False)
+                res, report = eng.forward(ids, keep_logits=True, graft=False, cuts=cuts)
             self._account(report, 0)
             rows = res.prefill_logits[len(base) - 1 - res.start: len(ids) - 1 - res.start].float()
             logp = torch.log_softmax(rows, -1)
@@ -171,10 +181,11 @@ class Decoder:
         tail = self.encode(option)
         ids = self.prompt_ids + tail
         first = self.stats.passes == 0
+        cuts = self._cuts_before(len(self.prompt_ids))
         res, report = self.memory.engine.forward(ids, keep_logits=True,
-                                                 store_new_blocks=self.store_new_blocks and first)
+                                                 store_new_blocks=self.store_new_blocks and first, cuts=cuts)
         if res.start > len(self.prompt_ids) - 1:  # the store held the option itself: score it from scratch
-            res, report = self.memory.engine.forward(ids, keep_logits=True, graft=False)
+            res, report = self.memory.engine.forward(ids, keep_logits=True, graft=False, cuts=cuts)
         self._account(report, 0)
         at = len(self.prompt_ids) - 1 - res.start
         rows = res.prefill_logits[at: at + len(tail)].float()

@@ -219,16 +219,17 @@ def run_demo(model: str | None = None, store: str | None = None, chunk: int | No
             # verified and grafted, the rest computed, against the same prompt recomputed from scratch.
             # Wall clock around each whole call, interleaved, the median of `ttft_repeats` of each
             # (on a busy machine single timings swing several-fold).
-            ids = mem.question_ids(p.reworded, [mem.entry(eid) for eid in ans.entries], ANSWER_PREFIX)
+            prompt = mem.question_layout(p.reworded, [mem.entry(eid) for eid in ans.entries], ANSWER_PREFIX)
+            ids, cuts = prompt.ids, prompt.cuts  # cut where the answer cut it (at each entry's end)
             graft_times, recompute_times = [], []
             for _ in range(ttft_repeats):
                 t0 = time.perf_counter()
-                _, fr = eng.forward(ids, max_new_tokens=0, logits="last")  # as the answer computed it
+                _, fr = eng.forward(ids, max_new_tokens=0, logits="last", cuts=cuts)  # as the answer computed it
                 graft_times.append(time.perf_counter() - t0)
                 if fr.tokens_grafted != r.tokens_grafted:  # the timed graft must be the answer's graft
                     raise RuntimeError(f"timing run grafted {fr.tokens_grafted} tokens, the answer {r.tokens_grafted}")
                 t0 = time.perf_counter()
-                eng.recompute(ids, max_new_tokens=0, keep_logits=False, logits="last")
+                eng.recompute(ids, max_new_tokens=0, keep_logits=False, logits="last", cuts=cuts)
                 recompute_times.append(time.perf_counter() - t0)
             ttft_graft, ttft_recompute = statistics.median(graft_times), statistics.median(recompute_times)
             rows.append({
@@ -236,7 +237,7 @@ def run_demo(model: str | None = None, store: str | None = None, chunk: int | No
                 "correct": got == p.answer, "entry": ans.entries[0] if ans.entries else None,
                 "routed_to_its_entry": ans.entries[:1] == [e.id],
                 "route_score": ans.scores[0] if ans.scores else 0.0, "verified": ans.verified,
-                "choices": ans.choices, "tokens": r.tokens_total, "grafted": r.tokens_grafted,
+                "choices": ans.choices, "tokens": r.tokens_total, "grafted": r.tokens_grafted, "cuts": list(cuts),
                 "computed": r.tokens_computed, "decoded": r.tokens_decoded, "scored": r.tokens_scored,
                 "bytes_read": r.bytes_read, "ttft_graft_s": ttft_graft, "ttft_recompute_s": ttft_recompute,
                 "ttft_speedup": ttft_recompute / ttft_graft, "ttft_graft_runs_s": graft_times,

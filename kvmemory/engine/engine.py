@@ -21,17 +21,18 @@ from dataclasses import dataclass
 
 import torch
 
-from kvmemory.store.blocks import BlockMeta, capture_payload, chain_hashes
+from kvmemory.store.blocks import BlockMeta, capture_payload, span_hashes
 from kvmemory.errors import InvalidInput, ProfileMismatch
 from kvmemory.engine.cache import Room
 from kvmemory.engine.tier import VerifiedTier
 from kvmemory.engine import pipeline
-from kvmemory.engine.graft import GraftReport, LoadedChain, build_cache, check_chain, plan_chain
+from kvmemory.engine.graft import GraftReport, LoadedChain, build_cache, check_chain, graft_spans, plan_chain
 from kvmemory.models.devices import resolve_device, resolve_dtype
 from kvmemory.models.loading import DEFAULT_MODEL, LoadedModel, files_model_sha256, load_model, model_identity
 from kvmemory.engine.determinism import Determinism
 from kvmemory.engine.profile import ExecutionProfile, build_profile
-from kvmemory.engine.runner import DEFAULT_CHUNK, GREEDY, CanonicalRunner, ForwardResult, Sampling
+from kvmemory.engine.runner import (DEFAULT_CHUNK, GREEDY, CanonicalRunner, ForwardResult, Sampling, check_cuts,
+                                    chunk_spans, span_boundary)
 from kvmemory.store.local import BlockRow, LocalStore
 from kvmemory.engine.verify import Comparison, compare_runs, make_attestation
 
@@ -66,9 +67,11 @@ class VerifyReport:
         }
 
 
-def graft_point_for(n_tokens: int, chunk: int) -> int:
-    """Where a graft of an n-token prompt ends: the last grid boundary before its last token."""
-    return ((n_tokens - 1) // chunk) * chunk if n_tokens > 0 else 0
+def graft_point_for(n_tokens: int, chunk: int, cuts: Sequence[int] = ()) -> int:
+    """Where a graft of an n-token prompt ends at most: the last chunk boundary (a multiple of the grid,
+    or a cut) before its last token."""
+    spans = graft_spans(n_tokens, chunk, cuts)
+    return spans[-1][1] if spans else 0
 
 
 def _pinned(method):
@@ -191,10 +194,11 @@ class Engine:
                 ids.update(int(x) for x in e)
         return sorted(ids)
 
-    def stored_prefix_tokens(self, token_ids: Sequence[int]) -> int:
-        """How many leading tokens of `token_ids` a grafted `forward` would read from the store: the
-        longest stored chain under this profile, in whole blocks, never the last token."""
-        return len(plan_chain(self.store, self.profile_id, [int(t) for t in token_ids], self.chunk)) * self.chunk
+    def stored_prefix_tokens(self, token_ids: Sequence[int], cuts: Sequence[int] = ()) -> int:
+        """How many leading tokens of `token_ids` a grafted `forward` (with these `cuts`) would read from
+        the store: the longest stored chain under this profile, never the last token."""
+        rows = plan_chain(self.store, self.profile_id, [int(t) for t in token_ids], self.chunk, check_cuts(cuts))
+        return sum(r.n_tokens for r in rows)
 
     # ------------------------------------------------------------------ profiles
     def require_profile(self, profile_id: str, what: str) -> None:
@@ -210,19 +214,25 @@ class Engine:
     # ------------------------------------------------------------------ compute
     @_pinned
     def recompute(self, token_ids: Sequence[int], *, max_new_tokens: int = 0, sampling: Sampling = GREEDY,
-                  stop_token_ids: Sequence[int] = (), keep_logits: bool = True, logits: str = "all") -> ForwardResult:
-        """The reference: the canonical runner from scratch, no graft (`logits`: runner.forward's)."""
+                  stop_token_ids: Sequence[int] = (), keep_logits: bool = True, logits: str = "all",
+                  cuts: Sequence[int] = ()) -> ForwardResult:
+        """The reference: the canonical runner from scratch, no graft (`logits`, `cuts`: runner.forward's)."""
         return self.runner.forward(token_ids, max_new_tokens=max_new_tokens, sampling=sampling,
-                                   stop_token_ids=stop_token_ids, keep_logits=keep_logits, logits=logits)
+                                   stop_token_ids=stop_token_ids, keep_logits=keep_logits, logits=logits, cuts=cuts)
 
-    def _capture(self, token_ids: Sequence[int], sink: list, upto: int | None = None) -> Callable:
-        """An on_chunk callback that turns each full prefill chunk into a block (meta, payload)."""
-        hashes = chain_hashes(self.profile_id, token_ids, self.chunk, limit=upto)
-        C = self.chunk
+    def _capture(self, token_ids: Sequence[int], sink: list, upto: int | None = None,
+                 cuts: Sequence[int] = ()) -> Callable:
+        """An on_chunk callback that turns each prefill chunk that ends on the grid or at a cut (up to
+        position `upto`) into a block (meta, payload): the chunks a later graft with these cuts looks for."""
+        n = len(token_ids) if upto is None else min(upto, len(token_ids))
+        spans = [sp for sp in chunk_spans(0, len(token_ids), self.chunk, cuts)
+                 if sp[1] <= n and span_boundary(sp[1], self.chunk, cuts)]
+        hashes = span_hashes(self.profile_id, token_ids, spans)
+        index = {sp: i for i, sp in enumerate(spans)}
 
         def on_chunk(s: int, e: int, cache) -> None:
-            i = s // C
-            if e - s != C or i >= len(hashes):
+            i = index.get((s, e))
+            if i is None:
                 return
             payload, dtype, ks, vs = capture_payload(cache, s, e)
             meta = BlockMeta(
@@ -237,12 +247,16 @@ class Engine:
 
     @_pinned
     def compute_blocks(self, token_ids: Sequence[int], *, max_new_tokens: int = 0, keep_logits: bool = True,
-                       sampling: Sampling = GREEDY, logits: str = "all") -> tuple[ForwardResult, list[tuple[BlockMeta, torch.Tensor]]]:
-        """Recompute from scratch and capture every full block of the prompt (`logits`: runner.forward's;
-        the blocks hold K/V, the same in either mode)."""
+                       sampling: Sampling = GREEDY, logits: str = "all", cuts: Sequence[int] = (),
+                       upto: int | None = None) -> tuple[ForwardResult, list[tuple[BlockMeta, torch.Tensor]]]:
+        """Recompute from scratch and capture every block of the prompt that ends on the grid or at one
+        of the `cuts`, up to position `upto` (`logits`: runner.forward's; the blocks hold K/V, the same in
+        either mode)."""
+        cuts = check_cuts(cuts)
         blocks: list = []
         result = self.runner.forward(token_ids, max_new_tokens=max_new_tokens, keep_logits=keep_logits,
-                                     sampling=sampling, on_chunk=self._capture(token_ids, blocks), logits=logits)
+                                     sampling=sampling, on_chunk=self._capture(token_ids, blocks, upto, cuts),
+                                     logits=logits, cuts=cuts)
         return result, blocks
 
     def store_prefix(self, token_ids: Sequence[int], *, pinned: bool = True) -> int:
@@ -253,12 +267,12 @@ class Engine:
         return len(blocks)
 
     def graft_chain(self, token_ids: Sequence[int], chain: LoadedChain, report: GraftReport, start: int = 0,
-                    capacity: int = 0):
+                    capacity: int = 0, cuts: Sequence[int] = ()):
         """Place a verified chain in a fresh cache (with room for `capacity` positions), refusing any
-        block off its own position or profile."""
+        block off its own position (the chunks of these `cuts`) or profile."""
         for m in chain.metas:
             self.require_profile(m.profile_id, "these blocks")
-        end = check_chain(chain.metas, token_ids, self.chunk, start)
+        end = check_chain(chain.metas, token_ids, self.chunk, start, cuts)
         return build_cache(self.runner, chain, report, capacity), end
 
     @_pinned
@@ -266,20 +280,26 @@ class Engine:
                 sampling: Sampling = GREEDY, stop_token_ids: Sequence[int] | None = None,
                 keep_logits: bool = False, store_new_blocks: bool = False, entries_used: Sequence[str] = (),
                 on_token: Callable[[int], bool] | None = None,
-                rows: Sequence[BlockRow] | None = None, logits: str = "all") -> tuple[ForwardResult, GraftReport]:
-        """Canonical forward with the longest stored chain grafted; logits equal to `recompute`'s (in the
-        same `logits` mode: "all" rows, or "last", the rows a token is chosen from; runner.forward).
+                rows: Sequence[BlockRow] | None = None, logits: str = "all",
+                cuts: Sequence[int] = ()) -> tuple[ForwardResult, GraftReport]:
+        """Canonical forward with the longest stored chain grafted; logits equal to `recompute`'s with the
+        same `cuts` (in the same `logits` mode: "all" rows, or "last", the rows a token is chosen from;
+        runner.forward). `cuts`: where the prompt's segments end (a stored entry, a chat turn): the graft
+        may end there on a tail block, and the blocks stored end there too (runner.chunk_spans).
         `rows` grafts these blocks (written, not yet catalogued) instead of the catalogue's chain."""
         token_ids = [int(t) for t in token_ids]
         self.runner.check_ids(token_ids, max_new_tokens)
+        cuts = check_cuts(cuts)
         n = len(token_ids)
-        cache, start, report = self._graft_longest(token_ids, graft, entries_used, rows, new_tokens=max_new_tokens)
+        cache, start, report = self._graft_longest(token_ids, graft, entries_used, rows, new_tokens=max_new_tokens,
+                                                   cuts=cuts)
         new_blocks: list = []
         result = self.runner.forward(
             token_ids, start=start, cache=cache, max_new_tokens=max_new_tokens, sampling=sampling,
             stop_token_ids=self.eos_token_ids if stop_token_ids is None else stop_token_ids,
             keep_logits=keep_logits, on_token=on_token,
-            on_chunk=self._capture(token_ids, new_blocks) if store_new_blocks else None, logits=logits,
+            on_chunk=self._capture(token_ids, new_blocks, cuts=cuts) if store_new_blocks else None, logits=logits,
+            cuts=cuts,
         )
         report.tokens_grafted = start
         report.tokens_computed = n - start
@@ -293,25 +313,31 @@ class Engine:
         return result, report
 
     def _graft_longest(self, token_ids: list[int], graft: bool, entries_used: Sequence[str],
-                       rows: Sequence[BlockRow] | None = None, new_tokens: int = 0):
+                       rows: Sequence[BlockRow] | None = None, new_tokens: int = 0, cuts: tuple[int, ...] = ()):
         """A cache holding the longest verified stored chain of `token_ids` (with room for the prompt
         and `new_tokens` more), its end, and the report."""
         report = GraftReport(tokens_total=len(token_ids), entries_used=list(entries_used))
         if not graft:
             rows = []
         elif rows is None:
-            rows = plan_chain(self.store, self.profile_id, token_ids, self.chunk)
+            rows = plan_chain(self.store, self.profile_id, token_ids, self.chunk, cuts)
         else:  # the last prompt token is always computed: never graft past the graft point
-            rows = list(rows)[: graft_point_for(len(token_ids), self.chunk) // self.chunk]
+            limit, total, kept = graft_point_for(len(token_ids), self.chunk, cuts), 0, []
+            for r in rows:
+                if total + r.n_tokens > limit:
+                    break
+                kept.append(r)
+                total += r.n_tokens
+            rows = kept
         capacity = len(token_ids) + new_tokens
         chain = pipeline.load_chain(self.store, rows, report, runner=self.runner, capacity=capacity,
                                     room=self.room, tier=self.tier)
-        cache, start = self.graft_chain(token_ids, chain, report, capacity=capacity)
+        cache, start = self.graft_chain(token_ids, chain, report, capacity=capacity, cuts=cuts)
         return cache, start, report
 
     @_pinned
     def choose(self, token_ids: Sequence[int], choices: Sequence[Sequence[int]], *, graft: bool = True,
-               entries_used: Sequence[str] = ()) -> tuple[int, list[float], GraftReport]:
+               entries_used: Sequence[str] = (), cuts: Sequence[int] = ()) -> tuple[int, list[float], GraftReport]:
         """Which choice (token ids) the model finds likeliest after `token_ids`: the prompt is grafted
         and prefilled as in `forward`, then every choice is scored in one batched forward.
         Returns the best index, every choice's log-likelihood and the report (`tokens_decoded` = the
@@ -320,8 +346,9 @@ class Engine:
         if not choices:
             raise InvalidInput("no choices to pick from")
         self.runner.check_ids(token_ids, max(len(c) for c in choices))
-        cache, start, report = self._graft_longest(token_ids, graft, entries_used)
-        result = self.runner.forward(token_ids, start=start, cache=cache, keep_logits=False)
+        cuts = check_cuts(cuts)
+        cache, start, report = self._graft_longest(token_ids, graft, entries_used, cuts=cuts)
+        result = self.runner.forward(token_ids, start=start, cache=cache, keep_logits=False, cuts=cuts)
         t0 = time.perf_counter()
         scores = self.runner.score_choices(len(token_ids), result.extra["cache"], result.extra["next_logits"], choices)
         best = max(range(len(choices)), key=lambda i: (scores[i], -i))  # ties: the first listed
@@ -336,15 +363,18 @@ class Engine:
     # ------------------------------------------------------------------ proof
     @_pinned
     def verify_tokens(self, token_ids: Sequence[int], *, decode_tokens: int = 4, single_pass: bool = True,
-                      reference: ForwardResult | None = None, rows: Sequence[BlockRow] | None = None) -> VerifyReport:
-        """Graft what the store holds for `token_ids`, recompute from scratch, compare every logit after
-        the graft point (prefill and decode). `reference` may pass an already computed recompute;
-        `rows` grafts just-written blocks instead of the catalogue's chain (proof before commit)."""
+                      reference: ForwardResult | None = None, rows: Sequence[BlockRow] | None = None,
+                      cuts: Sequence[int] = ()) -> VerifyReport:
+        """Graft what the store holds for `token_ids`, recompute from scratch (with the same `cuts`),
+        compare every logit after the graft point (prefill and decode). `reference` may pass an already
+        computed recompute (with these cuts); `rows` grafts just-written blocks instead of the
+        catalogue's chain (proof before commit)."""
+        cuts = check_cuts(cuts)
         t0 = time.perf_counter()
-        ref = reference or self.recompute(token_ids, max_new_tokens=decode_tokens, stop_token_ids=())
+        ref = reference or self.recompute(token_ids, max_new_tokens=decode_tokens, stop_token_ids=(), cuts=cuts)
         t1 = time.perf_counter()
         got, report = self.forward(token_ids, max_new_tokens=decode_tokens, stop_token_ids=(), keep_logits=True,
-                                   rows=rows)
+                                   rows=rows, cuts=cuts)
         t2 = time.perf_counter()
         comparison = compare_runs(ref, got)
         diag = None
@@ -354,7 +384,7 @@ class Engine:
                 sp = self.model(input_ids=ids).logits[0, got.start:].float().cpu()
             diag = float((sp - ref.prefill_logits[got.start:].float()).abs().max()) if sp.numel() else 0.0
         attestation = make_attestation(token_ids, self.profile, got.start, ref, comparison,
-                                       model=self.model_identity)
+                                       model=self.model_identity, cuts=cuts)
         return VerifyReport(got.start, len(token_ids), comparison, attestation, diag, report,
                             t1 - t0 if reference is None else ref.prefill_seconds + ref.decode_seconds, t2 - t1)
 

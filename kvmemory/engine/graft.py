@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kvmemory.store.blocks import DTYPES, BlockMeta, chain_hashes
+from kvmemory.store.blocks import DTYPES, BlockMeta, chain_hashes, span_hashes
 from kvmemory.errors import IntegrityError, NotOnGrid, UnsupportedArchitecture
 from kvmemory.store.local import BlockRow
 
@@ -89,10 +89,22 @@ class GraftReport:
         }
 
 
-def plan_chain(store, profile_id: str, token_ids: Sequence[int], chunk: int) -> list[BlockRow]:
-    """The longest run of stored blocks from position 0. At least the last prompt token is always
-    recomputed (its logits start the decode), so the chain covers at most floor((n-1)/C) blocks."""
-    hashes = list(chain_hashes(profile_id, token_ids, chunk, limit=len(token_ids) - 1))
+def graft_spans(n_tokens: int, chunk: int, cuts: Sequence[int] = ()) -> list[tuple[int, int]]:
+    """The chunks of an n-token prompt a graft may take from the store: every chunk but the last (at
+    least the last prompt token is always recomputed: its logits start the decode), each ending on the
+    grid or at a cut (runner.chunk_spans)."""
+    from kvmemory.engine.runner import chunk_spans
+
+    return chunk_spans(0, n_tokens, chunk, cuts)[:-1] if n_tokens > 0 else []
+
+
+def plan_chain(store, profile_id: str, token_ids: Sequence[int], chunk: int, cuts: Sequence[int] = ()) -> list[BlockRow]:
+    """The longest run of stored blocks from position 0 over `graft_spans`: without cuts, at most
+    floor((n-1)/C) whole blocks; with cuts, the chunks they end too (a tail block)."""
+    if cuts:
+        hashes = span_hashes(profile_id, token_ids, graft_spans(len(token_ids), chunk, cuts))
+    else:
+        hashes = list(chain_hashes(profile_id, token_ids, chunk, limit=len(token_ids) - 1))
     known = store.known_blocks(hashes)  # one lookup for the chain, not one per block
     rows: list[BlockRow] = []
     for h in hashes:
@@ -149,6 +161,12 @@ def load_chain(store, rows: Sequence[BlockRow], report: GraftReport, runner=None
     for r in rows:
         offsets.append(total)
         total += r.payload_nbytes
+    # Where each block's positions begin (the chain's chunks in order: a tail block at a cut is shorter),
+    # checked against every header before a byte is placed.
+    starts, end = {}, 0
+    for r in rows:
+        starts[r.hash] = end
+        end += r.n_tokens
     device = runner.device if runner is not None else torch.device("cpu")
     t0 = time.perf_counter()
     results: list = []
@@ -168,7 +186,7 @@ def load_chain(store, rows: Sequence[BlockRow], report: GraftReport, runner=None
             results.append(exc)  # the chain ends before it: nothing else is read
             start = len(rows)
         else:
-            dst = _allocate(runner, first, len(rows) * first.n_tokens, capacity, room)
+            dst = _allocate(runner, first, end, capacity, room)
             into_whole = dst.whole is not None
             if into_whole:
                 start = 0
@@ -187,7 +205,11 @@ def load_chain(store, rows: Sequence[BlockRow], report: GraftReport, runner=None
         first = _read(store, rows[0], first_buf)
         results.append(first)
         if runner is not None and not isinstance(first, Exception):
-            dst = _allocate(runner, first, len(rows) * first.n_tokens, capacity, room)
+            if first.position != 0:
+                first = IntegrityError(f"block {rows[0].hash[:12]} claims position {first.position}, not 0")
+                results[0] = first
+            else:
+                dst = _allocate(runner, first, end, capacity, room)
         into_whole = may_whole and dst is not None and dst.whole is not None
         if into_whole:
             _copy_into_whole(first_buf, first, dst)
@@ -208,9 +230,13 @@ def load_chain(store, rows: Sequence[BlockRow], report: GraftReport, runner=None
                 return meta
             if _layout(meta) != _layout(first):  # the cache was shaped on the first block
                 return IntegrityError(f"block {r.hash[:12]} is laid out unlike the chain's first block")
+            if meta.position != starts[r.hash]:
+                return IntegrityError(f"block {r.hash[:12]} claims position {meta.position}, not {starts[r.hash]}")
             _copy_into_whole(buf, meta, dst)
             return meta
         meta = _read(store, r, view[offsets[i] : offsets[i] + r.payload_nbytes])
+        if not isinstance(meta, Exception) and meta.position != starts[r.hash]:
+            return IntegrityError(f"block {r.hash[:12]} claims position {meta.position}, not {starts[r.hash]}")
         if dst is not None and not isinstance(meta, Exception):
             _copy_blocks(staging, [offsets[i]], [meta], dst)
         return meta
@@ -219,7 +245,9 @@ def load_chain(store, rows: Sequence[BlockRow], report: GraftReport, runner=None
         """Where a block's payload goes in the one-tensor cache: its rows, one per (layer, K|V, head)."""
         if _layout(meta) != _layout(first):
             raise IntegrityError(f"block {meta.hash[:12]} is laid out unlike the chain's first block")
-        if not 0 <= meta.position <= dst.whole.shape[3] - meta.n_tokens:  # raw addresses: never past the cache
+        if meta.position != starts.get(meta.hash):  # raw addresses: only its own rows of the cache
+            raise IntegrityError(f"block {meta.hash[:12]} claims position {meta.position}, not {starts.get(meta.hash)}")
+        if not 0 <= meta.position <= dst.whole.shape[3] - meta.n_tokens:  # never past the cache
             raise IntegrityError(f"block {meta.hash[:12]} claims position {meta.position}, outside this chain's cache")
         return dst.row_addresses + meta.position * dst.position_bytes, meta.n_tokens * dst.position_bytes
 
@@ -228,8 +256,8 @@ def load_chain(store, rows: Sequence[BlockRow], report: GraftReport, runner=None
             return store.read_blocks_lanes([rows[i] for i in group], place)
         return [read(group[0])]
 
-    groups = _groups(start, len(rows), into_whole and hasattr(store, "read_blocks_lanes")
-                     and (dst.position_bytes * first.n_tokens) % 64 == 0)
+    groups = _groups(start, rows, into_whole and hasattr(store, "read_blocks_lanes"),
+                     dst.position_bytes if into_whole else 0)
     if len(groups) > 1 and _READ_THREADS > 1:
         results += [m for done in _readers().map(read_group, groups) for m in done]
     else:
@@ -254,14 +282,26 @@ def load_chain(store, rows: Sequence[BlockRow], report: GraftReport, runner=None
     return chain
 
 
-def _groups(start: int, n: int, lanes: bool) -> list[list[int]]:
-    """Blocks start..n-1 as the reader threads' work items: with `lanes` (and the library), groups for
-    `sha256_lanes` (`sha256_lanes.groups`), else one block each."""
+def _groups(start: int, rows: Sequence[BlockRow], lanes: bool, position_bytes: int = 0) -> list[list[int]]:
+    """Blocks start.. as the reader threads' work items, in chain order: with `lanes` (and the library),
+    each run of blocks of one length whose rows are 64-byte multiples in groups for `sha256_lanes`
+    (`sha256_lanes.groups`: it hashes equal messages), else one block each (a tail block, cut short at a
+    cut, is read on its own)."""
     from kvmemory.kernels import sha256_lanes
 
-    rest = list(range(start, n))
-    grouped = sha256_lanes.groups(rest, _READ_THREADS) if lanes and sha256_lanes.load() is not None else None
-    return grouped or [[i] for i in rest]
+    lanes = lanes and sha256_lanes.load() is not None
+    out: list[list[int]] = []
+    i, n = start, len(rows)
+    while i < n:
+        j = i
+        while j < n and rows[j].n_tokens == rows[i].n_tokens:
+            j += 1
+        run = list(range(i, j))
+        grouped = (sha256_lanes.groups(run, _READ_THREADS)
+                   if lanes and (position_bytes * rows[i].n_tokens) % 64 == 0 else None)
+        out += grouped or [[k] for k in run]
+        i = j
+    return out
 
 
 def _read(store, row: BlockRow, into):
@@ -273,7 +313,9 @@ def _read(store, row: BlockRow, into):
 
 
 def _layout(m: BlockMeta) -> tuple:
-    return m.dtype, m.n_tokens, tuple(m.k_shapes), tuple(m.v_shapes)
+    """What must be alike in every block of a chain: dtype and per-layer heads and head dims (not the
+    token count: a tail block at a cut is shorter)."""
+    return m.dtype, tuple((h, d) for h, _, d in m.k_shapes), tuple((h, d) for h, _, d in m.v_shapes)
 
 
 def _copy_into_whole(payload: memoryview, meta: BlockMeta, dst: "_Dest") -> None:
@@ -283,30 +325,36 @@ def _copy_into_whole(payload: memoryview, meta: BlockMeta, dst: "_Dest") -> None
     np.copyto(rows, np.frombuffer(payload, dtype=np.uint8).reshape(rows.shape))
 
 
-def check_chain(metas: Sequence[BlockMeta], token_ids: Sequence[int], chunk: int, start: int = 0) -> int:
+def check_chain(metas: Sequence[BlockMeta], token_ids: Sequence[int], chunk: int, start: int = 0,
+                cuts: Sequence[int] = ()) -> int:
     """Check that `metas` form one chain placed at their own positions from `start`; returns the end.
 
     Exact mode refuses a block anywhere but where it was computed: a graft that starts elsewhere
-    than position 0, a block whose position is not index*C, a gap in the chain, or tokens that differ.
+    than position 0, a block that is not the chunk the runner computes there (the grid's, or one a
+    cut ends: runner.chunk_spans), a gap in the chain, or tokens that differ.
     """
-    if start % chunk:
-        raise NotOnGrid(f"graft point {start} is not a multiple of the grid C={chunk}")
+    from kvmemory.engine.runner import chunk_spans, span_boundary
+
+    if not span_boundary(start, chunk, cuts):
+        raise NotOnGrid(f"graft point {start} is neither a multiple of the grid C={chunk} nor a cut")
+    spans = [sp for sp in chunk_spans(0, len(token_ids), chunk, cuts) if sp[0] >= start]
     pos = start
     parent = None
     for i, m in enumerate(metas):
-        if m.position != m.index * chunk or m.n_tokens != chunk:
-            raise NotOnGrid(f"block {m.hash[:12]} is not a whole block on the grid C={chunk}")
         if m.position != pos:
             raise NotOnGrid(
                 f"block {m.hash[:12]} was computed at position {m.position} and cannot be grafted at {pos}: "
                 "KV are stored after RoPE, so a shifted graft would not be exact (refused in exact mode)"
             )
+        if i >= len(spans) or spans[i] != (m.position, m.position + m.n_tokens):
+            raise NotOnGrid(f"block {m.hash[:12]} (positions {m.position}..{m.position + m.n_tokens}) is not a "
+                            f"chunk of this prompt on the grid C={chunk}{' with cuts ' + str(list(cuts)) if cuts else ''}")
         if i and m.parent != parent:
             raise NotOnGrid(f"block {m.hash[:12]} does not follow block {parent[:12]}: the chain has a gap")
-        if tuple(token_ids[pos : pos + chunk]) != m.token_ids:
-            raise NotOnGrid(f"block {m.hash[:12]} was computed for other tokens than positions {pos}..{pos + chunk}")
+        if tuple(token_ids[pos : pos + m.n_tokens]) != m.token_ids:
+            raise NotOnGrid(f"block {m.hash[:12]} was computed for other tokens than positions {pos}..{pos + m.n_tokens}")
         parent = m.hash
-        pos += chunk
+        pos += m.n_tokens
     if metas and metas[0].parent is not None:
         raise NotOnGrid("the first grafted block must start the chain (position 0)")
     return pos

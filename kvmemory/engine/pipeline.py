@@ -219,8 +219,9 @@ def load_pipelined(store, rows, report, runner, capacity: int = 0, room=None, ti
                 cut = (0, u0.results[0], True)
             else:
                 first = u0.results[0]
+        starts = _starts(rows)  # where each block's positions begin: the chain's chunks, in order
         if first is not None:
-            dst = _allocate(runner, first, n * first.n_tokens, capacity, room)
+            dst = _allocate(runner, first, starts[-1] + rows[-1].n_tokens, capacity, room)
             units += _units(rows, held, 1 if units else 0, store)
         in_readers = (CPU_READERS_COPY and device.type != "cuda" and dst is not None
                       and dst.whole is not None)  # step 4, CPU
@@ -228,7 +229,8 @@ def load_pipelined(store, rows, report, runner, capacity: int = 0, room=None, ti
 
         def fits(i: int, meta) -> bool:
             """Whether a verified header is the one chain position i needs (same layout, own position)."""
-            return _layout(meta) == _layout(first) and meta.position == i * first.n_tokens
+            return _layout(meta) == _layout(first) and meta.position == starts[i] \
+                and meta.n_tokens == rows[i].n_tokens
 
         def copy_one(i: int, slot: Slot, meta) -> bool:  # a CPU reader: into the one-tensor cache's rows
             if not fits(i, meta):
@@ -279,7 +281,7 @@ def load_pipelined(store, rows, report, runner, capacity: int = 0, room=None, ti
                     break
                 if not fits(i, res) or (in_readers and pos >= u.copied):
                     cut = (i, IntegrityError(f"its header is laid out unlike the chain's first block or claims "
-                                             f"position {res.position}, not {i * first.n_tokens}"), False)
+                                             f"position {res.position}, not {starts[i]}"), False)
                     break
                 good.append((i, slot, res))
             if good and not in_readers:
@@ -294,7 +296,7 @@ def load_pipelined(store, rows, report, runner, capacity: int = 0, room=None, ti
                 _release(tier, u, event)
         # -- a cut when the layers are not one tensor: a cache for the shorter chain, copied again
         if keep_slots and metas and len(metas) < n:
-            dst = _allocate(runner, first, len(metas) * first.n_tokens, capacity)
+            dst = _allocate(runner, first, sum(m.n_tokens for m in metas), capacity)
             slot_of = {i: s for u in units for i, s in zip(u.idxs, u.slots)}
             event = _launch([(i, slot_of[i], m) for i, m in enumerate(metas)], dst, device, _copy_into_whole)
     finally:
@@ -330,6 +332,15 @@ def load_pipelined(store, rows, report, runner, capacity: int = 0, room=None, ti
     return chain
 
 
+def _starts(rows) -> list[int]:
+    """The first position of each block of a chain from position 0 (the sum of the blocks' before it)."""
+    out, pos = [], 0
+    for r in rows:
+        out.append(pos)
+        pos += r.n_tokens
+    return out
+
+
 def _units(rows, held, start: int, store) -> list[_Unit]:
     """The chain from `start` as units, in chain order: each run of tier hits one unit, each run of
     misses cut into read groups (`plan_groups`)."""
@@ -338,7 +349,9 @@ def _units(rows, held, start: int, store) -> list[_Unit]:
     while i < n:
         j = i
         hit = held[i] is not None
-        while j < n and (held[j] is not None) == hit:
+        # a run of misses holds blocks of one payload size (the lanes hash equal messages): a tail
+        # block (cut short: runner.chunk_spans) is read in a run of its own
+        while j < n and (held[j] is not None) == hit and (hit or rows[j].payload_nbytes == rows[i].payload_nbytes):
             j += 1
         if hit:
             units.append(_Unit(list(range(i, j)), [held[k].slot for k in range(i, j)], True))

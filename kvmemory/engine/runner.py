@@ -6,6 +6,16 @@ from scratch computes after `g`, with the same shapes and the same cache content
 so every kernel sees the same inputs and the logits are bit-identical. A single-pass `model(ids)` uses
 other GEMM shapes and differs in the last bits; that gap is a diagnostic, never part of the promise.
 
+Cuts: a prompt made of segments (a stored entry followed by a question, a chat's earlier turns followed
+by the next) may also be cut where a segment ends: `cuts` are positions where a chunk ends besides the
+grid's, so a segment's last, partial chunk is computed on its own and kept as a block (a tail block),
+and the next segment starts a chunk of its own, up to the next multiple of C. Chunks are then
+`chunk_spans(start, end, C, cuts)`; a run from a graft at a cut computes exactly the chunks a run from
+scratch with the same cuts computes after it, so the promise is unchanged: a graft and its recompute
+share the token ids and the cuts (an attestation records them). Without cuts nothing changes.
+Why cuts: an entry of 37 tokens has no full block at C = 64, so without them it would graft nothing;
+with a cut at its end it grafts all 37.
+
 Why `C = 64` by default: a graft always recomputes the tail that does not fill a block (at most
 `C - 1` tokens, plus at least the last prompt token), so a small grid keeps that work small; a block of
 the default model is then 64 x 30 layers x 2 x 3 heads x 64 dims x 4 bytes = 2.9 MB, large enough that
@@ -120,15 +130,39 @@ class ForwardResult:
         return torch.cat(parts, 0) if parts else torch.empty(0)
 
 
-def chunk_spans(start: int, end: int, chunk: int) -> list[tuple[int, int]]:
-    """Chunks of [start, end) cut at absolute multiples of `chunk`."""
+def check_cuts(cuts: Sequence[int] | None) -> tuple[int, ...]:
+    """`cuts` as a sorted tuple of distinct positive positions (InvalidInput for anything else)."""
+    if not cuts:
+        return ()
+    try:
+        out = sorted({int(c) for c in cuts})
+    except (TypeError, ValueError):
+        raise InvalidInput(f"cuts must be token positions (integers), got {cuts!r}") from None
+    if any(isinstance(c, bool) for c in cuts) or out[0] < 1 or any(int(c) != c for c in cuts):
+        raise InvalidInput(f"cuts must be positive token positions, got {list(cuts)!r}")
+    return tuple(out)
+
+
+def chunk_spans(start: int, end: int, chunk: int, cuts: Sequence[int] = ()) -> list[tuple[int, int]]:
+    """Chunks of [start, end) cut at absolute multiples of `chunk` and at every position of `cuts`
+    (the ends of a prompt's segments: a stored entry, a chat turn; see the module docstring)."""
+    marks = sorted(c for c in set(cuts) if start < c < end)
     spans = []
-    p = start
+    p, i = start, 0
     while p < end:
         e = min((p // chunk + 1) * chunk, end)
+        while i < len(marks) and marks[i] <= p:
+            i += 1
+        if i < len(marks) and marks[i] < e:
+            e = marks[i]
         spans.append((p, e))
         p = e
     return spans
+
+
+def span_boundary(position: int, chunk: int, cuts: Sequence[int] = ()) -> bool:
+    """Whether a span of the grid (with these cuts) may end, and the next start, at `position`."""
+    return position % chunk == 0 or position in cuts
 
 
 def _cache_kwarg(model: torch.nn.Module) -> str:
@@ -309,8 +343,12 @@ class CanonicalRunner:
         on_chunk: Callable[[int, int, object], None] | None = None,
         on_token: Callable[[int], bool] | None = None,
         logits: str = "all",
+        cuts: Sequence[int] = (),
     ) -> ForwardResult:
         """Prefill `token_ids[start:]` on the grid (over `cache`, which holds positions < start), then decode.
+
+        `cuts`: positions where a prefill chunk ends besides the grid's (chunk_spans); a graft and its
+        recompute pass the same ones. `start` is 0, a multiple of C or a cut.
 
         `on_chunk(chunk_start, chunk_end, cache)` is called after each prefill chunk (used to capture
         blocks). `on_token(token_id)` is called for each decoded token; returning True stops decoding.
@@ -323,9 +361,10 @@ class CanonicalRunner:
             raise InvalidInput("logits='last' computes no prefill rows to keep: pass keep_logits=False, "
                                "or logits='all' to keep every row")
         self.check_ids(token_ids, max_new_tokens)
+        cuts = check_cuts(cuts)
         n = len(token_ids)
-        if start % self.chunk or not 0 <= start < n:
-            raise InvalidInput(f"prefill must start on the grid inside the prompt (start={start}, n={n})")
+        if not span_boundary(start, self.chunk, cuts) or not 0 <= start < n:
+            raise InvalidInput(f"prefill must start on the grid or at a cut inside the prompt (start={start}, n={n})")
         if cache is None:
             if start:
                 raise InvalidInput("a prefill that starts after position 0 needs the cache of the positions before")
@@ -347,7 +386,7 @@ class CanonicalRunner:
 
         t0 = time.perf_counter()
         last = None
-        for s, e in chunk_spans(start, n, self.chunk):
+        for s, e in chunk_spans(start, n, self.chunk, cuts):
             # "last": the lm_head runs only on the prompt's last position (in the last chunk)
             last = self._step(ids[:, s - start : e - start], s, cache, rows=None if logits == "all" else int(e == n))
             account(last)

@@ -11,9 +11,10 @@ a decode step); what grows is the number of keys. Here every step has static sha
   place, so a graft lands where the steps read it), written with `index_copy_` at positions held in a
   device tensor. Every layer keeps every position, sliding-window layers included (their window is a
   mask here), so a graft restores them whole;
-- a partial chunk (a prompt's last) is padded to C rows with token 0 at the positions that follow; only
-  the first T rows' logits are returned. The pad rows' K/V land at positions >= n, which a decode step
-  overwrites before it reads them and which are masked until then;
+- a partial chunk (a prompt's last, or a segment's at a cut: runner.py) is padded to C rows with token 0 at
+  the positions that follow; only the first T rows' logits are returned. The pad rows' K/V land at the
+  positions after the chunk, which the next step (a chunk or a decode step) overwrites before it reads
+  them and which are masked until then;
 - attention reads a key-length bucket: keys [0, B), B the smallest C * 2^k that holds the step's last
   position (at most the capacity), under a mask computed on the device from the positions (causal, and
   each sliding layer's window);
@@ -240,7 +241,8 @@ class StaticGrid:
         """Prepare a forward of an n-token prompt computing from `start` (positions < start are in
         `cache`, a graft's, or in these buffers already), `total` positions in all with the decoded
         tokens. Returns the transformers cache viewing positions [0, start)."""
-        need = max(math.ceil(n / self.C) * self.C, total, 1)
+        # + C: a chunk that starts at a cut (runner.chunk_spans) is padded to C rows past the grid
+        need = max(math.ceil(n / self.C) * self.C + self.C, total, 1)
         self.ensure(need)
         if start:
             self._adopt(cache, start)
@@ -287,12 +289,12 @@ class StaticGrid:
     # ------------------------------------------------------------------ a step
     @torch.inference_mode()
     def step(self, ids: torch.Tensor, start: int, rows: int | None = None) -> torch.Tensor:
-        """`ids` [1, T] at positions start..start+T-1 (T == 1, or a chunk starting on the grid); returns the
-        logits [T, V] (the last `rows` of them), as runner._step does."""
+        """`ids` [1, T] at positions start..start+T-1 (T == 1, or a chunk of at most C rows starting on the
+        grid or at a cut); returns the logits [T, V] (the last `rows` of them), as runner._step does."""
         T = int(ids.shape[1])
         kind = 1 if T == 1 else self.C
-        if T > kind or (kind > 1 and start % self.C):
-            raise InvalidInput(f"a static step takes one token or a chunk on the grid (T={T}, start={start})")
+        if T > kind:
+            raise InvalidInput(f"a static step takes one token or a chunk of at most C={self.C} (T={T}, start={start})")
         end = start + kind
         if end > self.capacity:
             raise InvalidInput(f"positions up to {end} in a static cache of {self.capacity} (begin() first)")

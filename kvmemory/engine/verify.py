@@ -16,6 +16,9 @@ An attestation (`make_attestation`, version 2) is the record a stranger can re-c
   positions g .. n-1 (its chunk-grid prefill), then those of decode steps 1 .. k-1 (each step fed the
   previous greedy token), as one C-contiguous [rows, vocab] tensor of `dtype`, its raw bytes in the
   machine's (little-endian) order;
+- `cuts` (only where the run had any): positions where the runner's prefill chunks end besides the
+  grid's (runner.chunk_spans: the end of a stored entry in front of a question); the recompute cuts its
+  chunks there too;
 - `logits_sha256`, and the comparison with the graft (`bit_identical`, `kl_max`, `argmax_agreement`).
 
 Under the stock profile (transformers' own attention and torch's linears, float32 K/V) the logits are
@@ -106,7 +109,7 @@ def compare_runs(reference: ForwardResult, graft: ForwardResult) -> Comparison:
 
 
 def make_attestation(token_ids, profile, graft_point: int, reference: ForwardResult, comparison: Comparison,
-                     *, model: dict | None = None) -> dict:
+                     *, model: dict | None = None, cuts=()) -> dict:
     """The record anyone can re-check (module docstring): the model files', inputs' and profile's
     identities, the graft point, what was hashed and the reference logits' hash. `profile` is the
     `ExecutionProfile` (or, for callers that only have it, its id: the attestation then carries no
@@ -144,5 +147,8 @@ def make_attestation(token_ids, profile, graft_point: int, reference: ForwardRes
         "argmax_agreement": comparison.argmax_agreement,
         "verified_at": time.time(),
     }
+    if cuts:  # the runner's chunks end there too (runner.chunk_spans): the recompute needs them
+        body["cuts"] = [int(c) for c in cuts]
+        body["hashed"]["what"] = "logits of the canonical runner from scratch, its chunks also ending at `cuts`"
     body["attestation_id"] = sha256_hex(canonical_json({k: v for k, v in body.items() if k != "verified_at"}))
     return body

@@ -7,7 +7,7 @@
 An entry checks against itself when
 - its texts, rendered as `remember` renders them (memory/prompts.py), re-tokenize to its stored token
   ids: a problem, solution or answer edited in the catalogue after its KV was computed is caught;
-- its token ids hash to its chain (store/blocks.py `chain_hashes`): ids or chain edited are caught;
+- its token ids hash to its chain (store/blocks.py `is_entry_chain`): ids or chain edited are caught;
 - its id is the hash of its namespace, first version's texts and profile (memory/ids.py), so an
   entry moved to another namespace, or whose texts and ids were replaced together, is caught.
 The blocks themselves are verified when they are read (payload SHA-256, header chain hash). An entry
@@ -37,7 +37,7 @@ import numpy as np
 
 from kvmemory.memory.ids import expected_id, first_version
 from kvmemory.memory.prompts import entry_messages, render_ids
-from kvmemory.store.blocks import chain_hashes, ids_bytes
+from kvmemory.store.blocks import ids_bytes, is_entry_chain
 from kvmemory.store.local import EntryRecord
 
 _log = logging.getLogger("kvmemory.memory")
@@ -105,7 +105,7 @@ class EntryChecks:
             n = next((i for i, (a, b) in enumerate(zip(ids, entry.token_ids)) if a != b), min(len(ids), len(entry.token_ids)))
             return (f"its texts do not re-tokenize to its stored token ids (they differ from token {n} of "
                     f"{len(entry.token_ids)}): its problem, solution or answer was changed after its KV was computed; {FIX}")
-        if list(entry.chain) != chain_hashes(entry.profile_id, list(entry.token_ids), eng.chunk):
+        if not is_entry_chain(entry.chain, entry.profile_id, entry.token_ids, eng.chunk):
             return f"its token ids do not hash to its chain of blocks (its chain was changed); {FIX}"
         if expected_id(entry) != entry.id:
             return (f"its id is not the hash of its namespace ({entry.namespace!r}), first version's texts and "

@@ -34,7 +34,8 @@ from kvmemory.memory.inputs import (MAX_K, MAX_TEXT_CHARS, check_answer_options,
                                      check_namespace, check_text, check_threshold)
 from kvmemory.memory.proof import VerifySummary
 from kvmemory.memory.token_text import TokenText
-from kvmemory.memory.prompts import continuation_ids, entry_messages, render_ids, solution_text
+from kvmemory.memory.layout import Layout, chat_layout, entry_probe, question_layout
+from kvmemory.memory.prompts import entry_messages, render_ids, solution_text
 from kvmemory.engine.runner import GREEDY, Sampling
 from kvmemory.store.local import EntryRecord
 
@@ -133,6 +134,7 @@ class ChatPrompt:
     ids: list[int]
     hits: list[Recalled]
     store_new_blocks: bool
+    cuts: tuple[int, ...] = ()  # where its segments end (memory/layout.py): entries, earlier turns, itself
     refused: list[dict] = field(default_factory=list)  # routed entries not used (Answer.refused)
 
 
@@ -376,11 +378,15 @@ class KVMemory:
         """Token ids, blocks (written to the store) and attestation of a solution, the graft proven."""
         eng = self.engine
         ids = render_ids(eng.tokenizer, entry_messages(problem, solution, answer))
-        eng.runner.check_ids(ids, self.probe_tokens)
-        ref, blocks = eng.compute_blocks(ids, max_new_tokens=self.probe_tokens)
+        # The entry's ids and a probe question after them, cut at the entry's end: every chunk of the
+        # entry is a block (its last, partial one too: a tail block, so a short entry is grafted whole),
+        # and the proof grafts all of them and computes the probe (memory/layout.py).
+        probe = entry_probe(eng.tokenizer, ids, problem, solution, answer)
+        eng.runner.check_ids(probe.ids, self.probe_tokens)
+        ref, blocks = eng.compute_blocks(probe.ids, max_new_tokens=self.probe_tokens, cuts=probe.cuts, upto=len(ids))
         # Write the block files, then prove the graft by reading them back through the verified path.
         eng.store.write_block_files(blocks)
-        vr = self._prove(ids, blocks, ref)
+        vr = self._prove(probe, blocks, ref)
         if not vr.bit_identical:
             raise VerificationFailed(
                 f"the grafted logits differ from the recompute (KL {vr.comparison.kl_max}, argmax agreement "
@@ -418,11 +424,11 @@ class KVMemory:
         eng.store.commit_entry(entry, blocks)
         return entry
 
-    def _prove(self, ids, blocks, ref) -> VerifyReport:
+    def _prove(self, probe: Layout, blocks, ref) -> VerifyReport:
         """Graft the just-written blocks (read back and hashed) and compare with the recompute `ref`."""
         eng = self.engine
-        return eng.verify_tokens(ids, decode_tokens=self.probe_tokens, single_pass=False, reference=ref,
-                                 rows=eng.rows_for(blocks))
+        return eng.verify_tokens(probe.ids, decode_tokens=self.probe_tokens, single_pass=False, reference=ref,
+                                 rows=eng.rows_for(blocks), cuts=probe.cuts)
 
     def _after_remember(self, entry: EntryRecord) -> None:
         """Route the entry: its problem and aliases go into its namespace's index."""
@@ -561,35 +567,33 @@ class KVMemory:
         return self.chat_ids([{"role": "user", "content": question}], entries)
 
     def chat_ids(self, messages: Sequence[dict], entries: Sequence[EntryRecord]) -> list[int]:
+        """Token ids of a chat with `entries` placed before the conversation (`chat_layout`'s ids)."""
+        return self.chat_layout(messages, entries).ids
+
+    def chat_layout(self, messages: Sequence[dict], entries: Sequence[EntryRecord]) -> Layout:
         """Token ids of a chat with `entries` placed before the conversation (after its system
-        message, if any), ending with the assistant's turn opened. Without a system message the first
+        message, if any), ending with the assistant's turn opened, and where its segments end (the
+        cuts a graft and its recompute share: memory/layout.py). Without a system message the first
         entry's stored ids are the prompt's prefix, so they are grafted as they are (when the chat
         template extends the entry's rendering); with one, the entries follow it."""
-        tok = self.engine.tokenizer
-        msgs = list(messages)
-        if entries and msgs[0]["role"] != "system":
-            first = entry_messages(entries[0].problem, entries[0].solution, entries[0].answer)
-            extra = [m for e in entries[1:] for m in entry_messages(e.problem, e.solution, e.answer)]
-            tail = continuation_ids(tok, first, extra + msgs)
-            if tail is not None:
-                return list(entries[0].token_ids) + tail
-        context = [m for e in entries for m in entry_messages(e.problem, e.solution, e.answer)]
-        head = msgs[:1] if msgs[0]["role"] == "system" else []
-        return render_ids(tok, head + context + msgs[len(head):], add_generation_prompt=True)
+        return chat_layout(self.engine.tokenizer, messages, entries)
 
     def question_ids(self, question: str, entries: Sequence[EntryRecord] = (), answer_prefix: str | None = None) -> list[int]:
+        """The prompt `answer` computes (`question_layout`'s ids)."""
+        return self.question_layout(question, entries, answer_prefix).ids
+
+    def question_layout(self, question: str, entries: Sequence[EntryRecord] = (),
+                        answer_prefix: str | None = None) -> Layout:
         """The prompt `answer` computes: the entries' conversation (if any) and the question, with the
-        assistant's turn opened by `answer_prefix` when one is given."""
-        if entries:
-            ids = self.followup_ids(entries, question)
-        else:
-            ids = render_ids(self.engine.tokenizer, [{"role": "user", "content": question}], add_generation_prompt=True)
-        return ids + self.engine.encode(answer_prefix) if answer_prefix else ids
+        assistant's turn opened by `answer_prefix` when one is given; cut at each entry's end."""
+        prefix = self.engine.encode(answer_prefix) if answer_prefix else []
+        return question_layout(self.engine.tokenizer, question, entries, prefix)
 
     def generate(self, ids: Sequence[int], *, max_new_tokens: int = 256, sampling: Sampling = GREEDY,
                  stop: Sequence[str] = (), store_new_blocks: bool = False, entries: Sequence[EntryRecord] = (),
-                 scores: Sequence[float] = (), on_text=None) -> Answer:
-        """Decode from `ids` with the longest stored chain grafted; stop at EOS or any `stop` string."""
+                 scores: Sequence[float] = (), on_text=None, cuts: Sequence[int] = ()) -> Answer:
+        """Decode from `ids` with the longest stored chain grafted; stop at EOS or any `stop` string.
+        `cuts`: where the prompt's segments end (a Layout's: the graft may end on a tail block there)."""
         eng = self.engine
         t0 = time.perf_counter()
         decoded = TokenText(eng.decode, skip=eng.eos_token_ids)
@@ -603,7 +607,7 @@ class KVMemory:
         # logits="last": an answer needs the rows its tokens are chosen from, not the prompt's others
         result, report = eng.forward(ids, max_new_tokens=max_new_tokens, sampling=sampling,
                                      store_new_blocks=store_new_blocks, entries_used=[e.id for e in entries],
-                                     on_token=on_token, logits="last")
+                                     on_token=on_token, logits="last", cuts=cuts)
         if on_text is not None and (held := decoded.rest()):
             on_text(held)
         text = eng.decode([t for t in result.generated if t not in eng.eos_token_ids])
@@ -626,9 +630,9 @@ class KVMemory:
         if why is not None:
             raise IntegrityError(f"entry {entry.id} does not check against itself and is not used: {why}")
         self.engine.require_profile(entry.profile_id, f"entry {entry.id}'s blocks")
-        ids = self.followup_ids([entry], question)
-        return self.generate(ids, max_new_tokens=max_new_tokens, sampling=sampling, stop=stop, entries=[entry],
-                             scores=[1.0])
+        prompt = self.question_layout(question, [entry])
+        return self.generate(prompt.ids, max_new_tokens=max_new_tokens, sampling=sampling, stop=stop, entries=[entry],
+                             scores=[1.0], cuts=prompt.cuts)
 
     # ------------------------------------------------------------------ verify and stats
     def verify_entry(self, entry_id: str, *, decode_tokens: int | None = None, single_pass: bool = True,
@@ -857,14 +861,14 @@ class KVMemory:
         entries = [h.entry for h in hits]
         for e in entries:
             self.engine.require_profile(e.profile_id, f"entry {e.id}'s blocks")
-        ids = self.question_ids(query, entries, answer_prefix)
+        prompt = self.question_layout(query, entries, answer_prefix)
         store_new = self.block_policy == "always" or (self.block_policy == "multi" and len(entries) > 1)
         offered = self._choices(choices, entries)
         if offered:
-            return self._choose(ids, offered, choice_end, answer_prefix, hits, query, contrast)
-        ans = self.generate(ids, max_new_tokens=max_new_tokens, sampling=sampling, stop=stop,
+            return self._choose(prompt, offered, choice_end, answer_prefix, hits, query, contrast)
+        ans = self.generate(prompt.ids, max_new_tokens=max_new_tokens, sampling=sampling, stop=stop,
                             store_new_blocks=store_new, entries=entries, scores=[h.score for h in hits],
-                            on_text=on_text)
+                            on_text=on_text, cuts=prompt.cuts)
         if answer_prefix:
             ans.text = f"{answer_prefix.strip()} {ans.text}".strip()
         return ans
@@ -882,7 +886,7 @@ class KVMemory:
             raise InvalidInput("choices is empty")
         return list(dict.fromkeys(c.strip() for c in out))
 
-    def _choose(self, ids: list[int], offered: list[str], end: str, answer_prefix: str | None,
+    def _choose(self, prompt: Layout, offered: list[str], end: str, answer_prefix: str | None,
                 hits: Sequence[Recalled], query: str, contrast: float) -> Answer:
         eng = self.engine
         if not isinstance(contrast, (int, float)) or not 0.0 <= contrast <= 1.0:
@@ -891,7 +895,8 @@ class KVMemory:
         sep = " " if answer_prefix else ""
         tokenized = [eng.encode(f"{sep}{c}{end}") for c in offered]
         entries = [h.entry for h in hits]
-        best, scores, report = eng.choose(ids, tokenized, entries_used=[e.id for e in entries])
+        best, scores, report = eng.choose(prompt.ids, tokenized, entries_used=[e.id for e in entries],
+                                          cuts=prompt.cuts)
         if entries and contrast:
             _, base, rep = eng.choose(self.question_ids(query, (), answer_prefix), tokenized, graft=False)
             scores = [s - contrast * b for s, b in zip(scores, base)]
@@ -919,7 +924,7 @@ class KVMemory:
         prompt = self.chat_prompt(messages, route=route, k=k, namespace=namespace, threshold=threshold, where=where)
         ans = self.generate(prompt.ids, max_new_tokens=max_new_tokens, sampling=sampling, stop=stop,
                             store_new_blocks=prompt.store_new_blocks, entries=[h.entry for h in prompt.hits],
-                            scores=[h.score for h in prompt.hits], on_text=on_text)
+                            scores=[h.score for h in prompt.hits], on_text=on_text, cuts=prompt.cuts)
         ans.refused = list(prompt.refused)
         return ans
 
@@ -940,7 +945,8 @@ class KVMemory:
             self.engine.require_profile(e.profile_id, f"entry {e.id}'s blocks")
         store_new = self.block_policy == "always" or (self.block_policy == "multi" and (len(entries) > 1 or (
             bool(entries) and msgs[0]["role"] == "system")))
-        return ChatPrompt(self.chat_ids(msgs, entries), hits, store_new, refused)
+        layout = self.chat_layout(msgs, entries)
+        return ChatPrompt(layout.ids, hits, store_new, layout.cuts, refused)
 
     def sync_router(self, namespace: str) -> int:
         """Route entries another process or machine remembered into this one's (local) router, and

@@ -5,8 +5,8 @@
 only when that comparison proves something:
 - the entry checks against itself first (memory/entry_check.py: texts -> token ids -> chain); one
   that does not is reported, never compared;
-- something was grafted: a graft of nothing (graft point 0: an entry shorter than one block of C
-  tokens, or whose first block is gone) compares a recompute with itself and proves nothing;
+- something was grafted: a graft of nothing (graft point 0: an entry whose first block is gone)
+  compares a recompute with itself and proves nothing;
 - its whole chain was grafted: a chain cut short by missing or quarantined blocks proves only a part.
 Such entries are counted `unproven`, with the reason, and `kvmemory verify` exits 1.
 
@@ -21,8 +21,8 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvmemory.engine.engine import graft_point_for
 from kvmemory.errors import KVMemoryError
+from kvmemory.memory.layout import entry_probe
 from kvmemory.store.local import EntryRecord
 
 
@@ -49,8 +49,9 @@ class VerifySummary:
 
 
 def expected_graft(entry: EntryRecord, chunk: int) -> int:
-    """Tokens a graft of the entry's whole chain covers (never its last token: that one is computed)."""
-    return min(len(entry.chain) * chunk, graft_point_for(len(entry.token_ids), chunk))
+    """Tokens a graft of the entry's whole chain covers: all its tokens (its last block is a tail block
+    cut at its end), or for an entry made before cuts, its whole grid blocks."""
+    return min(len(entry.chain) * chunk, len(entry.token_ids))
 
 
 def unproven_reason(entry: EntryRecord, graft_point: int, chunk: int) -> str | None:
@@ -58,8 +59,8 @@ def unproven_reason(entry: EntryRecord, graft_point: int, chunk: int) -> str | N
     want = expected_graft(entry, chunk)
     if graft_point == 0:
         if want == 0:
-            return (f"nothing was grafted: the entry has {len(entry.token_ids)} tokens, fewer than one block of "
-                    f"{chunk} before its last token, so a graft of it compares the recompute with itself")
+            return (f"nothing was grafted: the entry ({len(entry.token_ids)} tokens) has no stored blocks, so a "
+                    "graft of it compares the recompute with itself")
         return ("nothing was grafted: its first block is missing, damaged or quarantined; "
                 "run `kvmemory fsck --repair` (it recomputes and re-proves the entry)")
     if graft_point < want:
@@ -111,7 +112,9 @@ def verify_entry(mem, entry_id: str, *, decode_tokens: int | None = None, single
     entry = mem.store.get_entry(entry_id, namespace)
     mem.engine.require_profile(entry.profile_id, f"entry {entry.id}'s blocks")
     k = decode_tokens if decode_tokens is not None else int(entry.attestation.get("decode_tokens", mem.probe_tokens))
-    return mem.engine.verify_tokens(list(entry.token_ids), decode_tokens=k, single_pass=single_pass)
+    # What `remember` proved: the entry's ids and the probe question, cut at the entry's end (layout.py)
+    probe = entry_probe(mem.engine.tokenizer, entry.token_ids, entry.problem, entry.solution, entry.answer)
+    return mem.engine.verify_tokens(probe.ids, decode_tokens=k, single_pass=single_pass, cuts=probe.cuts)
 
 
 def recompute(mem, entry_ids: Sequence[str]) -> dict[str, str | None]:
@@ -131,10 +134,12 @@ def recompute(mem, entry_ids: Sequence[str]) -> dict[str, str | None]:
                             "with that profile, or remember it again under this one")
                 continue
             ids, blocks, attestation = mem._compute_kv(entry.problem, entry.solution, entry.answer)
-            if tuple(ids) != tuple(entry.token_ids) or tuple(m.hash for m, _ in blocks) != tuple(entry.chain):
+            if tuple(ids) != tuple(entry.token_ids):
                 out[eid] = "its texts no longer render to its token ids under this tokenizer"
                 continue
-            mem.store.commit_entry(dataclasses.replace(entry, attestation=attestation), blocks)
+            # the chain as `remember` makes it now (an entry made before cuts gains its tail block)
+            chain = tuple(m.hash for m, _ in blocks)
+            mem.store.commit_entry(dataclasses.replace(entry, attestation=attestation, chain=chain), blocks)
             out[eid] = None
         except KVMemoryError as exc:
             out[eid] = f"{type(exc).__name__}: {exc}"

@@ -52,6 +52,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kvmemory.memory.layout import entry_probe
 from kvmemory.engine.profile import ExecutionProfile
 from kvmemory.errors import BundleError, InvalidInput, ProfileMismatch, StoreReadOnly
 from kvmemory.memory.ids import expected_id
@@ -190,8 +191,10 @@ def _prove(mem, bundle: Bundle, entries: Sequence[EntryRecord], progress: bool) 
         blocks = bundle.blocks_of(e)
         store.write_block_files(blocks)
         k = int(e.attestation.get("decode_tokens", mem.probe_tokens))
-        vr = engine.verify_tokens(list(e.token_ids), decode_tokens=k, single_pass=False,
-                                  rows=engine.rows_for(blocks))
+        # what `remember` proved: the entry's ids, the probe question after them, cut at the entry's end
+        probe = entry_probe(engine.tokenizer, e.token_ids, e.problem, e.solution, e.answer)
+        vr = engine.verify_tokens(probe.ids, decode_tokens=k, single_pass=False, rows=engine.rows_for(blocks),
+                                  cuts=probe.cuts)
         c = vr.comparison
         attested = (e.attestation.get("logits_sha256") == c.reference_sha256
                     and e.attestation.get("graft_point") == vr.graft_point)

@@ -3,15 +3,17 @@
 
 A chat call is `adapters.chat.run_chat` (the one the LangChain and LlamaIndex chat models run): the
 last user turn routed to verified entries in the caller's scope, the longest stored chain grafted,
-tools and JSON schemas through the guided decoder. Every call stores the grid blocks of its prompt
-(unless `kvmemory.cache` is false), so the next turn of the same conversation, whose prompt starts
-with this one, grafts them and computes only what is new: a prefix cache that outlives the process
-and is shared by every server on the same store.
+tools and JSON schemas through the guided decoder. Every call stores the blocks of its prompt up to
+its last cut (unless `kvmemory.cache` is false): the grid blocks and a tail block at the end of each
+of its segments (routed entries, the system message, earlier turns, the prompt itself:
+memory/layout.py), so the next turn of the same conversation, whose prompt starts with this one,
+grafts all of this one's prompt, however short, and computes only what is new: a prefix cache that
+outlives the process and is shared by every server on the same store.
 
 The prefix cache is content-addressed (a block's chain hash covers the profile and every token
-before it), shared across tenants: a tenant can learn that an identical prompt prefix of at least one
-block (64 tokens) was sent before (`cached_tokens` > 0), never what any other prompt held. Entries
-(problems, solutions) are isolated per namespace.
+before it), shared across tenants: a tenant can learn that an identical prompt prefix, ending where
+one of its own segments ends, was sent before (`cached_tokens` > 0), never what any other prompt
+held. Entries (problems, solutions) are isolated per namespace.
 
 Handlers never compute: the work goes to the compute worker (worker.py). A stream waits for its first
 event before the response starts, so an error found before any text (a prompt past the limit, a bad

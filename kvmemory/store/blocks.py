@@ -1,12 +1,17 @@
 """KV blocks: the chain hash, the payload layout, and the on-disk block file format.
 
-A block holds the K and V of every layer for `T <= C` consecutive positions starting at `position`
-(always `index * C`). Blocks are content-addressed by a chain hash
+A block holds the K and V of every layer for one prefill chunk of the canonical runner: `T <= C`
+consecutive positions starting at `position`, the chain's `index`-th chunk. Chunks end on the grid
+(multiples of C) and at cuts (runner.chunk_spans: the end of a stored entry or a chat turn), so a block
+is a whole grid block (`position = index * C`, T = C) unless a cut ends it or started it (a tail block).
+Blocks are content-addressed by a chain hash
 
     h_i = SHA-256(profile_id ‖ h_{i-1} ‖ token_ids of block i)      (h_{-1} = 32 zero bytes)
 
 so a block is found only after exactly the same preceding tokens, under the same profile, at its own
-position; shared prefixes (system prompt, few-shot examples) hash the same and are stored once.
+position; shared prefixes (system prompt, few-shot examples) hash the same and are stored once. The
+token ids' byte length fixes T, and with the parents every earlier block's, so a chain hash names one
+sequence of chunk lengths: chunks cut elsewhere (computed with other shapes) hash differently.
 
 Payload layout (raw bytes in the cache dtype, no conversion): for layer l = 0..L-1, K_l then V_l, each
 a C-contiguous array `[H_l, T, D_l]` (KV heads, tokens, head dim) — the layer's cache slice
@@ -63,9 +68,15 @@ def chain_hash(profile_id: str, parent: str | None, token_ids: Sequence[int]) ->
                          ids_bytes(token_ids)).hex()
 
 
-def chain_hashes(profile_id: str, token_ids: Sequence[int], chunk: int, limit: int | None = None) -> list[str]:
-    """Hashes of the full blocks of `token_ids` (up to `limit` tokens), in order."""
+def chain_hashes(profile_id: str, token_ids: Sequence[int], chunk: int, limit: int | None = None,
+                 tail: bool = False) -> list[str]:
+    """Hashes of the full blocks of `token_ids` (up to `limit` tokens), in order. `tail`: and of the
+    last, partial block too (the ids' last chunk up to their end, where a cut ends it: an entry's chain,
+    runner.chunk_spans)."""
     n = len(token_ids) if limit is None else min(limit, len(token_ids))
+    if tail and n % chunk:
+        full = n - n % chunk
+        return span_hashes(profile_id, token_ids, [(s, s + chunk) for s in range(0, full, chunk)] + [(full, n)])
     n = max(0, n - n % chunk)
     ids = ids_bytes(token_ids[:n])  # converted once (8k ids: one call, not 128), sliced per block
     profile = bytes.fromhex(profile_id)
@@ -74,6 +85,33 @@ def chain_hashes(profile_id: str, token_ids: Sequence[int], chunk: int, limit: i
     for s in range(0, 4 * n, 4 * chunk):
         parent = _chain_digest(profile, parent, ids[s : s + 4 * chunk])
         out.append(parent.hex())
+    return out
+
+
+def is_entry_chain(chain: Sequence[str], profile_id: str, token_ids: Sequence[int], chunk: int) -> bool:
+    """Whether `chain` is the chain of an entry with these token ids: every chunk of them, the last one a
+    tail block cut at their end (how `remember` stores entries since cuts, runner.chunk_spans), or, for
+    entries made before, their whole grid blocks (all of them, or those before the last token)."""
+    chain, ids = list(chain), list(token_ids)
+    if chain == chain_hashes(profile_id, ids, chunk, tail=True):
+        return True
+    return chain in (chain_hashes(profile_id, ids, chunk), chain_hashes(profile_id, ids, chunk, limit=len(ids) - 1))
+
+
+def span_hashes(profile_id: str, token_ids: Sequence[int], spans: Sequence[tuple[int, int]]) -> list[str]:
+    """Chain hashes of consecutive chunks [(0, e0), (e0, e1), ...] of `token_ids`, of any lengths (a grid
+    block, a tail block at a cut), in order. Equal to `chain_hashes` where every span is a whole block."""
+    profile = bytes.fromhex(profile_id)
+    end = spans[-1][1] if spans else 0
+    ids = ids_bytes(token_ids[:end])  # converted once, sliced per span
+    out: list[str] = []
+    parent, pos = _ZERO, 0
+    for s, e in spans:
+        if s != pos or e <= s or e > len(token_ids):
+            raise ValueError(f"spans must be consecutive chunks of the ids from position 0, got {(s, e)} at {pos}")
+        parent = _chain_digest(profile, parent, ids[4 * s : 4 * e])
+        out.append(parent.hex())
+        pos = e
     return out
 
 
@@ -167,6 +205,8 @@ def parse_header(buf: bytes) -> tuple[BlockMeta, int]:
     meta = BlockMeta.from_json(d)
     if meta.expected_nbytes() != meta.payload_nbytes:
         raise IntegrityError("block header shapes do not add up to its payload size")
+    if any(t != meta.n_tokens for shapes in (meta.k_shapes, meta.v_shapes) for _, t, _ in shapes):
+        raise IntegrityError("block header shapes do not hold its token count")
     off = _PREFIX.size + hlen
     return meta, off + (-off % ALIGN)
 

@@ -538,7 +538,9 @@ def _check_blocks(raw: list, members: dict[str, Member], profiles: dict) -> dict
             ok = chain_hash(meta.profile_id, meta.parent, meta.token_ids) == h
         except (ValueError, OverflowError):
             ok = False
-        if not ok or meta.position != meta.index * meta.n_tokens or meta.n_tokens == 0:
+        # Positions are checked exactly along each entry's chain below (_check_entries); a header alone
+        # bounds them (chunks are C long but where a cut ends one: runner.chunk_spans).
+        if not ok or meta.n_tokens == 0 or meta.position < meta.index or (meta.index == 0) != (meta.position == 0):
             raise BundleError(f"block {h[:12]}: its header is not self-consistent (chain hash or position)")
         if meta.profile_id not in profiles:
             raise BundleError(f"block {h[:12]} was made under profile {meta.profile_id[:12]}, which the bundle "
@@ -574,9 +576,15 @@ def _check_entries(raw: list, blocks: dict[str, BlockMeta], profiles: dict) -> l
             raise BundleError(f"entry {e.id}: its chain is incomplete (block {missing[0][:12]} is not in the "
                               "bundle)")
         if e.chain:
+            # An entry's chain: every chunk of its token ids, the last one cut at their end (a tail block);
+            # its first block is a whole one of the grid C, or the entry's only block
             chunk = blocks[e.chain[0]].n_tokens
-            expected = chain_hashes(e.profile_id, list(e.token_ids), chunk)
-            if list(e.chain) != expected[: len(e.chain)] or any(blocks[h].n_tokens != chunk for h in e.chain):
+            expected = chain_hashes(e.profile_id, list(e.token_ids), chunk, tail=True)
+            pos, placed = 0, True
+            for k, h in enumerate(e.chain):
+                placed = placed and blocks[h].position == pos and blocks[h].index == k
+                pos += blocks[h].n_tokens
+            if list(e.chain) != expected[: len(e.chain)] or not placed:
                 raise BundleError(f"entry {e.id}: its chain is not the chain of its own token ids under its profile")
         used.update(e.chain)
         entries.append(e)

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvmemory.errors import IntegrityError
-from kvmemory.store.blocks import BlockMeta, chain_hash, chain_hashes, encode_header, parse_header
+from kvmemory.store.blocks import BlockMeta, chain_hash, encode_header, is_entry_chain, parse_header
 from kvmemory.store.local import _SCHEMA, EntryRecord, LocalStore, entry_from_fields
 from kvmemory.store.records import RecordFolder, parse_record
 
@@ -71,7 +71,7 @@ def chain_matches_ids(entry: EntryRecord, chunk: int | None) -> bool:
     if chunk is None or chunk <= 0:
         return True
     try:
-        return list(entry.chain) == chain_hashes(entry.profile_id, list(entry.token_ids), chunk)
+        return is_entry_chain(entry.chain, entry.profile_id, entry.token_ids, chunk)
     except (ValueError, OverflowError):  # a profile id that is not hex
         return False
 

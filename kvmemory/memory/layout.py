@@ -1,0 +1,104 @@
+"""A prompt's token ids and where its segments end (the runner's cuts).
+
+A prompt that answers from memory is made of segments: the routed entries (the first one's stored token
+ids as they are), then the conversation, ending with the assistant's turn opened. Each segment's end is a
+cut (engine/runner.py): the runner ends a prefill chunk there, so the segment's last, partial chunk is a
+block of its own (a tail block) that a later prompt starting with the same segment grafts, and an entry
+shorter than the grid C is grafted whole instead of not at all. The cuts are positions in the prompt's
+ids, found by rendering each prefix and keeping the ones whose ids are the prompt's own first ids (a
+chat template that renders a prefix otherwise gives no cut there: nothing is guessed).
+
+Cuts of a chat prompt: the end of each routed entry, of an explicit system turn, of every earlier
+prompt of the conversation (each assistant turn's start: where the previous call's prompt ended, so
+turn k grafts what turn k-1 stored), and of the prompt itself (so the tail it computes is stored for
+the next turn). Cuts of an entry's proof: the entry's end, followed by a fixed probe question.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvmemory.memory.prompts import Message, continuation_ids, entry_messages, render_ids
+
+# The follow-up `remember` proves an entry's blocks with: the entry's ids (all of them grafted, its tail
+# block included), then this question computed, then a few decoded tokens (engine.verify_tokens).
+PROBE_QUESTION = "What is the final answer?"
+
+
+@dataclass(slots=True, frozen=True)
+class Layout:
+    """Token ids and the positions where their segments end (sorted, inside (0, len(ids)])."""
+
+    ids: list[int]
+    cuts: tuple[int, ...] = ()
+
+
+def _prefix_len(ids: Sequence[int], part: Sequence[int] | None) -> int | None:
+    """len(part) when `part` is a non-empty prefix of `ids`, else None."""
+    if not part or len(part) > len(ids) or list(ids[: len(part)]) != list(part):
+        return None
+    return len(part)
+
+
+def _cuts(found, n: int) -> tuple[int, ...]:
+    return tuple(sorted({c for c in found if c is not None and 0 < c <= n}))
+
+
+def chat_layout(tokenizer, messages: Sequence[Message], entries: Sequence = ()) -> Layout:
+    """The ids of a chat with `entries` (EntryRecords) placed before the conversation (after its system
+    message, if any), ending with the assistant's turn opened, and the cuts (module docstring). Without
+    a system message the first entry's stored ids are the prompt's prefix, so they are grafted as they
+    are (when the chat template extends the entry's rendering); with one, the entries follow it."""
+    msgs = list(messages)
+    if entries and msgs[0]["role"] != "system":
+        first = entry_messages(entries[0].problem, entries[0].solution, entries[0].answer)
+        extra = [m for e in entries[1:] for m in entry_messages(e.problem, e.solution, e.answer)]
+        tail = continuation_ids(tokenizer, first, extra + msgs)
+        if tail is not None:
+            head = list(entries[0].token_ids)
+            ids = head + tail
+            later = [continuation_ids(tokenizer, first, extra[:j], add_generation_prompt=False)
+                     for j in range(2, len(extra) + 1, 2)]  # each later entry's end
+            turns = [continuation_ids(tokenizer, first, extra + msgs[:i], add_generation_prompt=True)
+                     for i, m in enumerate(msgs) if m["role"] == "assistant"]
+            found = [len(head)] + [None if (k := _prefix_len(tail, p)) is None else len(head) + k
+                                   for p in later + turns]
+            return Layout(ids, _cuts(found + [len(ids)], len(ids)))
+    context = [m for e in entries for m in entry_messages(e.problem, e.solution, e.answer)]
+    head = msgs[:1] if msgs[0]["role"] == "system" else []
+    whole = head + context + msgs[len(head):]
+    ids = render_ids(tokenizer, whole, add_generation_prompt=True)
+    ends = [len(head)] if head else []  # the system turn
+    ends += [len(head) + j for j in range(2, len(context) + 1, 2)]  # each entry
+    found = [_prefix_len(ids, render_ids(tokenizer, whole[:i], add_generation_prompt=False)) for i in ends]
+    first_turn = len(head) + len(context)
+    found += [_prefix_len(ids, render_ids(tokenizer, whole[:i], add_generation_prompt=True))
+              for i in range(first_turn, len(whole)) if whole[i]["role"] == "assistant"]
+    return Layout(ids, _cuts(found + [len(ids)], len(ids)))
+
+
+def question_layout(tokenizer, question: str, entries: Sequence = (), answer_prefix_ids: Sequence[int] = ()) -> Layout:
+    """The prompt `answer` computes: the entries' conversation (if any) and the question, with the
+    assistant's turn opened by `answer_prefix_ids` when given; cut at each entry's end (the question's
+    own end is not a cut: the next question is another)."""
+    if entries:
+        chat = chat_layout(tokenizer, [{"role": "user", "content": question}], entries)
+        ids, cuts = chat.ids, chat.cuts[:-1]  # not the prompt's own end
+    else:
+        ids, cuts = render_ids(tokenizer, [{"role": "user", "content": question}], add_generation_prompt=True), ()
+    return Layout(ids + list(answer_prefix_ids), cuts)
+
+
+def entry_probe(tokenizer, entry_ids: Sequence[int], problem: str, solution: str, answer: str | None) -> Layout:
+    """An entry's ids followed by `PROBE_QUESTION` (as a follow-up renders it), cut at the entry's end:
+    what `remember` computes to store the entry's blocks (every chunk of its ids, the tail one too) and to
+    prove them, grafted, against a recompute."""
+    follow = continuation_ids(tokenizer, entry_messages(problem, solution, answer),
+                              [{"role": "user", "content": PROBE_QUESTION}])
+    if follow is None:  # a template that does not extend the entry's rendering: the plain layout's question
+        follow = list(tokenizer(f"Question: {PROBE_QUESTION}\n\nAnswer:", add_special_tokens=False)["input_ids"])
+    return Layout(list(entry_ids) + list(follow), (len(entry_ids),))
+
+
+__all__ = ["Layout", "PROBE_QUESTION", "chat_layout", "entry_probe", "question_layout"]
