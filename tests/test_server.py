@@ -407,7 +407,7 @@ def test_limits_give_clear_4xx(server):
             assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
         r = c.post("/v1/completions", json={"model": "kvmemory", "prompt": "word " * (MAX_PROMPT + 100)})
         assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
-        for extra, param in [({"n": 2}, "n"), ({"response_format": {"type": "json_object"}}, "response_format"),
+        for extra, param in [({"n": 2}, "n"), ({"response_format": {"type": "xml"}}, "response_format"),
                              ({"logprobs": True}, "logprobs"), ({"presence_penalty": 0.5}, "presence_penalty")]:
             r = chat(c, msgs, **extra)
             assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
