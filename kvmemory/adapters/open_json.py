@@ -14,14 +14,11 @@ says whether the model goes on. A key the model leaves empty or repeats ends the
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from kvmemory.adapters.errors import GuidedDecodingError
-
-if TYPE_CHECKING:
-    from kvmemory.adapters.guided import JsonGuide
 
 MAX_KEYS = 16
 MAX_DEPTH = 2  # open objects nest at most this deep (deeper ones are closed as {})
@@ -74,8 +71,9 @@ def _likeliest(logits: torch.Tensor, kinds: dict[str, torch.Tensor], allowed: li
     return pick
 
 
-def open_object(g: "JsonGuide", depth: int) -> dict:
-    """Write one JSON object whose keys and values the model chooses (module docstring)."""
+def open_object(g: Any, depth: int) -> dict:
+    """Write one JSON object whose keys and values the model chooses (module docstring); `g`: the
+    guided.JsonGuide writing the value (not imported here: guided imports this module)."""
     d = g.d
     kinds = token_kinds(d.memory.engine.tokenizer)
     out: dict[str, Any] = {}
