@@ -571,7 +571,8 @@ def cmd_fsck(args) -> int:
     report = fsck_at(args.store, signing_key=args.signing_key, repair=args.repair, purge_orphans=args.purge_orphans,
                      router=lambda st: (router_checker(st), router_rebuilder(st) if args.repair else None),
                      entry_check=(lambda e: memory().checks.entry(e)) if deep else None,
-                     recompute=(lambda ids: memory().recompute(ids)) if args.repair else None)
+                     recompute=(lambda ids: memory().recompute(ids)) if args.repair else None,
+                     progress=_progress(args))
     if "mem" in held:
         held["mem"].store.close()
     _emit(args, report.to_json(), report.summary())
@@ -583,6 +584,7 @@ def cmd_demo(args) -> int:
     from kvmemory.bench.demo import run_demo
 
     # Progress bars go to stderr (with --json too): stdout holds only the report or the JSON.
+    _note(args, f"loading the model {_model_name(args)} (the demo's bars follow) ...")
     result = run_demo(model=args.model, store=args.store, chunk=args.chunk, answer_mode=args.answer_mode,
                       base_budget=args.base_budget, device=args.device, dtype=args.dtype)
     table = result.pop("table", "")

@@ -94,6 +94,14 @@ def test_verify_all_says_it_loads_then_draws_a_bar(filled):
     assert "verify: 100%" in err and "2/2" in err
 
 
+def test_fsck_draws_a_bar_over_the_blocks_it_hashes(filled):
+    store, _, _ = filled
+    code, out, err = on_terminal("fsck", "--json", store=store)
+    assert code == 0, err
+    blocks = json.loads(out)["blocks_checked"]  # stdout: the JSON alone
+    assert blocks >= 2 and "fsck: blocks: 100%" in err and f"{blocks}/{blocks}" in err
+
+
 def test_get_history_and_a_metadata_update_load_no_model(filled):
     store, report, _ = filled
     eid = report["remembered"][0]["id"]
