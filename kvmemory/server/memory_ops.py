@@ -1,4 +1,6 @@
-"""The memory operations the HTTP memory API and the MCP tools share, each confined to one namespace.
+"""The memory operations the HTTP memory API, the MCP tools and the CLI's get / update / history share
+(one API everywhere: the same `KVMemory` calls, the same fields, the same JSON), each confined to one
+namespace (the CLI may pass None: any namespace, as `KVMemory.get` looks).
 
 Every function runs on the compute worker (it reads or writes the model or the store) and takes the
 namespace the caller's key was checked for (auth.py); nothing here reads outside it: an entry id
