@@ -109,10 +109,11 @@ def test_get_history_and_a_metadata_update_load_no_model(filled):
     assert got["id"] == eid and got["version"] == 1 and got["metadata"] == {"topic": "pages"}
     assert got["problem"] == LINES[0]["problem"] and got["attestation"]["bit_identical"]
 
-    p = kvm("update", eid, "--meta", "topic=reading", "--meta", "n=3", "--json", store=store)
-    up = json.loads(p.stdout)
-    assert up["version"] == 2 and up["metadata"] == {"topic": "reading", "n": 3}
+    p = kvm("update", eid, "--meta", "topic=reading", "--meta", "n=3", store=store)  # no --json: notes shown
+    assert p.stdout.startswith("updated to version 2") and "topic" in p.stdout
     assert "loading the model" not in p.stderr  # metadata changes no KV: no model
+    up = json.loads(kvm("get", eid, "--json", store=store).stdout)
+    assert up["version"] == 2 and up["metadata"] == {"topic": "reading", "n": 3}
     assert up["attestation_id"] == got["attestation_id"]
     removed = json.loads(kvm("update", eid, "--meta", "n=null", "--json", store=store).stdout)
     assert removed["version"] == 3 and removed["metadata"] == {"topic": "reading"}
@@ -135,10 +136,11 @@ def test_bad_update_and_unknown_ids_exit_2(filled):
                        (["update", eid, "--answer", "126", "--no-answer"], "not both"),
                        (["update", eid, "--meta", "aliases=[1]"], "kvmemory's own"),
                        (["get", eid, "--namespace", "elsewhere"], "is in namespace 'default'")):
-        p = kvm(*argv, "--json", store=store, check=False)
+        p = kvm(*argv, store=store, check=False)  # no --json: a model loading would say so on stderr
         assert p.returncode == 2, (argv, p.stdout, p.stderr)
         assert said in p.stderr and "loading the model" not in p.stderr, (argv, p.stderr)
-        assert "error" in json.loads(p.stdout.splitlines()[0])
+    p = kvm("update", "0123456789abcdef", "--meta", "x=1", "--json", store=store, check=False)
+    assert p.returncode == 2 and json.loads(p.stdout.splitlines()[0])["error"] == "UnknownEntry"
 
 
 def test_update_of_the_texts_verifies_and_proves_a_new_version(filled):
