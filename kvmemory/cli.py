@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 from kvmemory.errors import InvalidInput, KVMemoryError
@@ -69,8 +70,14 @@ def _memory(args, *, reading: bool = False, writes: bool = False):
     kw["linears"] = args.linears
     kw["profile"] = getattr(args, "profile", "default")
     kw["device"], kw["dtype"] = device, getattr(args, "dtype", "auto")
-    return KVMemory(model=_model_name(args), store=store, namespace=args.namespace,
-                    embedder=getattr(args, "embedder", None), **kw)
+    # Loading takes seconds (half a minute when the embedded model is converted the first time): said
+    # on stderr, so a command is never silent while it loads
+    t0 = time.perf_counter()
+    _note(args, f"loading the model {_model_name(args)} ...")
+    mem = KVMemory(model=_model_name(args), store=store, namespace=args.namespace,
+                   embedder=getattr(args, "embedder", None), **kw)
+    _note(args, f"model loaded in {time.perf_counter() - t0:.1f} s")
+    return mem
 
 
 def _count(minimum: int = 1, maximum: int | None = None):
@@ -450,6 +457,96 @@ def cmd_list(args) -> int:
     return 0
 
 
+def _entry_lines(e: dict) -> list[str]:
+    lines = [f"{e['id']}  {e['namespace']}  v{e['version']}  {'verified' if e['verified'] else 'UNVERIFIED'}",
+             f"  problem:  {e['problem']}", f"  solution: {e['solution']}", f"  answer:   {e['answer']}"]
+    if e.get("metadata"):
+        lines.append(f"  metadata: {json.dumps(e['metadata'], sort_keys=True)}")
+    if e.get("aliases"):
+        lines.append(f"  aliases:  {json.dumps(e['aliases'], ensure_ascii=False)}")
+    return lines
+
+
+def _entry_store(args, entry_id: str):
+    """(the store, a model-less memory over it) for a command that reads an entry (get, history, and
+    update's lookup): an unknown id fails here, before any model loads (exit 2)."""
+    from kvmemory.memory.facade import KVMemory
+    from kvmemory.memory.inputs import check_entry_id, check_namespace
+
+    check_entry_id(entry_id)
+    if args.namespace is not None:
+        check_namespace(args.namespace)
+    store = _existing_store(args)
+    return store, KVMemory(_StoreOnly(store))
+
+
+def cmd_get(args) -> int:
+    from kvmemory.server import memory_ops as ops
+
+    _, mem = _entry_store(args, args.entry_id)
+    e = ops.get(mem, args.namespace, args.entry_id)
+    _emit(args, e, "\n".join(_entry_lines(e)))
+    return 0
+
+
+def cmd_history(args) -> int:
+    from kvmemory.server import memory_ops as ops
+
+    _, mem = _entry_store(args, args.entry_id)
+    h = ops.history(mem, args.namespace, args.entry_id)
+    lines = [f"{h['id']}  {h['namespace']}: {len(h['versions'])} version(s), oldest first"]
+    for v in h["versions"]:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(v["updated"]))
+        lines.append(f"  v{v['version']}  {when} UTC  {'current' if v['replaced'] is None else 'replaced'}  "
+                     f"{'' if v['verified'] else '[UNVERIFIED] '}{v['problem'][:70]!r}  answer {v['answer']!r}"
+                     + (f"  {json.dumps(v['meta'], sort_keys=True)}" if v["meta"] else ""))
+    _emit(args, h, "\n".join(lines))
+    return 0
+
+
+def cmd_update(args) -> int:
+    """`KVMemory.update`: new texts are verified, computed and proven (the model loads); metadata alone
+    changes no KV (no model)."""
+    from kvmemory.memory.inputs import check_text
+    from kvmemory.server import memory_ops as ops
+
+    changes: dict = {}
+    for name in ("problem", "solution", "answer"):
+        if getattr(args, name) is not None:
+            check_text(name, getattr(args, name), required=name != "answer")  # before anything loads
+            changes[name] = getattr(args, name)
+    if args.no_answer:
+        if args.answer is not None:
+            raise InvalidInput("give --answer or --no-answer, not both")
+        changes["answer"] = None
+    if args.meta:
+        changes["metadata"] = dict(args.meta)
+    if args.alias is not None or args.no_aliases:
+        if args.alias is not None and args.no_aliases:
+            raise InvalidInput("give --alias or --no-aliases, not both")
+        changes["aliases"] = [] if args.no_aliases else args.alias
+    if args.verifier is not None:
+        changes["verifier"] = args.verifier
+    if args.allow_unverified:
+        changes["allow_unverified"] = True
+    if not {"problem", "solution", "answer", "metadata", "aliases"} & set(changes):
+        raise InvalidInput("nothing to update: give --problem, --solution, --answer / --no-answer, --meta or "
+                           "--alias / --no-aliases")
+    store, mem = _entry_store(args, args.entry_id)
+    cur = mem.get(args.entry_id, args.namespace)  # an unknown id: exit 2 before the model loads
+    if getattr(store, "readonly", False):
+        from kvmemory.errors import StoreReadOnly
+
+        raise StoreReadOnly(f"the store at {getattr(store, 'url', None) or store.path} is read-only: "
+                            "`kvmemory update` writes to it")
+    if {"problem", "solution", "answer", "aliases"} & set(changes):  # a new KV, or new routes: the model
+        store.close()
+        mem = _memory(argparse.Namespace(**{**vars(args), "namespace": cur.namespace}), reading=True, writes=True)
+    e = ops.update(mem, cur.namespace, cur.id, **changes)
+    _emit(args, e, "\n".join([f"updated to version {e['version']}", *_entry_lines(e)]))
+    return 0
+
+
 def cmd_stats(args) -> int:
     store = _existing_store(args)
     s = store.stats().to_json()
@@ -474,7 +571,8 @@ def cmd_fsck(args) -> int:
     report = fsck_at(args.store, signing_key=args.signing_key, repair=args.repair, purge_orphans=args.purge_orphans,
                      router=lambda st: (router_checker(st), router_rebuilder(st) if args.repair else None),
                      entry_check=(lambda e: memory().checks.entry(e)) if deep else None,
-                     recompute=(lambda ids: memory().recompute(ids)) if args.repair else None)
+                     recompute=(lambda ids: memory().recompute(ids)) if args.repair else None,
+                     progress=_progress(args))
     if "mem" in held:
         held["mem"].store.close()
     _emit(args, report.to_json(), report.summary())
@@ -486,6 +584,7 @@ def cmd_demo(args) -> int:
     from kvmemory.bench.demo import run_demo
 
     # Progress bars go to stderr (with --json too): stdout holds only the report or the JSON.
+    _note(args, f"loading the model {_model_name(args)} (the demo's bars follow) ...")
     result = run_demo(model=args.model, store=args.store, chunk=args.chunk, answer_mode=args.answer_mode,
                       base_budget=args.base_budget, device=args.device, dtype=args.dtype)
     table = result.pop("table", "")
@@ -653,7 +752,29 @@ def _shared_options() -> dict[str, tuple[str, tuple[str, ...], dict]]:
 def _progress(args: argparse.Namespace) -> bool:
     """Whether long work shows progress bars (on stderr): always without --json; with --json, where
     stderr is a terminal (someone is watching; stdout, the JSON, stays clean either way)."""
-    return not args.json or sys.stderr.isatty()
+    return not getattr(args, "json", False) or sys.stderr.isatty()
+
+
+def _note(args: argparse.Namespace, text: str) -> None:
+    """A phase of a reporting command (loading the model ...) on stderr, where bars go (`_progress`).
+    Not for `serve`, whose stderr is its JSON log."""
+    if hasattr(args, "json") and _progress(args):
+        print(f"kvmemory: {text}", file=sys.stderr, flush=True)
+
+
+def _sized_terminal() -> None:
+    """A terminal that reports no size (a pty opened without one: `docker exec -t`, CI runners, test
+    harnesses) makes tqdm draw nothing at all (0 columns, and every bar "hidden" below row 0): give
+    such a terminal 80 x 24 (tqdm reads TQDM_* when it is imported; a size set by the user stays)."""
+    try:
+        if not sys.stderr.isatty():
+            return
+        size = os.get_terminal_size(sys.stderr.fileno())
+    except (OSError, ValueError, AttributeError):
+        return
+    if size.columns == 0 or size.lines == 0:
+        os.environ.setdefault("TQDM_NCOLS", str(size.columns or 80))
+        os.environ.setdefault("TQDM_NROWS", str(size.lines or 24))
 
 
 def _parent(*names: str) -> argparse.ArgumentParser:
@@ -878,6 +999,38 @@ def build_parser() -> argparse.ArgumentParser:
     ls.add_argument("--limit", type=_count(), default=50, help="entries per page, up to 1000 (default: %(default)s)")
     ls.add_argument("--cursor", help="the next_cursor a previous page printed: the page after it")
     ls.set_defaults(func=cmd_list)
+
+    one = _parent("json")
+    one.add_argument("--namespace", default=None, help="look the id up in this namespace only (default: any; "
+                     "entry ids are unique in the store)")
+    g = _command(sub, "get", "one entry by id: its texts, metadata, version and attestation (no model loaded)",
+                 parents=[store, one], epilog=_examples("kvmemory get ID --json"))
+    g.add_argument("entry_id", metavar="ID", help="the entry's id (kvmemory list shows them)")
+    g.set_defaults(func=cmd_get)
+    h = _command(sub, "history", "every version of an entry, oldest first (kvmemory update keeps them; no model "
+                 "loaded)", parents=[store, one], epilog=_examples("kvmemory history ID --json"))
+    h.add_argument("entry_id", metavar="ID", help="the entry's id")
+    h.set_defaults(func=cmd_history)
+    u = _command(sub, "update", "change an entry, keeping what it was (kvmemory history): new texts are verified, "
+                 "computed and proven bit-identical as remember does; metadata alone loads no model",
+                 parents=[_parent(*_STORE_OPTS, *_ENGINE_OPTS, "profile", "embedder"), one],
+                 epilog=_examples('kvmemory update ID --meta topic=eggs --meta stale=null',
+                                  'kvmemory update ID --solution "... The answer is 31." --answer 31'))
+    u.add_argument("entry_id", metavar="ID", help="the entry's id")
+    u.add_argument("--problem", help="the new problem text")
+    u.add_argument("--solution", help="the new solution text (verified again)")
+    u.add_argument("--answer", help="the new final answer (checked against the solution by the verifier)")
+    u.add_argument("--no-answer", action="store_true", help="remove the answer")
+    u.add_argument("--meta", type=_pair, action="append", metavar="KEY=VALUE", help="metadata merged into the "
+                   "entry's (repeatable; VALUE is JSON where it is JSON; KEY=null removes KEY)")
+    u.add_argument("--alias", action="append", metavar="TEXT", help="another wording of the problem that routes "
+                   "to the entry (repeatable; replaces the entry's aliases)")
+    u.add_argument("--no-aliases", action="store_true", help="remove the entry's aliases")
+    u.add_argument("--verifier", default=None, choices=["exact-answer", "arithmetic", "none"],
+                   help="the verifier of new texts (default: the one that accepted the entry)")
+    u.add_argument("--allow-unverified", action="store_true", help="store new texts the verifier refused, marked "
+                   "as unverified")
+    u.set_defaults(func=cmd_update)
 
     s = _command(sub, "stats", "count what the store holds: entries, blocks, bytes, tokens, dedup ratio "
                  "(kvmemory list shows the entries)", parents=[store, json_opt])
@@ -1133,6 +1286,7 @@ EXIT_PIPE = 128 + 13  # what a shell reports for a process ended by SIGPIPE
 
 
 def main(argv: list[str] | None = None) -> int:
+    _sized_terminal()
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -142,12 +142,12 @@ def test_cli_options_on_every_command_that_loads_a_model(capsys):
 
     parser = build_parser()
     for argv in (["remember"], ["ask", "q"], ["recall", "q"], ["verify"], ["forget"], ["reindex"], ["import", "f"],
-                 ["serve"], ["demo"], ["bench", "recurring"]):
+                 ["serve"], ["demo"], ["bench", "recurring"], ["update", "x"], ["fsck"]):  # fsck: --repair / --texts
         args = parser.parse_args(argv)
         assert (args.device, args.dtype) == ("auto", "auto"), argv
         args = parser.parse_args([*argv, "--device", "cuda:1", "--dtype", "bfloat16"])
         assert (args.device, args.dtype) == ("cuda:1", "bfloat16"), argv
-    for argv in (["list"], ["stats"], ["fsck"], ["export", "--out", "x"], ["kernels"]):  # no model: no option
+    for argv in (["list"], ["stats"], ["export", "--out", "x"], ["kernels"], ["get", "x"], ["history", "x"]):  # no model
         assert not hasattr(parser.parse_args(argv), "device"), argv
     with pytest.raises(SystemExit) as err:
         parser.parse_args(["ask", "q", "--dtype", "int8"])

@@ -115,7 +115,8 @@ def test_healthz_is_open_and_every_other_route_needs_a_key(server, entries):
 def test_models(server):
     with server.client(ADMIN) as c:
         data = c.get("/v1/models").json()["data"]
-    assert [m["id"] for m in data] == ["kvmemory"]
+    # the served name, then the model the server was started with (`serve` names it): both accepted
+    assert [m["id"] for m in data] == ["kvmemory", "embedded:smollm2-135m-instruct"]
     assert len(data[0]["kvmemory"]["profile_id"]) == 64
 
 
@@ -336,7 +337,7 @@ def test_mcp_tools_over_http_with_keys(server, entries):
         ("forget", {"entry_ids": [bob_entry["id"]]}),
         ("answer", {"query": EGGS_Q, "answer_prefix": "The answer is", "choices": "numbers"}),
     ]))
-    assert names == ["answer", "forget", "recall", "remember"]
+    assert names == ["answer", "forget", "get", "history", "list", "recall", "remember", "update"]
     assert not own.is_error and alice_entry["id"] in own.content[0].text and bob_entry["id"] not in own.content[0].text
     assert crossed.is_error and "Forbidden" in crossed.content[0].text and bob_entry["id"] not in crossed.content[0].text
     assert bobs_id.is_error and "UnknownEntry" in bobs_id.content[0].text
@@ -384,7 +385,7 @@ def test_mcp_over_stdio_with_the_sdks_client(tmp_path):
             return names, made, found, crossed, gone, entry
 
     names, made, found, crossed, gone, entry = asyncio.run(session())
-    assert names == ["answer", "forget", "recall", "remember"]
+    assert names == ["answer", "forget", "get", "history", "list", "recall", "remember", "update"]
     assert not made.is_error and entry["namespace"] == "user:alice" and entry["bit_identical"]
     assert [h["id"] for h in json.loads(found.content[0].text)["results"]] == [entry["id"]]
     assert crossed.is_error and "Forbidden" in crossed.content[0].text
@@ -406,7 +407,7 @@ def test_limits_give_clear_4xx(server):
             assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
         r = c.post("/v1/completions", json={"model": "kvmemory", "prompt": "word " * (MAX_PROMPT + 100)})
         assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
-        for extra, param in [({"n": 2}, "n"), ({"response_format": {"type": "json_object"}}, "response_format"),
+        for extra, param in [({"n": 2}, "n"), ({"response_format": {"type": "xml"}}, "response_format"),
                              ({"logprobs": True}, "logprobs"), ({"presence_penalty": 0.5}, "presence_penalty")]:
             r = chat(c, msgs, **extra)
             assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text

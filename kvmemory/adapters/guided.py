@@ -173,6 +173,23 @@ class Decoder:
         self.stats.seconds += time.perf_counter() - t0
         return out
 
+    def next_logits(self, assistant_text: str) -> torch.Tensor:
+        """The model's logits (float32, [vocab]) for the token after the prompt and `assistant_text`:
+        one forward, the prompt's stored chain grafted (open_json.py chooses a value's kind with it)."""
+        t0 = time.perf_counter()
+        self._watch()
+        ids = self.prompt_ids + self.encode(assistant_text)
+        first = self.stats.passes == 0
+        cuts = self._cuts_before(len(ids))
+        res, report = self.memory.engine.forward(ids, keep_logits=True, store_new_blocks=self.store_new_blocks and first,
+                                                 cuts=cuts)
+        if res.start > len(ids) - 1:  # the store held all of it: compute it from scratch
+            res, report = self.memory.engine.forward(ids, keep_logits=True, graft=False, cuts=cuts)
+        self._account(report, 0)
+        row = res.prefill_logits[len(ids) - 1 - res.start].float().clone()
+        self.stats.seconds += time.perf_counter() - t0
+        return row
+
     def opening(self, option: str) -> tuple[float, torch.Tensor]:
         """The model's log-likelihood of opening the assistant turn with `option`, and its logits for
         the turn's first token (float32, [vocab]): one forward, the prompt's stored chain grafted."""
@@ -285,6 +302,10 @@ class JsonGuide:
             return s["enum"][i]
         t = s.get("type") or ("object" if "properties" in s else "string")
         if t == "object":
+            if "properties" not in s and s.get("additionalProperties", True) is not False:
+                from kvmemory.adapters.open_json import open_object  # any object: the model writes the keys
+
+                return open_object(self, depth)
             return self._object(s, depth)
         if t == "array":
             return self._array(s)

@@ -172,6 +172,8 @@ def tools_prompt(tools: Sequence[dict[str, Any]]) -> str:
 
 def schema_prompt(schema: dict) -> str:
     """The system-turn text that asks for JSON output following `schema`."""
+    if schema == {"type": "object"}:  # response_format json_object: any JSON object
+        return "Reply with one JSON object."
     return "Reply with one JSON object that follows this JSON schema: " + json.dumps(schema, ensure_ascii=False)
 
 

@@ -4,7 +4,8 @@
 The gate (a plain ASGI middleware, so streams and the MCP endpoint pass through it untouched):
 refuses a body past `max_body_bytes` (413, counted as it arrives, whatever Content-Length says),
 authenticates every request but `/healthz` when keys are set (401; the key's principal goes to
-`request.state.principal` for the routes' scope checks), and counts and logs each request once it
+`request.state.principal` for the routes' scope checks; on `/mcp` the refusal's body is a JSON-RPC
+error whose message names the cause, which MCP clients show), and counts and logs each request once it
 ends (route template, status, latency, key name, namespace).
 
 Shutdown: uvicorn stops accepting connections and lets in-flight requests finish (`kvmemory serve
@@ -32,15 +33,26 @@ from kvmemory.server import logs
 from kvmemory.server.auth import AuthError, Forbidden, bearer_key
 from kvmemory.server.config import ServerConfig
 from kvmemory.server.errors import ApiError, from_kvmemory
-from kvmemory.server.state import ServerState
+from kvmemory.server.state import ServerState, kvmemory_version
 from kvmemory.server.worker import QueueClosed, QueueFull
 
 OPEN_PATHS = {"/healthz"}
+MCP_PATH = "/mcp"
+MCP_GATE_ERROR = -32001  # JSON-RPC: an error of the server's own range (-32000 to -32099)
 BULK_PATHS = {"/v1/memory/import"}  # bundles: their own size limit (max_import_bytes)
 
 
 class BodyTooLarge(Exception):
     pass
+
+
+def mcp_error(err: ApiError) -> dict:
+    """A refusal of the gate on `/mcp` as a JSON-RPC error: the MCP SDK's client reads the message of a
+    JSON-RPC error in a 4xx body and raises it as is (any other body becomes "Server returned an error
+    response", which names no cause). The OpenAI-style fields ride along (`type`, and `data`)."""
+    return {"jsonrpc": "2.0", "id": None,
+            "error": {"code": MCP_GATE_ERROR, "message": f"kvmemory: {err.message} (HTTP {err.status})",
+                      "type": err.type, "data": err.body()["error"]}}
 
 
 class Gate:
@@ -66,7 +78,7 @@ class Gate:
             await send(message)
 
         async def reply(err: ApiError):
-            body = json.dumps(err.body()).encode()
+            body = json.dumps(mcp_error(err) if scope["path"] == MCP_PATH else err.body()).encode()
             headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
             headers += [(k.lower().encode(), v.encode()) for k, v in err.headers.items()]
             await send_({"type": "http.response.start", "status": err.status, "headers": headers})
@@ -184,7 +196,7 @@ def create_app(memory: KVMemory, config: ServerConfig | None = None) -> FastAPI:
                     pass
                 logs.log("stopped", worker_finished=ended)
 
-    app = FastAPI(title="kvmemory", version=_version(), lifespan=lifespan, docs_url="/docs", redoc_url=None)
+    app = FastAPI(title="kvmemory", version=kvmemory_version(), lifespan=lifespan, docs_url="/docs", redoc_url=None)
     app.state.kv = st
     _install_error_handlers(app, st)
 
@@ -207,15 +219,7 @@ def create_app(memory: KVMemory, config: ServerConfig | None = None) -> FastAPI:
     if mcp_endpoint is not None:
         from starlette.routing import Route
 
-        app.router.routes.append(Route("/mcp", endpoint=mcp_endpoint))
+        app.router.routes.append(Route(MCP_PATH, endpoint=mcp_endpoint))
     app.add_middleware(Gate, state=st)
     return app
 
-
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("kvmemory")
-    except PackageNotFoundError:
-        return "0+unknown"

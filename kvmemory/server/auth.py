@@ -181,14 +181,15 @@ class KeyRing:
         if self.open:
             return OPEN
         if not key:
-            raise AuthError("this server needs an API key: send it as 'Authorization: Bearer <key>'")
+            raise AuthError("missing API key: this server needs one; send it as 'Authorization: Bearer <key>'")
         digest = _sha256(key)
         found = None
         for h, p in self.by_hash.items():  # constant time per comparison, every key compared
             if hmac.compare_digest(h, digest):
                 found = p
         if found is None:
-            raise AuthError("unknown API key")
+            raise AuthError("invalid API key: the key sent is not one of this server's keys (kvmemory serve "
+                            "--api-key / --keys-file)")
         return found
 
 

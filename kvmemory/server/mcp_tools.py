@@ -1,5 +1,5 @@
-"""The MCP server (the official `mcp` SDK, 2.x): remember, recall, answer and forget as tools, over
-streamable HTTP (the `/mcp` endpoint of `kvmemory serve`) or stdio (`kvmemory serve --mcp-stdio`).
+"""The MCP server (the official `mcp` SDK, 2.x): remember, recall, answer, get, update, history, list
+and forget as tools (the memory API's routes, with the same fields and results), over streamable HTTP (the `/mcp` endpoint of `kvmemory serve`) or stdio (`kvmemory serve --mcp-stdio`).
 
 The tools are the memory API's operations (memory_ops.py) on the same compute worker as the HTTP
 routes, with the same scoping: each takes `user_id` / `agent_id` / `run_id` (or `namespace`), mapped
@@ -8,6 +8,10 @@ request carried (the gate authenticated it before the MCP transport saw the requ
 rides on the request's state); over stdio it is `$KVMEMORY_MCP_KEY` when the server has keys (a
 stdio server started without one refuses to start), else the server is open. A refused scope, an
 unknown entry or a refused solution is a tool error with the message, never data of another scope.
+
+The server names itself `kvmemory` with kvmemory's version (serverInfo). A request the gate refuses
+(no key, an unknown one: app.py) is answered with a JSON-RPC error whose message says why, which the
+SDK's client raises as is (not "Server returned an error response").
 
 Over HTTP the endpoint is stateless (a fresh MCP transport per request, JSON responses), so every
 request is authenticated on its own and nothing outlives it.
@@ -26,14 +30,15 @@ from kvmemory.errors import KVMemoryError
 from kvmemory.server import memory_ops as ops
 from kvmemory.server.auth import OPEN, AuthError, Forbidden, KeyRing, Principal
 from kvmemory.server.config import is_loopback
-from kvmemory.server.state import ServerState
+from kvmemory.server.state import ServerState, kvmemory_version
 from kvmemory.server.worker import QueueClosed, QueueFull
 
 ENV_MCP_KEY = "KVMEMORY_MCP_KEY"
 INSTRUCTIONS = (
     "kvmemory: verified solutions with their exact KV cache. `remember` stores a problem with a solution that a "
     "verifier checks (exact-answer when an answer is given); `recall` lists stored entries close to a question; "
-    "`answer` answers a question with the routed entries' KV grafted; `forget` removes entries. Every tool takes "
+    "`answer` answers a question with the routed entries' KV grafted; `get`, `list` and `history` read entries; "
+    "`update` changes one (keeping its earlier versions); `forget` removes entries. Every tool takes "
     "user_id / agent_id / run_id (or namespace) to choose whose memory it uses."
 )
 
@@ -50,8 +55,9 @@ def _principal(ctx: Context, fixed: Principal | None) -> Principal:
 
 def build_server(st: ServerState, principal: Principal | None = None) -> MCPServer:
     """The MCP server over `st` (`principal`: the stdio session's; None over HTTP: per request)."""
-    mcp = MCPServer(name="kvmemory", instructions=INSTRUCTIONS, log_level="WARNING")
+    mcp = MCPServer(name="kvmemory", version=kvmemory_version(), instructions=INSTRUCTIONS, log_level="WARNING")
     max_tokens_limit = st.config.limits.max_tokens_limit
+    page_limit = st.config.limits.page_size_limit
 
     async def call(ctx: Context, scope: dict[str, Any], fn):
         """`fn(namespace, private)` on the worker; `private`: a tenant, told nothing of other namespaces."""
@@ -79,22 +85,67 @@ def build_server(st: ServerState, principal: Principal | None = None) -> MCPServ
 
     @mcp.tool(description="Stored entries whose problem is close to `query` in the caller's scope, best first, with "
                           "cosine scores ([] when nothing is close).")
-    async def recall(query: str, ctx: Context, k: int = 5, user_id: str | None = None, agent_id: str | None = None,
-                     run_id: str | None = None, namespace: str | None = None) -> dict:
+    async def recall(query: str, ctx: Context, k: int = 5, where: dict[str, Any] | None = None,
+                     user_id: str | None = None, agent_id: str | None = None, run_id: str | None = None,
+                     namespace: str | None = None) -> dict:
         return await call(ctx, scope_of(user_id, agent_id, run_id, namespace),
-                          lambda ns, _: ops.recall(st.memory, ns, query=query, k=max(1, min(k, 50))))
+                          lambda ns, _: ops.recall(st.memory, ns, query=query, k=max(1, min(k, 50)), where=where))
 
     @mcp.tool(description="Answer `query` with the best routed entries of the caller's scope grafted (their KV read "
                           "from the store, not recomputed). choices='numbers' picks the answer among the numbers of "
                           "the routed verified solution (the reliable mode on a small model).")
     async def answer(query: str, ctx: Context, k: int = 1, max_tokens: int = 64, answer_prefix: str | None = None,
-                     choices: str | list[str] | None = None, user_id: str | None = None,
-                     agent_id: str | None = None, run_id: str | None = None, namespace: str | None = None) -> dict:
+                     choices: str | list[str] | None = None, where: dict[str, Any] | None = None,
+                     user_id: str | None = None, agent_id: str | None = None, run_id: str | None = None,
+                     namespace: str | None = None) -> dict:
         if not 1 <= max_tokens <= max_tokens_limit:
             raise ToolError(f"max_tokens must be between 1 and {max_tokens_limit}")
         return await call(ctx, scope_of(user_id, agent_id, run_id, namespace), lambda ns, _: ops.answer(
             st.memory, ns, query=query, k=max(1, min(k, 8)), max_tokens=max_tokens, answer_prefix=answer_prefix,
-            choices=choices)[0])
+            choices=choices, where=where)[0])
+
+    @mcp.tool(description="One entry of the caller's scope by id: its texts, metadata, version and attestation.")
+    async def get(entry_id: str, ctx: Context, user_id: str | None = None, agent_id: str | None = None,
+                  run_id: str | None = None, namespace: str | None = None) -> dict:
+        return await call(ctx, scope_of(user_id, agent_id, run_id, namespace),
+                          lambda ns, private: ops.get(st.memory, ns, entry_id, private=private))
+
+    @mcp.tool(name="list", description="A page of the caller's entries, oldest first (limit, offset; `where`: a "
+                                       "metadata filter such as {\"topic\": \"eggs\"} or {\"n\": {\"$gte\": 3}}).")
+    async def list_(ctx: Context, limit: int = 20, offset: int = 0, verified: bool | None = None,
+                    where: dict[str, Any] | None = None, user_id: str | None = None, agent_id: str | None = None,
+                    run_id: str | None = None, namespace: str | None = None) -> dict:
+        if not 1 <= limit <= page_limit or offset < 0:
+            raise ToolError(f"limit must be between 1 and {page_limit}, offset at least 0")
+        return await call(ctx, scope_of(user_id, agent_id, run_id, namespace), lambda ns, _: ops.list_entries(
+            st.memory, ns, limit=limit, offset=offset, verified=verified, metadata=where))
+
+    @mcp.tool(description="Change an entry of the caller's scope, keeping what it was (see `history`). Only the "
+                          "fields given change: new problem / solution / answer are verified and their KV computed "
+                          "and proven again (a refused solution is an error, nothing changes); `metadata` is merged "
+                          "(a key set to null is removed); `aliases` replace the routed alternative wordings; "
+                          "`remove_answer` removes the answer.")
+    async def update(entry_id: str, ctx: Context, problem: str | None = None, solution: str | None = None,
+                     answer: str | int | float | None = None, remove_answer: bool = False,
+                     metadata: dict[str, Any] | None = None, aliases: list[str] | None = None,
+                     verifier: str | None = None, allow_unverified: bool | None = None,
+                     user_id: str | None = None, agent_id: str | None = None, run_id: str | None = None,
+                     namespace: str | None = None) -> dict:
+        if remove_answer and answer is not None:
+            raise ToolError("give answer or remove_answer, not both")
+        given = {"problem": problem, "solution": solution, "answer": answer, "metadata": metadata,
+                 "aliases": aliases, "verifier": verifier, "allow_unverified": allow_unverified}
+        changes = {k: v for k, v in given.items() if v is not None}
+        if remove_answer:
+            changes["answer"] = None
+        return await call(ctx, scope_of(user_id, agent_id, run_id, namespace),
+                          lambda ns, private: ops.update(st.memory, ns, entry_id, private=private, **changes))
+
+    @mcp.tool(description="Every version of an entry of the caller's scope, oldest first, the current one last.")
+    async def history(entry_id: str, ctx: Context, user_id: str | None = None, agent_id: str | None = None,
+                      run_id: str | None = None, namespace: str | None = None) -> dict:
+        return await call(ctx, scope_of(user_id, agent_id, run_id, namespace),
+                          lambda ns, private: ops.history(st.memory, ns, entry_id, private=private))
 
     @mcp.tool(description="Remove entries of the caller's scope by id (or every entry of it with all=true).")
     async def forget(ctx: Context, entry_ids: list[str] | None = None, all: bool = False,

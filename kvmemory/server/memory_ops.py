@@ -1,4 +1,6 @@
-"""The memory operations the HTTP memory API and the MCP tools share, each confined to one namespace.
+"""The memory operations the HTTP memory API, the MCP tools and the CLI's get / update / history share
+(one API everywhere: the same `KVMemory` calls, the same fields, the same JSON), each confined to one
+namespace (the CLI may pass None: any namespace, as `KVMemory.get` looks).
 
 Every function runs on the compute worker (it reads or writes the model or the store) and takes the
 namespace the caller's key was checked for (auth.py); nothing here reads outside it: an entry id
@@ -18,7 +20,9 @@ from typing import Any
 
 from kvmemory.engine.runner import Sampling
 from kvmemory.errors import InvalidInput, UnknownEntry
-from kvmemory.memory.facade import KVMemory
+from kvmemory.memory.facade import KEEP, KVMemory
+from kvmemory.memory.filters import check_where, matches
+from kvmemory.memory.listing import user_meta, version_of, versions
 from kvmemory.server.auth import scope_of_namespace
 from kvmemory.server.tenancy import entry_in_scope
 from kvmemory.store.local import EntryRecord
@@ -27,13 +31,14 @@ MAX_VERIFY = 32  # entries one verify call recomputes (each is a full recompute 
 
 
 def entry_json(e: EntryRecord, *, full: bool = True) -> dict:
-    meta = dict(e.meta)
-    aliases = meta.pop("aliases", [])
+    meta = user_meta(e)
+    aliases = list(e.meta.get("aliases") or ())
     att = e.attestation or {}
     out = {
         "id": e.id, "namespace": e.namespace, "scope": scope_of_namespace(e.namespace),
         "problem": e.problem, "answer": e.answer, "verified": e.verified, "metadata": meta,
-        "attestation_id": att.get("attestation_id"), "created": e.created, "updated": e.updated,
+        "attestation_id": att.get("attestation_id"), "version": version_of(e), "created": e.created,
+        "updated": e.updated,
     }
     if full:
         out.update(solution=e.solution, aliases=aliases, verifier=e.verifier, n_tokens=len(e.token_ids),
@@ -55,8 +60,9 @@ def remember(mem: KVMemory, namespace: str, *, problem: str, solution: str, answ
     return {**entry_json(e), "bit_identical": bool(e.attestation.get("bit_identical"))}
 
 
-def recall(mem: KVMemory, namespace: str, *, query: str, k: int = 5, threshold: float | None = None) -> dict:
-    hits = mem.recall(query, k, namespace=namespace, threshold=threshold)
+def recall(mem: KVMemory, namespace: str, *, query: str, k: int = 5, threshold: float | None = None,
+           where: dict | None = None) -> dict:
+    hits = mem.recall(query, k, namespace=namespace, threshold=threshold, where=where)
     return {"namespace": namespace, "query": query,
             "results": [{**entry_json(h.entry), "score": round(h.score, 4), "matched_text": h.matched_text}
                         for h in hits]}
@@ -64,24 +70,69 @@ def recall(mem: KVMemory, namespace: str, *, query: str, k: int = 5, threshold: 
 
 def answer(mem: KVMemory, namespace: str, *, query: str, k: int = 1, max_tokens: int = 64,
            answer_prefix: str | None = None, choices: str | list[str] | None = None, memory: bool = True,
-           sampling: Sampling | None = None, threshold: float | None = None) -> tuple[dict, Any]:
+           sampling: Sampling | None = None, threshold: float | None = None,
+           where: dict | None = None) -> tuple[dict, Any]:
     kw = {"sampling": sampling} if sampling is not None else {}
     ans = mem.answer(query, k=k, namespace=namespace, threshold=threshold, max_new_tokens=max_tokens,
-                     answer_prefix=answer_prefix, choices=choices, use_memory=memory, **kw)
+                     answer_prefix=answer_prefix, choices=choices, use_memory=memory, where=where, **kw)
     return {"namespace": namespace, **ans.to_json()}, ans
 
 
-def get(mem: KVMemory, namespace: str, entry_id: str, *, private: bool = False) -> dict:
-    return entry_json(entry_in_scope(mem, namespace, entry_id, private=private))
+def _lookup(mem: KVMemory, namespace: str | None, entry_id: str, private: bool) -> EntryRecord:
+    """The entry in `namespace` (the server's calls: always one); None (the CLI without --namespace):
+    in any namespace, as `KVMemory.get` looks."""
+    if namespace is None:
+        return mem.get(entry_id, None)
+    return entry_in_scope(mem, namespace, entry_id, private=private)
+
+
+def get(mem: KVMemory, namespace: str | None, entry_id: str, *, private: bool = False) -> dict:
+    return entry_json(_lookup(mem, namespace, entry_id, private))
+
+
+# What an update may change (KVMemory.update's arguments; `metadata` is its `meta`).
+UPDATE_FIELDS = ("problem", "solution", "answer", "metadata", "aliases", "verifier", "allow_unverified")
+
+
+def update(mem: KVMemory, namespace: str | None, entry_id: str, *, private: bool = False, **changes: Any) -> dict:
+    """`KVMemory.update` of an entry of the namespace: `changes` are the fields given (UPDATE_FIELDS;
+    `answer=None` removes the answer, a metadata key set to None is removed). The entry as `get`
+    shows it, in its new version."""
+    unknown = sorted(set(changes) - set(UPDATE_FIELDS))
+    if unknown:
+        raise InvalidInput(f"unknown field(s) {', '.join(map(repr, unknown))}; an update takes "
+                           f"{', '.join(UPDATE_FIELDS)}")
+    if not {"problem", "solution", "answer", "metadata", "aliases"} & set(changes):
+        raise InvalidInput("nothing to update: give problem, solution, answer, metadata or aliases")
+    meta = changes.get("metadata")
+    if meta is not None and not isinstance(meta, dict):
+        raise InvalidInput("metadata must be an object (a key set to null is removed)")
+    cur = _lookup(mem, namespace, entry_id, private)
+    answer = changes["answer"] if "answer" in changes else KEEP
+    if answer is not None and answer is not KEEP:
+        answer = str(answer)
+    new = mem.update(cur.id, problem=changes.get("problem"), solution=changes.get("solution"), answer=answer,
+                     meta=meta, aliases=changes.get("aliases"), verifier=changes.get("verifier"),
+                     allow_unverified=changes.get("allow_unverified"), namespace=cur.namespace)
+    return entry_json(new)
+
+
+def history(mem: KVMemory, namespace: str | None, entry_id: str, *, private: bool = False) -> dict:
+    """Every version of an entry, oldest first (`KVMemory.history`: EntryVersion.to_json each)."""
+    cur = _lookup(mem, namespace, entry_id, private)
+    return {"id": cur.id, "namespace": cur.namespace, "versions": [v.to_json() for v in versions(cur)]}
 
 
 def list_entries(mem: KVMemory, namespace: str, *, limit: int, offset: int = 0, verified: bool | None = None,
                  metadata: dict | None = None) -> dict:
+    """A page of the namespace's entries, oldest first; `metadata`: a filter on their metadata, as
+    `where` (memory/filters.py: equality, or operators such as {"n": {"$gte": 3}})."""
+    where = check_where(metadata, "metadata")
     entries = sorted(mem.store.list_entries(namespace), key=lambda e: (e.created, e.id))
     if verified is not None:
         entries = [e for e in entries if e.verified == verified]
-    if metadata:
-        entries = [e for e in entries if all(e.meta.get(k) == v for k, v in metadata.items())]
+    if where:
+        entries = [e for e in entries if matches(user_meta(e), where)]
     page = entries[offset: offset + limit]
     nxt = offset + limit if offset + limit < len(entries) else None
     return {"namespace": namespace, "total": len(entries), "offset": offset, "next_offset": nxt,

@@ -1,21 +1,29 @@
-"""The memory API over HTTP: remember (with the verifier), recall, answer, get, list, forget, verify,
-stats, under `/v1/memory/`.
+"""The memory API over HTTP: remember (with the verifier), recall, answer, get, update, history, list,
+forget, verify, stats, under `/v1/memory/`.
 
 Every call names its scope (`user_id`, `agent_id`, `run_id`, or `namespace`; in the JSON body of a
 POST, in the query of a GET / DELETE, else in `X-KVMemory-*` headers, else the key's default) and is
 confined to the one namespace it maps to (auth.py, memory_ops.py):
 
     POST   /v1/memory/remember        {problem, solution, answer?, verifier?, allow_unverified?, metadata?, aliases?}
-    POST   /v1/memory/recall          {query, k?, threshold?}
-    POST   /v1/memory/answer          {query, k?, max_tokens?, answer_prefix?, choices?, memory?, temperature?, top_p?, seed?}
+    POST   /v1/memory/recall          {query, k?, threshold?, where?}
+    POST   /v1/memory/answer          {query, k?, max_tokens?, answer_prefix?, choices?, memory?, temperature?, top_p?, seed?, where?}
     GET    /v1/memory/entries         ?limit=&offset=&verified=&metadata={"k": "v"}
     GET    /v1/memory/entries/{id}
+    PATCH  /v1/memory/entries/{id}    {problem?, solution?, answer?, metadata?, aliases?, verifier?, allow_unverified?}
+    GET    /v1/memory/entries/{id}/history
     DELETE /v1/memory/entries/{id}
     POST   /v1/memory/forget          {entry_ids: [...]} or {all: true}
     POST   /v1/memory/verify          {entry_ids?: [...]}: recompute from scratch, compare logits byte for byte
     GET    /v1/memory/stats           the scope's counts (and the whole store's for an admin key)
     GET    /v1/memory/export          ?entry_ids=a,b: a bundle (store/bundle.py) of the scope's entries
     POST   /v1/memory/import          the bundle's bytes as the body, ?verify_all=true: into the scope only
+
+`where` (and the list's `metadata`) is a metadata filter as `KVMemory.recall(where=...)` takes it
+(memory/filters.py: {"topic": "eggs"}, {"n": {"$gte": 3}}); a malformed one is a 400 naming it. A
+PATCH is `KVMemory.update`: only the fields sent change (`answer: null` removes the answer, a metadata
+key set to null is removed); new texts are verified and proven as `remember` does, the old version
+is kept in the history, and the entry (as GET shows it, with its new `version`) is returned.
 
 A remember that the verifier refuses is a 422 and stores nothing; an entry is written only once its
 graft has been proved bit-identical (KVMemory.remember). An import is refused (403) when the bundle
@@ -79,6 +87,7 @@ class RecallBody(Scoped):
     query: str
     k: int = Field(5, ge=1, le=50)
     threshold: float | None = Field(None, ge=-1.0, le=1.0)
+    where: dict[str, Any] | None = None
 
 
 class AnswerBody(Scoped):
@@ -92,6 +101,19 @@ class AnswerBody(Scoped):
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    where: dict[str, Any] | None = None
+
+
+class UpdateBody(Scoped):
+    """Only the fields sent change (`model_fields_set`): `answer: null` removes the answer."""
+
+    problem: str | None = None
+    solution: str | None = None
+    answer: str | int | float | None = None
+    metadata: dict[str, Any] | None = None
+    aliases: list[str] | None = Field(None, max_length=16)
+    verifier: Literal["exact-answer", "arithmetic", "none"] | None = None
+    allow_unverified: bool | None = None
 
 
 class ForgetBody(Scoped):
@@ -139,7 +161,8 @@ async def remember(body: RememberBody, request: Request) -> dict:
 @router.post("/recall")
 async def recall(body: RecallBody, request: Request) -> dict:
     st, ns = _state(request), _namespace(request, body.model_dump())
-    return await st.compute(lambda: ops.recall(st.memory, ns, query=body.query, k=body.k, threshold=body.threshold))
+    return await st.compute(lambda: ops.recall(st.memory, ns, query=body.query, k=body.k, threshold=body.threshold,
+                                               where=body.where))
 
 
 @router.post("/answer")
@@ -154,7 +177,7 @@ async def answer(body: AnswerBody, request: Request) -> dict:
     def work() -> dict:
         out, ans = ops.answer(st.memory, ns, query=body.query, k=body.k, max_tokens=body.max_tokens,
                               answer_prefix=body.answer_prefix, choices=body.choices, memory=body.memory,
-                              sampling=sampling, threshold=body.threshold)
+                              sampling=sampling, threshold=body.threshold, where=body.where)
         r = ans.report
         st.metrics.model_call(grafted=r.tokens_grafted, computed=r.tokens_computed, decoded=r.tokens_decoded,
                               entries=len(ans.entries), quarantined=len(r.quarantined))
@@ -190,6 +213,23 @@ async def get_entry(entry_id: str, request: Request, user_id: str | None = None,
     ns = _namespace(request, _query_scope(user_id, agent_id, run_id, namespace))
     private = _private(request)
     return await st.compute(lambda: ops.get(st.memory, ns, entry_id, private=private))
+
+
+@router.patch("/entries/{entry_id}")
+async def update_entry(entry_id: str, body: UpdateBody, request: Request) -> dict:
+    st, ns = _state(request), _namespace(request, body.model_dump())
+    private = _private(request)
+    changes = {k: getattr(body, k) for k in body.model_fields_set if k in ops.UPDATE_FIELDS}
+    return await st.compute(lambda: ops.update(st.memory, ns, entry_id, private=private, **changes))
+
+
+@router.get("/entries/{entry_id}/history")
+async def entry_history(entry_id: str, request: Request, user_id: str | None = None, agent_id: str | None = None,
+                        run_id: str | None = None, namespace: str | None = None) -> dict:
+    st = _state(request)
+    ns = _namespace(request, _query_scope(user_id, agent_id, run_id, namespace))
+    private = _private(request)
+    return await st.compute(lambda: ops.history(st.memory, ns, entry_id, private=private))
 
 
 @router.delete("/entries/{entry_id}")

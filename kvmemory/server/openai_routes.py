@@ -51,7 +51,7 @@ def state(request: Request) -> ServerState:
 
 def check_model(st: ServerState, model: str) -> None:
     if model not in st.model_names:
-        raise ApiError(404, f"model {model!r} is not served here; GET /v1/models lists {sorted(st.model_names)}",
+        raise ApiError(404, f"model {model!r} is not served here; GET /v1/models lists {st.model_ids}",
                        "invalid_request_error", code="model_not_found", param="model")
 
 
@@ -68,10 +68,11 @@ def record(st: ServerState, *, grafted: int, computed: int, decoded: int, entrie
 @router.get("/v1/models")
 async def list_models(request: Request) -> dict:
     st = state(request)
+    # Every id a request may name (the 404 for any other lists the same ids), each the same model
     return {"object": "list", "data": [
-        {"id": st.config.served_model_name, "object": "model", "created": int(st.started), "owned_by": "kvmemory",
+        {"id": mid, "object": "model", "created": int(st.started), "owned_by": "kvmemory",
          "kvmemory": {"model": st.config.model, "profile_id": st.memory.engine.profile_id,
-                      "chunk": st.memory.engine.chunk}}]}
+                      "chunk": st.memory.engine.chunk}} for mid in st.model_ids]}
 
 
 # ---------------------------------------------------------------------- chat

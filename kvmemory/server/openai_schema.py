@@ -2,8 +2,9 @@
 
 Requests (pydantic models, so FastAPI documents them) accept what the official clients send and
 refuse, with a 400 naming the field, what this server cannot honour rather than ignoring it:
-`n` > 1, `logprobs`, penalties, `logit_bias`, `response_format: json_object` (give a `json_schema`),
-images and audio in messages; a field that is not OpenAI's (nor `kvmemory`) is a 400 too, and OpenAI's
+`n` > 1, `logprobs`, penalties, `logit_bias`, images and audio in messages. `response_format` takes
+`json_schema` (the guided decoder writes JSON that follows it) and `json_object` (any JSON object: the
+model writes the keys and values, the guide the punctuation, adapters/open_json.py); a field that is not OpenAI's (nor `kvmemory`) is a 400 too, and OpenAI's
 fields that would change nothing here are accepted (openai_fields.py). Decoding: `temperature` 0 or
 omitted is greedy (the default here, not OpenAI's 1.0: answers from verified memory should be
 reproducible); with a temperature, `top_p` and `seed` (default 0) give seeded, reproducible sampling.
@@ -186,6 +187,9 @@ def _tools(raw: list[dict[str, Any]] | None) -> list[dict]:
     return tools
 
 
+JSON_OBJECT = {"type": "object"}  # response_format json_object: an open object (adapters/open_json.py)
+
+
 def _schema(fmt: dict[str, Any] | None) -> dict | None:
     if not fmt or fmt.get("type") == "text":
         return None
@@ -195,9 +199,8 @@ def _schema(fmt: dict[str, Any] | None) -> dict | None:
         if not isinstance(schema, dict):
             raise ApiError(400, "response_format.json_schema.schema must be a JSON schema object", param="response_format")
         return schema
-    if fmt.get("type") == "json_object":
-        raise ApiError(400, "response_format json_object is not supported: give a json_schema (the guided decoder "
-                       "writes JSON that follows a schema)", param="response_format")
+    if fmt.get("type") == "json_object":  # any JSON object: the guided decoder lets the model write the keys
+        return dict(JSON_OBJECT)
     raise ApiError(400, f"unknown response_format type {fmt.get('type')!r}", param="response_format")
 
 

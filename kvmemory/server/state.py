@@ -21,6 +21,16 @@ from kvmemory.server.worker import ComputeQueue
 GAUGE_REFRESH_S = 10.0
 
 
+def kvmemory_version() -> str:
+    """kvmemory's installed version (the app's and the MCP server's serverInfo version)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kvmemory")
+    except PackageNotFoundError:
+        return "0+unknown"
+
+
 @dataclass(slots=True)
 class StoreGauges:
     """The store's counts as last read by the worker."""
@@ -55,8 +65,15 @@ class ServerState:
         return SharedMemory(self.memory, memory_lock(self.memory))
 
     @property
+    def model_ids(self) -> list[str]:
+        """Every model id requests may name, the served name first: what `/v1/models` lists and what
+        the 404 for another id lists (one list, so they cannot disagree)."""
+        ids = [self.config.served_model_name, "kvmemory", *([self.config.model] if self.config.model else [])]
+        return list(dict.fromkeys(ids))
+
+    @property
     def model_names(self) -> set[str]:
-        return {self.config.served_model_name, "kvmemory", *([self.config.model] if self.config.model else [])}
+        return set(self.model_ids)
 
     @classmethod
     def build(cls, memory: KVMemory, config: ServerConfig) -> "ServerState":

@@ -57,9 +57,11 @@ from kvmemory.store.local import LocalStore
 
 def run_fsck(store, repair: bool = False, router_rebuild: Callable[[], int] | None = None, *,
              grace_seconds: float = GRACE_SECONDS, purge_orphans: bool = False, router_check: RouterCheck | None = None,
-             entry_check: EntryCheck | None = None, recompute: Recompute | None = None) -> FsckReport:
+             entry_check: EntryCheck | None = None, recompute: Recompute | None = None,
+             progress: bool = False) -> FsckReport:
     """Check (and with `repair`, fix) `store`; see the module docstring. Never raises for damage it finds:
-    damage is what it reports. Raises StoreError only when the store cannot be reached at all."""
+    damage is what it reports. Raises StoreError only when the store cannot be reached at all.
+    `progress`: a bar on stderr over the blocks read and hashed."""
     t0 = time.perf_counter()
     if repair and getattr(store, "readonly", False):
         from kvmemory.errors import StoreReadOnly
@@ -70,9 +72,10 @@ def run_fsck(store, repair: bool = False, router_rebuild: Callable[[], int] | No
 
         raise InvalidInput("fsck --repair works on the whole store: open it without a namespace, with the master key")
     if getattr(store, "kind", "") == "redis":
-        report = fsck_redis(store, repair, grace_seconds, purge_orphans=purge_orphans, entry_check=entry_check)
+        report = fsck_redis(store, repair, grace_seconds, purge_orphans=purge_orphans, entry_check=entry_check,
+                            progress=progress)
     elif isinstance(store, LocalStore):
-        report = fsck_local(store, repair, grace_seconds, purge_orphans, entry_check)
+        report = fsck_local(store, repair, grace_seconds, purge_orphans, entry_check, progress)
     else:
         raise StoreError(f"fsck does not know stores of kind {getattr(store, 'kind', type(store).__name__)!r}")
     if report.catalogue == "ok" and router_check is not None:

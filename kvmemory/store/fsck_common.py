@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import sqlite3
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -16,6 +17,14 @@ from kvmemory.store.blocks import encode_header, parse_header
 from kvmemory.store.local import BlockRow, EntryRecord, LocalStore, check_meta
 
 GRACE_SECONDS = 60.0
+
+
+def progress_bar(total: int, enabled: bool, desc: str = "fsck: blocks"):
+    """A bar on stderr over the blocks fsck reads and hashes (the long part on a big store); a
+    no-op one when not `enabled`."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="block", disable=not enabled, file=sys.stderr)
 MAX_LISTED = 1000
 
 EntryCheck = Callable[[EntryRecord], "str | None"]  # why an entry does not check against itself, or None

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from kvmemory.errors import IntegrityError, KVMemoryError, StoreError, UnknownEntry
 from kvmemory.store.fsck_common import (EntryCheck, FsckReport, check_block_bytes, fsck_tables, master_signer,
-                                        set_aside_local)
+                                        progress_bar, set_aside_local)
 from kvmemory.store.fsck_records import chunk_for, reconcile_local, self_problem
 from kvmemory.store.local import LocalStore, block_row_from
 from kvmemory.store.rebuild import check_block_file, move_aside, rebuild_catalogue
@@ -46,7 +46,7 @@ def _pid_alive(pid: int) -> bool:
 
 
 def fsck_local(store: LocalStore, repair: bool, grace: float, purge: bool = False,
-                entry_check: EntryCheck | None = None) -> FsckReport:
+                entry_check: EntryCheck | None = None, progress: bool = False) -> FsckReport:
     rep = FsckReport(str(store.path), store.kind, repair)
     try:
         res = [str(r[0]) for r in store._q("PRAGMA integrity_check")]
@@ -94,7 +94,10 @@ def fsck_local(store: LocalStore, repair: bool, grace: float, purge: bool = Fals
 
     # -- block rows and their files
     usable: set[str] = set()
-    for raw in store._q(f"SELECT {_BLOCK_COLS} FROM blocks"):
+    block_rows = store._q(f"SELECT {_BLOCK_COLS} FROM blocks")
+    bar = progress_bar(len(block_rows), progress)
+    for raw in block_rows:
+        bar.update()
         rep.add("blocks_checked")
         key = raw[0] if isinstance(raw[0], str) else repr(raw[0])
         try:
@@ -140,6 +143,7 @@ def fsck_local(store: LocalStore, repair: bool, grace: float, purge: bool = Fals
         rep.add("blocks_ok")
         usable.add(row.hash)
 
+    bar.close()
     # -- entries
     _check_entries_local(rep, store, repair, usable, now, entry_check, set() if repair else reported)
     # chain rows of entries that no longer exist

@@ -21,7 +21,7 @@ import json
 import time
 
 from kvmemory.errors import IntegrityError
-from kvmemory.store.fsck_common import EntryCheck, FsckReport, check_block_bytes, master_signer
+from kvmemory.store.fsck_common import EntryCheck, FsckReport, check_block_bytes, master_signer, progress_bar
 from kvmemory.store.fsck_records import differing_fields, self_problem, signature_ok
 from kvmemory.store.local import BlockRow, EntryRecord
 from kvmemory.store.rebuild import check_block_file, chunk_of
@@ -29,7 +29,7 @@ from kvmemory.store.records import content_sha256, make_record, parse_record, re
 
 
 def fsck_redis(store, repair: bool, grace: float, *, purge_orphans: bool = False,
-               entry_check: EntryCheck | None = None) -> FsckReport:
+               entry_check: EntryCheck | None = None, progress: bool = False) -> FsckReport:
     r = store.client
     rep = FsckReport(f"{store.url} store {store.name!r}", store.kind, repair)
     if not store.ping():
@@ -57,8 +57,10 @@ def fsck_redis(store, repair: bool, grace: float, *, purge_orphans: bool = False
     rows: dict[str, BlockRow] = {}
     usable: set[str] = set()
     hashes = sorted(keyed)
+    bar = progress_bar(len(hashes), progress)
     for i in range(0, len(hashes), 200):
         chunk = hashes[i : i + 200]
+        bar.update(len(chunk))
         raws = store._fetch(lambda c=chunk: store._raw_rows(c), "fsck")
         p = r.pipeline(transaction=False)
         for h in chunk:
@@ -103,6 +105,7 @@ def fsck_redis(store, repair: bool, grace: float, *, purge_orphans: bool = False
             rep.add("blocks_ok")
             usable.add(h)
 
+    bar.close()
     # -- orphan payloads: adopted when an entry names them (and its signed chain has their hash), else set
     # aside (older than the grace period: a writer SETs payloads before it commits)
     named: dict[str, tuple[EntryRecord, str]] = {}  # hash -> (an entry naming it, the payload SHA-256 it names)
