@@ -43,8 +43,9 @@ def test_routed_question_grafts_the_verified_entry(llm):
     assert [e["id"] for e in kv["entries"]] == [entry.id]
     assert kv["entries"][0]["verified"] is True
     assert kv["entries"][0]["attestation_id"] == entry.attestation["attestation_id"]
-    # Without a system turn the entry's own stored ids start the prompt: its full blocks are grafted.
-    assert msg.usage_metadata["input_token_details"]["cache_read"] == (len(entry.token_ids) - 1) // 64 * 64 > 0
+    # Without a system turn the entry's own stored ids start the prompt: all of them are grafted (its
+    # last block a tail block ending at the entry's end, a cut: memory/layout.py).
+    assert msg.usage_metadata["input_token_details"]["cache_read"] == len(entry.token_ids) > 0
     assert kv["tokens_grafted"] + kv["tokens_computed"] == msg.usage_metadata["input_tokens"]
     assert kv["tokens_decoded"] == msg.usage_metadata["output_tokens"] <= 12
 

@@ -43,7 +43,7 @@ def test_put_indexes_now_and_the_next_related_call_grafts_its_kv(path):
     entry = mem.get(eid)
     assert ans.entries == [eid] and entry.verified is True
     assert len(entry.chain) >= 2
-    assert ans.report.tokens_grafted == len(entry.chain) * mem.engine.chunk
+    assert ans.report.tokens_grafted == len(entry.token_ids)  # the whole entry, its tail block too
     s.flush()
     assert mem.pending() == []
 
@@ -157,7 +157,8 @@ def test_normal_exit_finishes_pending_writes_and_a_kill_leaves_nothing_half_writ
     s.flush()  # the store computed what the killed process missed
     ids = LocalStore(path).entry_ids("exit")
     assert len(ids) == 2 and s.entry_id(("exit",), "b") in ids
-    # Its 51 tokens are less than one 64-token block: nothing of it is grafted, so `verify` reports it
-    # unproven (a graft of nothing proves nothing), with the reason, rather than bit-identical.
-    v = shared_memory(None, path).verify([s.entry_id(("exit",), "b")])
-    assert v.checked == 1 and v.unproven == 1 and "nothing was grafted" in v.results[0]["unproven_reason"]
+    # Its 51 tokens are less than one 64-token block: stored as one tail block, grafted whole, proven.
+    mem = shared_memory(None, path)
+    v = mem.verify([s.entry_id(("exit",), "b")])
+    assert v.checked == v.bit_identical == 1 and v.unproven == 0
+    assert v.results[0]["graft_point"] == len(mem.get(s.entry_id(("exit",), "b")).token_ids) < 64
