@@ -437,7 +437,8 @@ def cmd_list(args) -> int:
     page = mem.list(None if args.all_namespaces else args.namespace, where=_meta(args.where), limit=args.limit,
                     cursor=args.cursor, all_namespaces=args.all_namespaces)
     out = page.to_json()
-    lines = [f"{e['id']}  {e['namespace']}  v{e['version']}  {'' if e['verified'] else '[UNVERIFIED] '}"
+    lines = [f"{e['id']}  {e['namespace']}  v{e['version']}  "
+             f"{'[NOTE] ' if e['kind'] == 'note' else '' if e['verified'] else '[UNVERIFIED] '}"
              f"{e['problem'][:80]!r}" + (f"  {json.dumps(e['meta'], sort_keys=True)}" if e["meta"] else "")
              for e in out["entries"]]
     where = "every namespace" if args.all_namespaces else f"namespace {args.namespace!r}"

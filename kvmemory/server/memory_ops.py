@@ -19,6 +19,7 @@ from typing import Any
 from kvmemory.engine.runner import Sampling
 from kvmemory.errors import InvalidInput, UnknownEntry
 from kvmemory.memory.facade import KVMemory
+from kvmemory.memory.notes import kind_of
 from kvmemory.server.auth import scope_of_namespace
 from kvmemory.server.tenancy import entry_in_scope
 from kvmemory.store.local import EntryRecord
@@ -32,7 +33,7 @@ def entry_json(e: EntryRecord, *, full: bool = True) -> dict:
     att = e.attestation or {}
     out = {
         "id": e.id, "namespace": e.namespace, "scope": scope_of_namespace(e.namespace),
-        "problem": e.problem, "answer": e.answer, "verified": e.verified, "metadata": meta,
+        "problem": e.problem, "answer": e.answer, "verified": e.verified, "kind": kind_of(e), "metadata": meta,
         "attestation_id": att.get("attestation_id"), "created": e.created, "updated": e.updated,
     }
     if full:
@@ -43,7 +44,7 @@ def entry_json(e: EntryRecord, *, full: bool = True) -> dict:
     return out
 
 
-def remember(mem: KVMemory, namespace: str, *, problem: str, solution: str, answer: str | None = None,
+def remember(mem: KVMemory, namespace: str, *, problem: str, solution: str | None, answer: str | None = None,
              verifier: str | None = None, allow_unverified: bool = False, metadata: dict | None = None,
              aliases: Sequence[str] = ()) -> dict:
     if metadata is not None and not isinstance(metadata, dict):
