@@ -273,8 +273,8 @@ class KVMemory:
         No solution (`remember("Alice likes tea.")`): the text is a statement, stored as a note (`note`).
         A solution the verifier refuses is refused (VerificationFailed), never made a note."""
         if solution is None:
-            return notes.remember_note(self, problem, answer=answer, verifier=verifier, namespace=namespace,
-                                       meta=meta, aliases=aliases)
+            return notes.commit(self, self._plan(problem, None, answer, verifier, namespace, allow_unverified, meta,
+                                                 aliases))
         plan = self._plan(problem, solution, answer, verifier, namespace, allow_unverified, meta, aliases)
         entry = self._compute_and_commit(plan)
         self._after_remember(entry)
@@ -313,7 +313,7 @@ class KVMemory:
         """Remember a statement ("Alice likes tea.") as a note: unverified, kind "note", its KV computed
         and proven, routed and grafted like any entry (memory/notes.py). The same note again is returned
         as it is."""
-        return notes.remember_note(self, text, namespace=namespace, meta=meta, aliases=aliases)
+        return notes.commit(self, self._plan(text, None, None, None, namespace, False, meta, aliases))
 
     def add(self, messages: Sequence[dict], *, namespace: str | None = None, meta: dict | None = None,
             verifier: str = "arithmetic", pairs: bool = True) -> notes.AddResult:
@@ -385,7 +385,8 @@ class KVMemory:
     def _plan(self, problem, solution, answer, verifier, namespace, allow_unverified, meta, aliases) -> dict:
         """What remembering takes before the model runs: checked texts, the verifier's verdict, the id."""
         if solution is None:  # a statement: a note (memory/notes.py)
-            return notes.plan(self, problem, answer, verifier, namespace, meta, aliases)
+            return notes.plan(self, problem, answer, verifier, _check_namespace(namespace or self.namespace),
+                              _check_meta(meta), _check_aliases(aliases))
         problem = _check_text("problem", problem)
         solution = _check_text("solution", solution)
         answer = _check_text("answer", None if answer is None else str(answer), required=False)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from kvmemory.errors import InvalidInput
 from kvmemory.memory.filters import matches
-from kvmemory.memory.notes import kind_of
+from kvmemory.memory.verifiers import kind_of
 from kvmemory.store.local import EntryRecord
 
 # Keys of an entry's meta that kvmemory itself writes: `aliases` (extra routed texts) and `history`

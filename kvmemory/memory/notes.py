@@ -48,8 +48,9 @@ from dataclasses import dataclass, field
 
 from kvmemory.errors import InvalidInput, UnknownEntry, VerificationFailed
 from kvmemory.memory.ids import entry_id_for
-from kvmemory.memory.inputs import check_text
-from kvmemory.memory.verifiers import NoteVerifier
+from kvmemory.memory.inputs import check_namespace, check_text
+from kvmemory.memory.listing import user_meta
+from kvmemory.memory.verifiers import NoteVerifier, is_note, kind_of
 
 NOTE = "note"
 SOLUTION = "solution"
@@ -64,21 +65,10 @@ NOTE_THRESHOLDS: dict[str, float] = {
 }
 
 
-def is_note(entry) -> bool:
-    """Whether an entry is a note (stored by `note` / `remember` without a solution)."""
-    return (entry.verifier or {}).get("name") == NoteVerifier.name
-
-
-def kind_of(entry) -> str:
-    """"note" or "solution"."""
-    return NOTE if is_note(entry) else SOLUTION
-
-
 # ---------------------------------------------------------------------------------------------- storing
-def plan(mem, text: str, answer, verifier, namespace: str | None, meta, aliases) -> dict:
-    """What `KVMemory._plan` returns, for a note: checked texts, the note's verdict, the id."""
-    from kvmemory.memory.facade import _check_aliases, _check_meta, _check_namespace
-
+def plan(mem, text: str, answer, verifier, namespace: str, meta: dict, aliases: list[str]) -> dict:
+    """What `KVMemory._plan` returns, for a note: the checked text, the note's verdict, the id
+    (`namespace`, `meta` and `aliases` come checked by the facade)."""
     text = check_text("problem", text)
     if answer is not None:
         raise InvalidInput("a note (remember without a solution) has no answer: give the solution that "
@@ -86,9 +76,6 @@ def plan(mem, text: str, answer, verifier, namespace: str | None, meta, aliases)
     if verifier is not None and not (isinstance(verifier, str) and verifier == NoteVerifier.name):
         raise InvalidInput("a verifier checks a solution, and none was given: give the solution, or leave "
                            "verifier out to store the statement as an unverified note")
-    namespace = _check_namespace(namespace or mem.namespace)
-    meta = _check_meta(meta)
-    aliases = _check_aliases(aliases)
     v = NoteVerifier()
     result = v(text, NOTE_SOLUTION, None)
     verdict = {"name": v.name, "version": v.version, "ok": bool(result.ok), "detail": result.detail}
@@ -97,13 +84,9 @@ def plan(mem, text: str, answer, verifier, namespace: str | None, meta, aliases)
             "verdict": verdict, "meta": meta, "aliases": aliases}
 
 
-def remember_note(mem, text: str, *, answer=None, verifier=None, namespace: str | None = None,
-                  meta: dict | None = None, aliases: Sequence[str] = ()):
-    """Store `text` as a note (KV computed and its graft proven as `remember` does) and route it; a note
-    already stored with the same text, metadata and aliases is returned as it is."""
-    from kvmemory.memory.listing import user_meta
-
-    p = plan(mem, text, answer, verifier, namespace, meta, aliases)
+def commit(mem, p: dict):
+    """Store a note planned by `KVMemory._plan` (KV computed and its graft proven as `remember` does)
+    and route it; a note already stored with the same text, metadata and aliases is returned as it is."""
     try:
         cur = mem.store.get_entry(p["id"], p["namespace"])
     except UnknownEntry:
@@ -253,11 +236,8 @@ def _messages(messages) -> list[dict]:
 def add(mem, messages, *, namespace: str | None = None, meta: dict | None = None, verifier: str = "arithmetic",
         pairs: bool = True) -> AddResult:
     """`KVMemory.add`: keep what a chat taught (module docstring)."""
-    from kvmemory.memory.facade import _check_meta, _check_namespace
-
     msgs = _messages(messages)
-    namespace = _check_namespace(namespace or mem.namespace)  # checked before anything is stored
-    meta = _check_meta(meta)
+    namespace = check_namespace(namespace or mem.namespace)  # checked before anything is stored
     if not isinstance(verifier, str) or verifier == NoteVerifier.name:
         raise InvalidInput(f"verifier must be the name of a solution verifier (arithmetic, exact-answer), got {verifier!r}")
     out = AddResult()
@@ -269,19 +249,26 @@ def add(mem, messages, *, namespace: str | None = None, meta: dict | None = None
             if fact in seen:
                 continue
             seen.add(fact)
-            out.notes.append(remember_note(mem, fact, namespace=namespace, meta=meta))
+            out.notes.append(commit(mem, mem._plan(fact, None, None, None, namespace, False, meta, ())))
         reply = msgs[i + 1] if i + 1 < len(msgs) else None
         if not pairs or reply is None or reply["role"] != "assistant" or not reply["content"].strip():
             continue
         if not any(asks(s) for s in sentences(m["content"])):
             continue  # a statement and its acknowledgement: the statement is the note
+        problem, solution = m["content"].strip(), reply["content"].strip()
+        try:  # texts over the limits are skipped with the reason, as a refused pair is
+            check_text("problem", problem), check_text("solution", solution)
+            check_text("answer", reply["answer"], required=False)
+        except InvalidInput as exc:
+            out.skipped.append({"problem": problem, "reason": str(exc)})
+            continue
         try:
-            out.solutions.append(mem.remember(m["content"].strip(), reply["content"].strip(), reply["answer"],
-                                              verifier=verifier, namespace=namespace, meta=meta))
-        except (VerificationFailed, InvalidInput) as exc:
-            out.skipped.append({"problem": m["content"].strip(), "reason": str(exc)})
+            out.solutions.append(mem.remember(problem, solution, reply["answer"], verifier=verifier,
+                                              namespace=namespace, meta=meta))
+        except VerificationFailed as exc:
+            out.skipped.append({"problem": problem, "reason": str(exc)})
     return out
 
 
 __all__ = ["NOTE", "NOTE_TEMPLATE", "NOTE_THRESHOLDS", "SOLUTION", "AddResult", "add", "asks", "facts_in", "is_note",
-           "kind_of", "note_threshold", "plan", "remember_note", "route", "sentences", "statement"]
+           "kind_of", "note_threshold", "plan", "commit", "route", "sentences", "statement"]

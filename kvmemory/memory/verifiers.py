@@ -34,6 +34,8 @@ __all__ = [
     "ArithmeticVerifier",
     "NoneVerifier",
     "NoteVerifier",
+    "is_note",
+    "kind_of",
     "verifier_by_name",
     "VERIFIERS",
 ]
@@ -344,6 +346,16 @@ class NoteVerifier:
 
     def __call__(self, problem: str, solution: str, answer: str | None) -> VerifierResult:
         return VerifierResult(False, "a note: a statement kept as it was said; nothing verifies it")
+
+
+def is_note(entry) -> bool:
+    """Whether an entry (an EntryRecord) is a note: stored with the note verifier (memory/notes.py)."""
+    return (getattr(entry, "verifier", None) or {}).get("name") == NoteVerifier.name
+
+
+def kind_of(entry) -> str:
+    """An entry's kind: "note" or "solution"."""
+    return "note" if is_note(entry) else "solution"
 
 
 def _fmt(x: Fraction) -> str:

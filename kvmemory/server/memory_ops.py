@@ -19,7 +19,7 @@ from typing import Any
 from kvmemory.engine.runner import Sampling
 from kvmemory.errors import InvalidInput, UnknownEntry
 from kvmemory.memory.facade import KVMemory
-from kvmemory.memory.notes import kind_of
+from kvmemory.memory.verifiers import kind_of
 from kvmemory.server.auth import scope_of_namespace
 from kvmemory.server.tenancy import entry_in_scope
 from kvmemory.store.local import EntryRecord
