@@ -316,11 +316,11 @@ class KVMemory:
         return notes.commit(self, self._plan(text, None, None, None, namespace, False, meta, aliases))
 
     def add(self, messages: Sequence[dict], *, namespace: str | None = None, meta: dict | None = None,
-            verifier: str = "arithmetic", pairs: bool = True) -> notes.AddResult:
-        """Keep what a chat taught: the user's statements as notes, and each question the assistant
-        answered as a solution when `verifier` accepts the pair (refused pairs are listed in `skipped`,
-        never stored). A fixed rule, no model: memory/notes.py. Returns an `AddResult`."""
-        return notes.add(self, messages, namespace=namespace, meta=meta, verifier=verifier, pairs=pairs)
+            verifier: str = "arithmetic", facts: bool = True, pairs: bool = True) -> notes.AddResult:
+        """Keep what a chat taught: the user's statements as notes (`facts`), and each question the
+        assistant answered as a solution when `verifier` accepts the pair (`pairs`; refused pairs are
+        listed in `skipped`, never stored). A fixed rule, no model: memory/notes.py. Returns an `AddResult`."""
+        return notes.add(self, messages, namespace=namespace, meta=meta, verifier=verifier, facts=facts, pairs=pairs)
 
     def route_pending(self, namespace: str | None = None) -> int:
         """Route the entries of `namespace` (default: every namespace) remembered with
@@ -814,6 +814,14 @@ class KVMemory:
                 return out
             fetch *= 4
 
+    def route(self, query: str, k: int = 1, *, namespace: str | None = None, threshold: float | None = None,
+              where: dict | None = None, number_check: bool = False, refused: list | None = None) -> list[Recalled]:
+        """What `answer` and `chat` route to: `recall`'s entries, and notes scoring at least the note
+        threshold (lower: a question about a fact scores lower against its statement), best first, at
+        most k; a `threshold` given applies to both kinds (memory/notes.py)."""
+        return notes.route(self, query, k, namespace=namespace, threshold=threshold, number_check=number_check,
+                           where=where, refused=refused)
+
     def _warn_empty(self, ns: str) -> None:
         counts = self.namespaces()
         others = {n: c for n, c in counts.items() if n != ns}
@@ -852,8 +860,8 @@ class KVMemory:
         check_answer_options(k=k, max_new_tokens=max_new_tokens, threshold=threshold, choices=choices,
                              contrast=contrast)
         refused: list[dict] = []
-        hits = notes.route(self, query, k, namespace=namespace, threshold=threshold, number_check=self.number_check,
-                           where=where, refused=refused) if use_memory else []
+        hits = self.route(query, k, namespace=namespace, threshold=threshold, number_check=self.number_check,
+                          where=where, refused=refused) if use_memory else []
         ans = self.answer_from(query, hits, max_new_tokens=max_new_tokens, sampling=sampling, stop=stop,
                                on_text=on_text, answer_prefix=answer_prefix, choices=choices,
                                choice_end=choice_end, contrast=contrast)
@@ -967,8 +975,8 @@ class KVMemory:
             raise InvalidInput("empty conversation")
         last_user = next((m["content"] for m in reversed(msgs) if m["role"] == "user"), "")
         refused: list[dict] = []
-        hits = (notes.route(self, last_user, k, namespace=namespace, threshold=threshold, number_check=False,
-                            where=where, refused=refused) if route and last_user.strip() else [])
+        hits = (self.route(last_user, k, namespace=namespace, threshold=threshold, where=where, refused=refused)
+                if route and last_user.strip() else [])
         entries = [h.entry for h in hits]
         for e in entries:
             self.engine.require_profile(e.profile_id, f"entry {e.id}'s blocks")

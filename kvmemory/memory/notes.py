@@ -26,16 +26,18 @@ unchanged (one threshold for every entry).
 
 `KVMemory.add(messages)`: what a chat taught, by a fixed rule (no model involved), returned as an
 `AddResult`:
-  * notes: every sentence of a user message that states something: split at ".", "!", "?" followed by
+  * notes: from each user message that asks nothing (no sentence of it is a question or request: a
+    message that asks is a question, and its statements are the question's premises), every sentence
+    that states something: split at ".", "!", "?" followed by
     a space, and at line breaks; kept when it does not end with "?", has at least 2 words, and does not
     start with a question word or auxiliary ("what", "is", "do", "can" ...), a request ("please",
     "tell", "write", "explain" ...) or small talk ("hi", "thanks", "ok" ...). A leading "remember that",
     "note that", "fyi" is dropped ("Remember that Alice likes tea." keeps "Alice likes tea."). Assistant
     messages are never taken as facts: only what the user said.
-  * solutions: a user message that asks something (a sentence of it is a question or request) followed
-    by an assistant reply is remembered as (problem, solution, answer) only when the verifier accepts it
+  * solutions: a user message that asks something followed by an assistant reply is remembered as (problem, solution, answer) only when the verifier accepts it
     (default "arithmetic"; an assistant message may carry its expected answer as "answer"); a refused
-    pair is listed in `skipped` with the verifier's reason, never stored, and never made a note.
+    pair is listed in `skipped` with the verifier's reason, never stored, and never made a note (nor
+    are its statements).
 A note already stored (same namespace and text) is returned as it is, not computed again, so `add` may be
 called with the whole chat after every turn.
 """
@@ -199,7 +201,8 @@ def facts_in(text: str) -> list[str]:
 @dataclass(slots=True)
 class AddResult:
     """What `KVMemory.add(messages)` kept: `notes` (the user's statements), `solutions` (verified Q/A
-    pairs), and `skipped`: each {"problem", "reason"} for a pair the verifier refused (not stored)."""
+    pairs), and `skipped`: each {"problem", "solution", "answer", "reason"} for a pair the verifier
+    refused (not stored)."""
 
     notes: list = field(default_factory=list)
     solutions: list = field(default_factory=list)
@@ -234,7 +237,7 @@ def _messages(messages) -> list[dict]:
 
 
 def add(mem, messages, *, namespace: str | None = None, meta: dict | None = None, verifier: str = "arithmetic",
-        pairs: bool = True) -> AddResult:
+        facts: bool = True, pairs: bool = True) -> AddResult:
     """`KVMemory.add`: keep what a chat taught (module docstring)."""
     msgs = _messages(messages)
     namespace = check_namespace(namespace or mem.namespace)  # checked before anything is stored
@@ -245,28 +248,28 @@ def add(mem, messages, *, namespace: str | None = None, meta: dict | None = None
     for i, m in enumerate(msgs):
         if m["role"] != "user" or not m["content"].strip():
             continue
-        for fact in facts_in(m["content"]):
-            if fact in seen:
-                continue
-            seen.add(fact)
-            out.notes.append(commit(mem, mem._plan(fact, None, None, None, namespace, False, meta, ())))
+        if not any(asks(s) for s in sentences(m["content"])):  # a message that states: its facts are notes
+            for fact in facts_in(m["content"]) if facts else ():
+                if fact not in seen:
+                    seen.add(fact)
+                    out.notes.append(commit(mem, mem._plan(fact, None, None, None, namespace, False, meta, ())))
+            continue
         reply = msgs[i + 1] if i + 1 < len(msgs) else None
         if not pairs or reply is None or reply["role"] != "assistant" or not reply["content"].strip():
             continue
-        if not any(asks(s) for s in sentences(m["content"])):
-            continue  # a statement and its acknowledgement: the statement is the note
-        problem, solution = m["content"].strip(), reply["content"].strip()
+        problem, solution, answer = m["content"].strip(), reply["content"].strip(), reply["answer"]
+        refused = {"problem": problem, "solution": solution, "answer": answer}
         try:  # texts over the limits are skipped with the reason, as a refused pair is
             check_text("problem", problem), check_text("solution", solution)
-            check_text("answer", reply["answer"], required=False)
+            check_text("answer", answer, required=False)
         except InvalidInput as exc:
-            out.skipped.append({"problem": problem, "reason": str(exc)})
+            out.skipped.append({**refused, "reason": str(exc)})
             continue
         try:
-            out.solutions.append(mem.remember(problem, solution, reply["answer"], verifier=verifier,
-                                              namespace=namespace, meta=meta))
+            out.solutions.append(mem.remember(problem, solution, answer, verifier=verifier, namespace=namespace,
+                                              meta=meta))
         except VerificationFailed as exc:
-            out.skipped.append({"problem": problem, "reason": str(exc)})
+            out.skipped.append({**refused, "reason": str(exc)})
     return out
 
 
