@@ -70,6 +70,15 @@ def test_a_question_finds_the_fact_it_asks_about(store):
     assert hits[0].score > hits[1].score
 
 
+def test_chat_grafts_a_fact_the_store_holds(store, path):
+    # The chat model routes a question to the fact (a note, at the notes' threshold) and grafts its KV.
+    eid = store.entry_id(("notes", "alice"), "pet")
+    msg = ChatKVGraft(store=path, namespace="notes.alice", max_tokens=4).invoke("What pet does Alice have?")
+    used = msg.response_metadata["kvmemory"]["entries"]
+    assert [(e["id"], e["kind"], e["verified"]) for e in used] == [(eid, "note", False)]
+    assert msg.usage_metadata["input_token_details"]["cache_read"] > 0
+
+
 def test_search_threshold_cuts_off(store, path):
     strict = KVMemoryStore(store=path, index_fields=["text"], threshold=0.83)
     hits = strict.search(("notes",), query="Alice has a gray cat named Miso.", limit=5)
