@@ -135,3 +135,31 @@ def test_cli_list_says_note(real_memory, capsys):
     assert [(e["id"], e["kind"]) for e in page["entries"]] == [(note.id, "note")]
     assert main(["list", *store]) == 0
     assert f"{note.id}  default  v1  [NOTE] {CAT!r}" in capsys.readouterr().out
+
+
+def test_cli_remember_a_statement(tmp_path, capsys):
+    import torch
+    import transformers as T
+
+    from kvmemory.cli import main
+    from kvmemory.models.loading import resolve_model_path
+
+    tok = T.AutoTokenizer.from_pretrained(resolve_model_path())
+    torch.manual_seed(0)
+    cfg = T.LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048, head_dim=16,
+                        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    T.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "model")
+    tok.save_pretrained(tmp_path / "model")
+    common = ["--model", str(tmp_path / "model"), "--store", str(tmp_path / "store")]
+    assert main(["remember", "--problem", "Alice likes green tea.", "--json", *common]) == 0
+    got = json.loads(capsys.readouterr().out)["remembered"]
+    assert [(o["kind"], o["verified"], o["bit_identical"]) for o in got] == [("note", False, True)]
+    assert main(["remember", "--problem", "Bob likes coffee.", *common]) == 0
+    assert "blocks, note, graft bit-identical: True" in capsys.readouterr().out
+    # --answer / --verifier check a solution: without one they are a mistake, refused before the model loads.
+    assert main(["remember", "--problem", "Alice likes green tea.", "--answer", "tea", "--json", *common]) == 2
+    assert json.loads(capsys.readouterr().out)["error"] == "InvalidInput"
+    assert main(["list", "--store", str(tmp_path / "store"), "--json"]) == 0
+    assert [(e["problem"], e["kind"]) for e in json.loads(capsys.readouterr().out)["entries"]] == [
+        ("Alice likes green tea.", "note"), ("Bob likes coffee.", "note")]
