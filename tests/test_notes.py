@@ -39,6 +39,12 @@ def test_remember_a_statement_stores_a_note(real_memory):
     assert mem.note(CAT).id == e.id and mem.note(CAT).updated == e.updated  # the same note: not computed again
     page = mem.list().to_json()
     assert [(x["id"], x["kind"], x["verified"], x["problem"]) for x in page["entries"]] == [(e.id, "note", False, CAT)]
+    # The HTTP API lists it with its kind, and stores one when a remember carries no solution.
+    from kvmemory.server import memory_ops as ops
+
+    assert ops.entry_json(e)["kind"] == "note"
+    http = ops.remember(mem, "http", problem="Bob likes coffee.", solution=None)
+    assert (http["kind"], http["verified"], http["bit_identical"], http["solution"]) == ("note", False, True, "")
     summary = mem.verify([e.id])
     assert summary.checked == 1 and summary.bit_identical == 1
     # A note is changed as a note: the new statement is proven again and stays one.
