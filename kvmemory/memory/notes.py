@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 
 from kvmemory.errors import InvalidInput, UnknownEntry, VerificationFailed
 from kvmemory.memory.ids import entry_id_for
-from kvmemory.memory.inputs import check_namespace, check_text
+from kvmemory.memory.inputs import MAX_K, check_namespace, check_text
 from kvmemory.memory.listing import user_meta
 from kvmemory.memory.verifiers import NoteVerifier, is_note, kind_of
 
@@ -59,6 +59,7 @@ SOLUTION = "solution"
 # How an adapter shows a recalled note as text (a solution's is facade.TEXT_TEMPLATE).
 NOTE_TEMPLATE = "{problem}"
 NOTE_SOLUTION = ""  # what the model reads as the assistant's turn after a note's statement
+NOTE_FETCH = 16  # extra candidates the notes' routing pass asks for (see `route`)
 
 # all-MiniLM-L6-v2 (weights SHA-256, as embedders.CALIBRATED_THRESHOLDS): the threshold notes are routed
 # with by `answer` and `chat`; measured with bench/notes_routing.py (module docstring).
@@ -134,8 +135,11 @@ def route(mem, query: str, k: int, *, namespace: str | None, threshold: float | 
         return hits
     # Entries refused at the lower threshold are notes or would not have been routed: their refusals are
     # logged by recall, not reported (the routed list below decides what the answer used).
-    low = mem.recall(query, k + len(hits), namespace=namespace, threshold=nth, number_check=number_check,
-                     where=where, refused=None)
+    # Solutions scoring between the two thresholds come back too and are dropped below: ask for enough
+    # that k notes still fit (NOTE_FETCH more than needed; a namespace with more solutions in that band
+    # than that can crowd a note out, a bound that keeps one answer's routing to one search).
+    low = mem.recall(query, min(MAX_K, k + len(hits) + NOTE_FETCH), namespace=namespace, threshold=nth,
+                     number_check=number_check, where=where, refused=None)
     have = {h.entry.id for h in hits}
     extra = [h for h in low if is_note(h.entry) and h.entry.id not in have]
     if not extra:
