@@ -27,6 +27,9 @@ def test_facts_are_the_statements_of_a_message():
     assert notes.facts_in("Alice likes tea. Alice likes tea.") == ["Alice likes tea."]
     assert notes.asks("Tell me about Paris.") and notes.asks("Is it raining") and notes.asks("It's late?")
     assert not notes.asks("Paris is in France.")
+    assert notes.facts_in("Please remember that Alice likes tea.") == ["Alice likes tea."]
+    assert not notes.message_asks("Please remember that Alice likes tea. FYI, Bob is away.")
+    assert notes.message_asks("Alice likes tea. What does Bob like?")
 
 
 # ---------------------------------------------------------------------------------------------- storing

@@ -28,16 +28,16 @@ unchanged (one threshold for every entry).
 `AddResult`:
   * notes: from each user message that asks nothing (no sentence of it is a question or request: a
     message that asks is a question, and its statements are the question's premises), every sentence
-    that states something: split at ".", "!", "?" followed by
-    a space, and at line breaks; kept when it does not end with "?", has at least 2 words, and does not
-    start with a question word or auxiliary ("what", "is", "do", "can" ...), a request ("please",
-    "tell", "write", "explain" ...) or small talk ("hi", "thanks", "ok" ...). A leading "remember that",
-    "note that", "fyi" is dropped ("Remember that Alice likes tea." keeps "Alice likes tea."). Assistant
-    messages are never taken as facts: only what the user said.
-  * solutions: a user message that asks something followed by an assistant reply is remembered as (problem, solution, answer) only when the verifier accepts it
-    (default "arithmetic"; an assistant message may carry its expected answer as "answer"); a refused
-    pair is listed in `skipped` with the verifier's reason, never stored, and never made a note (nor
-    are its statements).
+    that states something. Sentences are split at ".", "!", "?" followed by a space, and at line
+    breaks; a leading "remember that", "please note that", "fyi" ... is dropped first ("Please remember
+    that Alice likes tea." keeps "Alice likes tea."); a sentence is kept when it does not end with "?",
+    has at least 2 words, and does not start with a question word or auxiliary ("what", "is", "do",
+    "can" ...), a request ("please", "tell", "write", "explain" ...) or small talk ("hi", "thanks",
+    "ok" ...). Assistant messages are never taken as facts: only what the user said.
+  * solutions: a user message that asks something, followed by an assistant reply, is remembered as
+    (problem, solution, answer) only when the verifier accepts it (default "arithmetic"; an assistant
+    message may carry its expected answer as "answer"); a refused pair is listed in `skipped` with the
+    verifier's reason, never stored, and never made a note (nor are its statements).
 A note already stored (same namespace and text) is returned as it is, not computed again, so `add` may be
 called with the whole chat after every turn.
 """
@@ -182,16 +182,25 @@ def asks(sentence: str) -> bool:
     return s.endswith("?") or w in _QUESTION_START or w in _REQUEST_START
 
 
-def statement(sentence: str) -> str | None:
-    """The fact a user's sentence states (lead-ins such as "remember that" dropped), or None when it
-    is a question, a request, small talk or a single word (module docstring)."""
+def _without_lead_in(sentence: str) -> str:
     s = sentence.strip()
     low = s.lower()
     for lead in _LEAD_INS:
         if low.startswith(lead):
             s = s[len(lead):].strip()
-            s = s[:1].upper() + s[1:]
-            break
+            return s[:1].upper() + s[1:]
+    return s
+
+
+def message_asks(text: str) -> bool:
+    """Whether a message asks something: one of its sentences (lead-ins dropped) is a question or request."""
+    return any(asks(_without_lead_in(s)) for s in sentences(text))
+
+
+def statement(sentence: str) -> str | None:
+    """The fact a user's sentence states (lead-ins such as "remember that" dropped), or None when it
+    is a question, a request, small talk or a single word (module docstring)."""
+    s = _without_lead_in(sentence)
     if not s or asks(s) or _first_word(s) in _SMALL_TALK or len(_WORD.findall(s)) < 2:
         return None
     return s
@@ -252,7 +261,7 @@ def add(mem, messages, *, namespace: str | None = None, meta: dict | None = None
     for i, m in enumerate(msgs):
         if m["role"] != "user" or not m["content"].strip():
             continue
-        if not any(asks(s) for s in sentences(m["content"])):  # a message that states: its facts are notes
+        if not message_asks(m["content"]):  # a message that states: its facts are notes
             for fact in facts_in(m["content"]) if facts else ():
                 if fact not in seen:
                     seen.add(fact)
@@ -278,4 +287,4 @@ def add(mem, messages, *, namespace: str | None = None, meta: dict | None = None
 
 
 __all__ = ["NOTE", "NOTE_TEMPLATE", "NOTE_THRESHOLDS", "SOLUTION", "AddResult", "add", "asks", "facts_in", "is_note",
-           "kind_of", "note_threshold", "plan", "commit", "route", "sentences", "statement"]
+           "kind_of", "message_asks", "note_threshold", "plan", "commit", "route", "sentences", "statement"]
