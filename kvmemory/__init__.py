@@ -63,6 +63,11 @@ _EXPORTS = {
     "ExactAnswerVerifier": "kvmemory.memory.verifiers",
     "ArithmeticVerifier": "kvmemory.memory.verifiers",
     "NoneVerifier": "kvmemory.memory.verifiers",
+    "NoteVerifier": "kvmemory.memory.verifiers",
+    "is_note": "kvmemory.memory.verifiers",
+    "kind_of": "kvmemory.memory.verifiers",
+    "AddResult": "kvmemory.memory.notes",
+    "NOTE_TEMPLATE": "kvmemory.memory.notes",
     "VERIFIERS": "kvmemory.memory.verifiers",
     "verifier_by_name": "kvmemory.memory.verifiers",
     "extract_answer": "kvmemory.memory.verifiers",
@@ -202,9 +207,10 @@ if TYPE_CHECKING:  # what type checkers and IDEs see (py.typed): the same names,
                                         VerifySummary)
     from kvmemory.memory.prompts import render_ids, solution_text
     from kvmemory.memory.transfer import ImportReport
+    from kvmemory.memory.notes import NOTE_TEMPLATE, AddResult
     from kvmemory.memory.verifiers import (VERIFIERS, ArithmeticVerifier, ExactAnswerVerifier, NoneVerifier,
-                                           Verifier, VerifierResult, extract_answer, extract_value, numbers_in,
-                                           verifier_by_name)
+                                           NoteVerifier, Verifier, VerifierResult, extract_answer, extract_value,
+                                           is_note, kind_of, numbers_in, verifier_by_name)
     from kvmemory.models.devices import resolve_device, resolve_dtype
     from kvmemory.models.loading import DEFAULT_MODEL, LoadedModel, load_model
     from kvmemory.store.bundle import Bundle, ExportReport, read_bundle, write_bundle

@@ -128,30 +128,41 @@ def _emit(args, obj: dict, text: str) -> None:
 
 # ---------------------------------------------------------------------- commands
 def _remember_one(args, mem, d: dict) -> dict:
-    """Remember one solution (a --jsonl line or the --problem options); what --json reports of it."""
+    """Remember one solution (a --jsonl line or the --problem options), or a note (--problem alone); what
+    --json reports of it."""
+    from kvmemory.memory.verifiers import kind_of
+
     e = mem.remember(d.get("problem"), d.get("solution"), d.get("answer"),
                      verifier=d.get("verifier", args.verifier), namespace=d.get("namespace"),
                      allow_unverified=args.allow_unverified, meta=d.get("meta", _meta(args.meta)))
     return {"id": e.id, "namespace": e.namespace, "tokens": len(e.token_ids), "blocks": len(e.chain),
-            "verified": e.verified, "attestation_id": e.attestation["attestation_id"],
+            "verified": e.verified, "kind": kind_of(e), "attestation_id": e.attestation["attestation_id"],
             "bit_identical": e.attestation["bit_identical"],
             # the stored entry with its attestation (examples/check_attestation.py reads this output)
             "entry": e.to_json()}
 
 
 def _remembered_line(o: dict) -> str:
+    state = "note" if o.get("kind") == "note" else "verified" if o["verified"] else "UNVERIFIED"
     return (f"remembered {o['id']} ({o['tokens']} tokens, {o['blocks']} blocks, "
-            f"{'verified' if o['verified'] else 'UNVERIFIED'}, graft bit-identical: {o['bit_identical']})")
+            f"{state}, graft bit-identical: {o['bit_identical']})")
 
 
 def cmd_remember(args) -> int:
     from kvmemory.memory.batch import check_item, read_jsonl, remember_lines
+    from kvmemory.memory.inputs import check_text
 
     if not args.jsonl:
-        if args.problem is None or args.solution is None:
-            raise InvalidInput("give --problem and --solution (or --jsonl FILE)")
+        if args.problem is None:
+            raise InvalidInput("give --problem and --solution, --problem alone (a note), or --jsonl FILE")
         item = {"problem": args.problem, "solution": args.solution, "answer": args.answer}
-        check_item({k: v for k, v in item.items() if v is not None})  # before the model loads
+        if args.solution is None:  # a statement: a note (kvmemory/memory/notes.py)
+            if args.answer is not None or args.verifier is not None:
+                raise InvalidInput("--answer and --verifier check a solution: give --solution, or leave them "
+                                   "out to store --problem as a note")
+            check_text("problem", args.problem)
+        else:
+            check_item({k: v for k, v in item.items() if v is not None})  # before the model loads
         o = _remember_one(args, _memory(args, writes=True), item)
         _emit(args, {"remembered": [o], "refused": []}, _remembered_line(o))
         return 0
@@ -444,7 +455,8 @@ def cmd_list(args) -> int:
     page = mem.list(None if args.all_namespaces else args.namespace, where=_meta(args.where), limit=args.limit,
                     cursor=args.cursor, all_namespaces=args.all_namespaces)
     out = page.to_json()
-    lines = [f"{e['id']}  {e['namespace']}  v{e['version']}  {'' if e['verified'] else '[UNVERIFIED] '}"
+    lines = [f"{e['id']}  {e['namespace']}  v{e['version']}  "
+             f"{'[NOTE] ' if e['kind'] == 'note' else '' if e['verified'] else '[UNVERIFIED] '}"
              f"{e['problem'][:80]!r}" + (f"  {json.dumps(e['meta'], sort_keys=True)}" if e["meta"] else "")
              for e in out["entries"]]
     where = "every namespace" if args.all_namespaces else f"namespace {args.namespace!r}"
@@ -914,8 +926,10 @@ def build_parser() -> argparse.ArgumentParser:
                  parents=[memory, json_opt],
                  epilog=_examples('kvmemory remember --problem "12 rows of 15 cabbages, 23 eaten: how many left?" '
                                   '--solution "12 * 15 = 180. 180 - 23 = 157. The answer is 157." --answer 157',
+                                  'kvmemory remember --problem "Alice likes green tea."    # a note',
                                   "kvmemory remember --jsonl solved.jsonl --json"))
-    r.add_argument("--problem", help="the problem text (with --solution)")
+    r.add_argument("--problem", help="the problem text (with --solution); without --solution, a statement "
+                   "(\"Alice likes tea.\") stored as an unverified note")
     r.add_argument("--solution", help="the solution text that was verified")
     r.add_argument("--answer", help="the final answer, checked against the solution by the verifier")
     r.add_argument("--jsonl", metavar="FILE", help="a file of {problem, solution, answer[, namespace, verifier, "

@@ -34,6 +34,7 @@ from kvmemory.adapters.shared import SharedMemory
 from kvmemory.engine.runner import GREEDY, Sampling
 from kvmemory.memory.facade import KVMemory, Recalled
 from kvmemory.memory.prompts import render_ids
+from kvmemory.memory.verifiers import kind_of
 
 # What an unforced call (tool_choice "auto") with tools bound does on a user turn (see `ChatRequest.tool_policy`).
 TOOL_POLICIES = ("scored", "model", "user_turn")
@@ -103,12 +104,12 @@ class ChatOutcome:
     notes: dict = field(default_factory=dict)  # how the call was decided (e.g. "after_tool": its log-odds)
 
     def provenance(self) -> dict:
-        """The token counts of every pass, the routed entries (id, score, verified, attestation) and
+        """The token counts of every pass, the routed entries (id, score, verified, kind, attestation) and
         the execution profile."""
         return {
             **(self.stats.to_json() if self.stats else {}),
             "entries": [{"id": h.entry.id, "score": round(h.score, 4), "namespace": h.entry.namespace,
-                         "verified": h.entry.verified, "answer": h.entry.answer,
+                         "verified": h.entry.verified, "kind": kind_of(h.entry), "answer": h.entry.answer,
                          "attestation_id": h.entry.attestation.get("attestation_id")} for h in self.hits],
             "profile_id": self.profile_id,
             **self.notes,

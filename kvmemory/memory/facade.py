@@ -24,6 +24,7 @@ from kvmemory.engine.graft import GraftReport
 from kvmemory.engine.engine import Engine, VerifyReport
 from kvmemory.models.loading import DEFAULT_MODEL
 from kvmemory.memory.verifiers import numbers_in
+from kvmemory.memory import notes
 from kvmemory.memory.background import PendingWrite, Writer
 from kvmemory.memory.filters import check_where, matches
 from kvmemory.memory.listing import (DEFAULT_PAGE, HISTORY_KEY, RESERVED_META, EntryPage, EntryVersion, check_limit,
@@ -76,11 +77,13 @@ class Answer:
     # Entries routed to but not used, each {"entry", "reason"}: they did not check against themselves
     # or the route to them could not be trusted (memory/entry_check.py); the answer did without them.
     refused: list[dict] = field(default_factory=list)
+    kinds: list[str] = field(default_factory=list)  # each used entry's kind: "solution" or "note" (memory/notes.py)
 
     def to_json(self) -> dict:
         return {
             "text": self.text,
             "refused": self.refused,
+            "kinds": self.kinds,
             "choices": self.choices,
             "choice_scores": [round(s, 4) for s in self.choice_scores],
             "entries": self.entries,
@@ -106,23 +109,26 @@ class Recalled:
     score: float
     matched_text: str
 
-    def text(self, template: str = TEXT_TEMPLATE) -> str:
+    def text(self, template: str = TEXT_TEMPLATE, note_template: str = notes.NOTE_TEMPLATE) -> str:
         """The entry as a document's text; the solution as the model read it when it was stored
-        (ending with its answer)."""
+        (ending with its answer). A note is shown by `note_template` (its statement, by default)."""
         e = self.entry
+        if notes.is_note(e):
+            template = note_template
         return template.format(problem=e.problem, solution=solution_text(e.solution, e.answer), answer=e.answer or "")
 
     def metadata(self) -> dict:
         """The provenance every adapter attaches to a recalled document (the same keys everywhere)."""
         e = self.entry
         return {"entry_id": e.id, "score": float(self.score), "answer": e.answer, "verified": bool(e.verified),
+                "kind": notes.kind_of(e),
                 "attestation_id": e.attestation.get("attestation_id"), "namespace": e.namespace,
                 "problem": e.problem, "matched_text": self.matched_text}
 
     def to_json(self) -> dict:
         e = self.entry
         return {"id": e.id, "score": round(self.score, 4), "namespace": e.namespace, "problem": e.problem,
-                "solution": e.solution, "answer": e.answer, "verified": e.verified,
+                "solution": e.solution, "answer": e.answer, "verified": e.verified, "kind": notes.kind_of(e),
                 "attestation_id": e.attestation.get("attestation_id"), "matched_text": self.matched_text}
 
 
@@ -255,20 +261,26 @@ class KVMemory:
         return {"name": verifier.name, "version": getattr(verifier, "version", "0"), "ok": bool(result.ok),
                 "detail": result.detail}
 
-    def remember(self, problem: str, solution: str, answer: str | None = None, *, verifier=None,
+    def remember(self, problem: str, solution: str | None = None, answer: str | None = None, *, verifier=None,
                  namespace: str | None = None, allow_unverified: bool = False, meta: dict | None = None,
                  aliases: Sequence[str] = ()) -> EntryRecord:
         """Verify a solution, compute its KV once, store it with an attestation, and return the entry.
 
         `meta`: JSON metadata (what `list(where=...)` and `recall(where=...)` filter on); the keys
         "aliases" and "history" are kvmemory's own. Remembering the same solution again (same
-        namespace, texts and profile: the same id) replaces the entry and keeps its history."""
+        namespace, texts and profile: the same id) replaces the entry and keeps its history.
+
+        No solution (`remember("Alice likes tea.")`): the text is a statement, stored as a note (`note`).
+        A solution the verifier refuses is refused (VerificationFailed), never made a note."""
+        if solution is None:
+            return notes.commit(self, self._plan(problem, None, answer, verifier, namespace, allow_unverified, meta,
+                                                 aliases))
         plan = self._plan(problem, solution, answer, verifier, namespace, allow_unverified, meta, aliases)
         entry = self._compute_and_commit(plan)
         self._after_remember(entry)
         return entry
 
-    def remember_later(self, problem: str, solution: str, answer: str | None = None, *, verifier=None,
+    def remember_later(self, problem: str, solution: str | None = None, answer: str | None = None, *, verifier=None,
                        namespace: str | None = None, allow_unverified: bool = False, meta: dict | None = None,
                        aliases: Sequence[str] = (), lock=None) -> PendingWrite:
         """`remember` that returns at once: the texts are checked and the verifier runs now (a refused
@@ -295,6 +307,20 @@ class KVMemory:
         job.texts = [plan["problem"], *plan["aliases"]]
         self._pending[eid] = job
         return self._writer.submit(job)
+
+    def note(self, text: str, *, namespace: str | None = None, meta: dict | None = None,
+             aliases: Sequence[str] = ()) -> EntryRecord:
+        """Remember a statement ("Alice likes tea.") as a note: unverified, kind "note", its KV computed
+        and proven, routed and grafted like any entry (memory/notes.py). The same note again is returned
+        as it is."""
+        return notes.commit(self, self._plan(text, None, None, None, namespace, False, meta, aliases))
+
+    def add(self, messages: Sequence[dict], *, namespace: str | None = None, meta: dict | None = None,
+            verifier: str = "arithmetic", facts: bool = True, pairs: bool = True) -> notes.AddResult:
+        """Keep what a chat taught: the user's statements as notes (`facts`), and each question the
+        assistant answered as a solution when `verifier` accepts the pair (`pairs`; refused pairs are
+        listed in `skipped`, never stored). A fixed rule, no model: memory/notes.py. Returns an `AddResult`."""
+        return notes.add(self, messages, namespace=namespace, meta=meta, verifier=verifier, facts=facts, pairs=pairs)
 
     def route_pending(self, namespace: str | None = None) -> int:
         """Route the entries of `namespace` (default: every namespace) remembered with
@@ -358,6 +384,9 @@ class KVMemory:
 
     def _plan(self, problem, solution, answer, verifier, namespace, allow_unverified, meta, aliases) -> dict:
         """What remembering takes before the model runs: checked texts, the verifier's verdict, the id."""
+        if solution is None:  # a statement: a note (memory/notes.py)
+            return notes.plan(self, problem, answer, verifier, _check_namespace(namespace or self.namespace),
+                              _check_meta(meta), _check_aliases(aliases))
         problem = _check_text("problem", problem)
         solution = _check_text("solution", solution)
         answer = _check_text("answer", None if answer is None else str(answer), required=False)
@@ -618,7 +647,7 @@ class KVMemory:
                       entries=[e.id for e in entries], scores=list(scores),
                       attestations=[e.attestation.get("attestation_id", "") for e in entries],
                       verified=[e.verified for e in entries], seconds=time.perf_counter() - t0,
-                      stopped_by=result.stopped_by)
+                      stopped_by=result.stopped_by, kinds=[notes.kind_of(e) for e in entries])
 
     def ask(self, entry_id: str, question: str, *, max_new_tokens: int = 256, sampling: Sampling = GREEDY,
             namespace: str | None = None, stop: Sequence[str] = ()) -> Answer:
@@ -785,6 +814,14 @@ class KVMemory:
                 return out
             fetch *= 4
 
+    def route(self, query: str, k: int = 1, *, namespace: str | None = None, threshold: float | None = None,
+              where: dict | None = None, number_check: bool = False, refused: list | None = None) -> list[Recalled]:
+        """What `answer` and `chat` route to: `recall`'s entries, and notes scoring at least the note
+        threshold (lower: a question about a fact scores lower against its statement), best first, at
+        most k; a `threshold` given applies to both kinds (memory/notes.py)."""
+        return notes.route(self, query, k, namespace=namespace, threshold=threshold, number_check=number_check,
+                           where=where, refused=refused)
+
     def _warn_empty(self, ns: str) -> None:
         counts = self.namespaces()
         others = {n: c for n, c in counts.items() if n != ns}
@@ -823,8 +860,8 @@ class KVMemory:
         check_answer_options(k=k, max_new_tokens=max_new_tokens, threshold=threshold, choices=choices,
                              contrast=contrast)
         refused: list[dict] = []
-        hits = self.recall(query, k, namespace=namespace, threshold=threshold, number_check=self.number_check,
-                           where=where, refused=refused) if use_memory else []
+        hits = self.route(query, k, namespace=namespace, threshold=threshold, number_check=self.number_check,
+                          where=where, refused=refused) if use_memory else []
         ans = self.answer_from(query, hits, max_new_tokens=max_new_tokens, sampling=sampling, stop=stop,
                                on_text=on_text, answer_prefix=answer_prefix, choices=choices,
                                choice_end=choice_end, contrast=contrast)
@@ -907,7 +944,7 @@ class KVMemory:
         return Answer(text=text, token_ids=tokenized[best], report=report, entries=[e.id for e in entries],
                       scores=[h.score for h in hits], attestations=[e.attestation.get("attestation_id", "") for e in entries],
                       verified=[e.verified for e in entries], seconds=time.perf_counter() - t0, stopped_by="choice",
-                      choices=offered, choice_scores=scores)
+                      choices=offered, choice_scores=scores, kinds=[notes.kind_of(e) for e in entries])
 
     def chat(self, messages: Sequence[dict], *, route: bool = True, k: int = 1, namespace: str | None = None,
              threshold: float | None = None, max_new_tokens: int = 256, sampling: Sampling = GREEDY,
@@ -938,7 +975,7 @@ class KVMemory:
             raise InvalidInput("empty conversation")
         last_user = next((m["content"] for m in reversed(msgs) if m["role"] == "user"), "")
         refused: list[dict] = []
-        hits = (self.recall(last_user, k, namespace=namespace, threshold=threshold, where=where, refused=refused)
+        hits = (self.route(last_user, k, namespace=namespace, threshold=threshold, where=where, refused=refused)
                 if route and last_user.strip() else [])
         entries = [h.entry for h in hits]
         for e in entries:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from kvmemory.errors import InvalidInput
 from kvmemory.memory.filters import matches
+from kvmemory.memory.verifiers import kind_of
 from kvmemory.store.local import EntryRecord
 
 # Keys of an entry's meta that kvmemory itself writes: `aliases` (extra routed texts) and `history`
@@ -43,7 +44,8 @@ def version_of(entry: EntryRecord) -> int:
 
 
 def entry_summary(entry: EntryRecord) -> dict:
-    """What a listing shows of an entry (JSON): its texts, provenance and user metadata, without the
+    """What a listing shows of an entry (JSON): its texts, kind ("solution" or "note": memory/notes.py),
+    provenance and user metadata, without the
     token ids, block chain and history (`KVMemory.get` / `history` give those)."""
     return {
         "id": entry.id,
@@ -52,6 +54,7 @@ def entry_summary(entry: EntryRecord) -> dict:
         "solution": entry.solution,
         "answer": entry.answer,
         "verified": entry.verified,
+        "kind": kind_of(entry),
         "version": version_of(entry),
         "n_tokens": len(entry.token_ids),
         "n_blocks": len(entry.chain),

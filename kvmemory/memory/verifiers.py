@@ -33,6 +33,9 @@ __all__ = [
     "ExactAnswerVerifier",
     "ArithmeticVerifier",
     "NoneVerifier",
+    "NoteVerifier",
+    "is_note",
+    "kind_of",
     "verifier_by_name",
     "VERIFIERS",
 ]
@@ -332,6 +335,29 @@ class NoneVerifier:
         return VerifierResult(False, "no verifier: unverified")
 
 
+class NoteVerifier:
+    """What a note (a statement remembered without a solution: memory/notes.py) is stored with: nothing
+    verifies a statement, so a note is always unverified, and its entry says it is a note. Not in
+    `VERIFIERS` (it is not a choice for a solution); `verifier_by_name("note")` finds it, so `update`
+    of a note keeps it one."""
+
+    name = "note"
+    version = "1"
+
+    def __call__(self, problem: str, solution: str, answer: str | None) -> VerifierResult:
+        return VerifierResult(False, "a note: a statement kept as it was said; nothing verifies it")
+
+
+def is_note(entry) -> bool:
+    """Whether an entry (an EntryRecord) is a note: stored with the note verifier (memory/notes.py)."""
+    return (getattr(entry, "verifier", None) or {}).get("name") == NoteVerifier.name
+
+
+def kind_of(entry) -> str:
+    """An entry's kind: "note" or "solution"."""
+    return "note" if is_note(entry) else "solution"
+
+
 def _fmt(x: Fraction) -> str:
     return str(x.numerator) if x.denominator == 1 else f"{float(x):g}"
 
@@ -344,7 +370,9 @@ VERIFIERS: dict[str, Callable[[], Verifier]] = {
 
 
 def verifier_by_name(name: str) -> Verifier:
-    """A fresh verifier of that name: "exact-answer", "arithmetic" or "none"."""
+    """A fresh verifier of that name: "exact-answer", "arithmetic" or "none" (or "note": a note's)."""
+    if name == NoteVerifier.name:
+        return NoteVerifier()
     try:
         return VERIFIERS[name]()
     except KeyError:

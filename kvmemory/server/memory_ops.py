@@ -23,6 +23,7 @@ from kvmemory.errors import InvalidInput, UnknownEntry
 from kvmemory.memory.facade import KEEP, KVMemory
 from kvmemory.memory.filters import check_where, matches
 from kvmemory.memory.listing import user_meta, version_of, versions
+from kvmemory.memory.verifiers import kind_of
 from kvmemory.server.auth import scope_of_namespace
 from kvmemory.server.tenancy import entry_in_scope
 from kvmemory.store.local import EntryRecord
@@ -36,7 +37,7 @@ def entry_json(e: EntryRecord, *, full: bool = True) -> dict:
     att = e.attestation or {}
     out = {
         "id": e.id, "namespace": e.namespace, "scope": scope_of_namespace(e.namespace),
-        "problem": e.problem, "answer": e.answer, "verified": e.verified, "metadata": meta,
+        "problem": e.problem, "answer": e.answer, "verified": e.verified, "kind": kind_of(e), "metadata": meta,
         "attestation_id": att.get("attestation_id"), "version": version_of(e), "created": e.created,
         "updated": e.updated,
     }
@@ -48,7 +49,7 @@ def entry_json(e: EntryRecord, *, full: bool = True) -> dict:
     return out
 
 
-def remember(mem: KVMemory, namespace: str, *, problem: str, solution: str, answer: str | None = None,
+def remember(mem: KVMemory, namespace: str, *, problem: str, solution: str | None, answer: str | None = None,
              verifier: str | None = None, allow_unverified: bool = False, metadata: dict | None = None,
              aliases: Sequence[str] = ()) -> dict:
     if metadata is not None and not isinstance(metadata, dict):

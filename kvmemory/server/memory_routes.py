@@ -5,7 +5,8 @@ Every call names its scope (`user_id`, `agent_id`, `run_id`, or `namespace`; in 
 POST, in the query of a GET / DELETE, else in `X-KVMemory-*` headers, else the key's default) and is
 confined to the one namespace it maps to (auth.py, memory_ops.py):
 
-    POST   /v1/memory/remember        {problem, solution, answer?, verifier?, allow_unverified?, metadata?, aliases?}
+    POST   /v1/memory/remember        {problem, solution?, answer?, verifier?, allow_unverified?, metadata?, aliases?}
+                                      (no solution: the problem is a statement, stored as a note)
     POST   /v1/memory/recall          {query, k?, threshold?, where?}
     POST   /v1/memory/answer          {query, k?, max_tokens?, answer_prefix?, choices?, memory?, temperature?, top_p?, seed?, where?}
     GET    /v1/memory/entries         ?limit=&offset=&verified=&metadata={"k": "v"}
@@ -75,7 +76,7 @@ class Scoped(BaseModel):
 
 class RememberBody(Scoped):
     problem: str
-    solution: str
+    solution: str | None = None  # none: the problem is a statement, stored as a note (memory/notes.py)
     answer: str | int | float | None = None
     verifier: Literal["exact-answer", "arithmetic", "none"] | None = None
     allow_unverified: bool = False

@@ -5,8 +5,14 @@ Every indexed item is a kvmemory entry in the namespace ".".join(namespace) (Lan
 labels, so the mapping is one-to-one), with its exact KV computed once and its text routed by the
 FAISS router, so `ChatKVGraft(namespace=...)` grafts what the store holds. An item whose value has
 "problem" and "solution" strings is remembered as a solution (its verifier runs, and `verified` says
-whether it passed); any other JSON value is remembered with the text at its index paths as the
-problem and the value's canonical JSON as the solution, unverified.
+whether it passed); any other JSON value (a fact, a preference: {"text": "Alice has a cat named Tom."})
+is remembered as a note (kvmemory/memory/notes.py): the text at its index paths is the statement the
+entry holds, its kind is "note", unverified. The value itself is kept exactly in the table below.
+
+`search(query=...)` ranks, as LangGraph's own stores do: the items under the namespace prefix best
+first by the router's cosine score, `limit` of them, no threshold ("What pet does Alice have?" finds
+"Alice has a cat named Tom." although a question scores lower against a statement than a rewording
+does). `KVMemoryStore(threshold=...)` drops items scoring below it.
 
 kvmemory entries are addressed by content, LangGraph items by (namespace, key), so a small SQLite
 table beside the catalogue (`<store>/langgraph.sqlite`) maps keys to entries and keeps each value's
@@ -161,8 +167,9 @@ class KVMemoryStore(BaseStore):
                  index_fields: Sequence[str] | None = None, verifier: str | None = None,
                  require_verified: bool = False, threshold: float | None = None, ttl: TTLConfig | None = None,
                  device: str = "auto", dtype: str = "auto"):
-        """`threshold`: the lowest cosine score `search(query=...)` returns (None: the memory's, else
-        the router's calibrated threshold, as the retriever routes); -1.0 ranks every indexed item.
+        """`threshold`: the lowest cosine score `search(query=...)` returns (None: no threshold, every
+        indexed item ranked, as LangGraph's InMemoryStore does; 0.83 is the router's calibrated one for
+        rewordings of a stored text).
         `ttl`: LangGraph's TTLConfig (`default_ttl` minutes for every put, `refresh_on_read`).
         `device` / `dtype`: where and in what `model` runs when the store opens it (as `ChatKVGraft`'s)."""
         self._memory = memory
@@ -345,9 +352,8 @@ class KVMemoryStore(BaseStore):
             text = self._route_text(value, index)
             if not text.strip():
                 return None
-            body = json.dumps(value, ensure_ascii=False, sort_keys=True)
-            job = memory.remember_later(text, body, None, verifier="none", namespace=ns, meta=meta,
-                                        allow_unverified=True, lock=sm.lock)
+            # A fact or preference: a note (no solution), its statement the indexed text.
+            job = memory.remember_later(text, None, namespace=ns, meta=meta, lock=sm.lock)
         job.add_done_callback(self._unindex_failed)
         return job
 
@@ -438,9 +444,9 @@ class KVMemoryStore(BaseStore):
             if it[2]:
                 by_entry.setdefault((it[0], it[2]), []).append(it)
         scored: list[tuple[float, tuple]] = []
-        # The router's threshold, as the retriever and `recall` apply it: an item scoring below it is
-        # not related to the query and is not returned (threshold=-1.0 ranks every indexed item).
-        th = self.threshold if self.threshold is not None else memory.threshold
+        # Ranked, as LangGraph's stores rank: every indexed item of the prefix, best first; a threshold
+        # given to the store drops the items scoring below it.
+        th = self.threshold if self.threshold is not None else -1.0
         for ns in sorted({it[0] for it in items if it[2]}):
             memory.route_pending(ns)  # items put moments ago: embedded now, with the query
         for ns in sorted({it[0] for it in items if it[2]}):
@@ -450,7 +456,7 @@ class KVMemoryStore(BaseStore):
                     scored.append((float(hit.score), it))
         scored.sort(key=lambda x: -x[0])
         # Items stored without routing (index=False) have no score: they fill the page after every
-        # scored one, as in LangGraph's own stores. Indexed items below the threshold are left out.
+        # scored one, as in LangGraph's own stores. Indexed items below a store's threshold are left out.
         unscored = [(None, it) for it in items if not it[2]]
         ranked: list[tuple[float | None, tuple]] = [*scored, *unscored]
         page = ranked[op.offset: op.offset + op.limit]

@@ -149,3 +149,26 @@ def test_bad_inputs_are_refused_typed(li_memory):
         asyncio.run(block.atruncate("text", "many"))
     # Nothing was stored or counted as rejected: the calls were refused, not attempted.
     assert block.remembered == [] and block.rejected == []
+
+
+def test_a_users_statements_are_put_as_notes_and_got_back(li_memory):
+    # Issue 41: a fact the user stated is kept (a note: unverified, kind "note") and comes back for a
+    # question about it, although a question scores below the threshold that routes solutions.
+    from kvmemory import kind_of
+
+    ns = "li-memory-notes"
+    block = KVMemoryBlock(memory=li_memory, namespace=ns)
+    asyncio.run(block.aput([ChatMessage(role=MessageRole.USER, content="Thanks! Alice has a cat named Tom."),
+                            ChatMessage(role=MessageRole.ASSISTANT, content="Noted.")]))
+    assert [(e.problem, e.verified, kind_of(e)) for e in block.remembered] == [("Alice has a cat named Tom.", False, "note")]
+    assert block.rejected == []
+    question = [ChatMessage(role=MessageRole.USER, content="What pet does Alice have?")]
+    assert asyncio.run(block.aget(question)) == "Note: Alice has a cat named Tom."
+    assert asyncio.run(block.aget([ChatMessage(role=MessageRole.USER, content="What is the tallest mountain on Mars?")])) == ""
+    assert asyncio.run(KVMemoryBlock(memory=li_memory, namespace=ns, include_notes=False).aget(question)) == ""
+    # Inside LlamaIndex's Memory: the note goes into the system message.
+    memory = Memory.from_defaults(session_id="li-notes", token_limit=4000, memory_blocks=[block],
+                                  tokenizer_fn=_tokenizer_fn(li_memory))
+    memory.put(question[0])
+    system = memory.get()[0]
+    assert system.role == MessageRole.SYSTEM and "Note: Alice has a cat named Tom." in system.content

@@ -1,15 +1,20 @@
 """`KVMemoryBlock`: a memory block for LlamaIndex's `Memory` that gets and puts verified solutions.
 
-get: the latest user message is routed (kvmemory's FAISS router, calibrated threshold) to stored
-solutions; the verified ones come back as text that `Memory` puts in the system message (or the
-last user message, per its `insert_method`).
+get: the latest user message is routed (kvmemory's FAISS router, as `KVMemory.answer` routes: the
+calibrated threshold for solutions, the lower note threshold for notes) to stored entries; the
+verified solutions and the notes (facts the user stated, kvmemory/memory/notes.py) come back as text
+that `Memory` puts in the system message (or the last user message, per its `insert_method`); a note
+reads "Note: <statement>" (`note_template`).
 
-put: `Memory` hands a block the messages it flushes out of its short-term queue. Each user message
-followed by an assistant reply is a (problem, solution) pair; the pair is stored only if the block's
+put: `Memory` hands a block the messages it flushes out of its short-term queue; they go to
+`KVMemory.add` (a fixed rule, no model). A user message that asks something (a question or a
+request) followed by an assistant reply is a (problem, solution) pair, stored only if the block's
 verifier accepts it (kvmemory runs the verifier before any KV is computed), so the block never turns
 an unchecked chat reply into a "verified solution". The answer, when the caller knows it, rides on
 the assistant message as `additional_kwargs["answer"]`. Pairs the verifier refuses are recorded in
-`rejected`, not raised: a flush is housekeeping, and one bad reply must not lose the others.
+`rejected`, not raised: a flush is housekeeping, and one bad reply must not lose the others. A user
+message that asks nothing ("My cat is called Tom.") is kept as notes, one per statement
+(`include_notes=False` neither stores nor gets them).
 """
 
 from __future__ import annotations
@@ -20,12 +25,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvmemory import (DEFAULT_MODEL, TEXT_TEMPLATE, VERIFIERS, EntryRecord, InvalidInput, KVMemory, Recalled,
-                      VerificationFailed, borrow_memory, prompt_text, shared_memory)
+                      VerificationFailed, borrow_memory, is_note, prompt_text, shared_memory)
 from llama_index.core.base.llms.types import ChatMessage, MessageRole, TextBlock
 from llama_index.core.bridge.pydantic import Field, PrivateAttr, ValidationError, field_validator, model_validator
 from llama_index.core.memory.memory import BaseMemoryBlock
 
 DEFAULT_FORMAT = TEXT_TEMPLATE
+DEFAULT_NOTE_FORMAT = "Note: {problem}"
 # Between two solutions in the block's text; truncation cuts at these.
 SEPARATOR = "\n\n"
 
@@ -69,10 +75,12 @@ class KVMemoryBlock(BaseMemoryBlock[str]):
     threshold: float | None = Field(default=None, description="Routing threshold (default: calibrated).")
     verifier: str = Field(default="arithmetic",
                           description="kvmemory verifier that puts must pass: arithmetic, exact-answer or none.")
-    include_unverified: bool = Field(default=False, description="Also get entries stored unverified.")
+    include_unverified: bool = Field(default=False, description="Also get solutions stored unverified.")
+    include_notes: bool = Field(default=True, description="Keep the user's statements as notes, and get them.")
     answer_key: str = Field(default="answer", description="additional_kwargs key of an assistant message's answer.")
     format_template: str = Field(default=DEFAULT_FORMAT,
                                  description="One solution's text, from `problem`, `solution` and `answer`.")
+    note_template: str = Field(default=DEFAULT_NOTE_FORMAT, description="One note's text, from `problem`.")
 
     _remembered: list[EntryRecord] = PrivateAttr(default_factory=list)
     _rejected: list[Rejected] = PrivateAttr(default_factory=list)
@@ -119,15 +127,16 @@ class KVMemoryBlock(BaseMemoryBlock[str]):
 
     # ------------------------------------------------------------------ get
     def recall(self, query: str) -> list[Recalled]:
-        """The solutions a get would return for `query`, best first."""
+        """The solutions and notes a get would return for `query`, best first."""
         query = prompt_text(query, "query")
         if not query.strip():
             return []
-        hits = self.memory.recall(query, k=self.similarity_top_k, namespace=self.namespace, threshold=self.threshold)
-        return [h for h in hits if self.include_unverified or h.entry.verified]
+        hits = self.memory.route(query, k=self.similarity_top_k, namespace=self.namespace, threshold=self.threshold)
+        return [h for h in hits
+                if (self.include_notes if is_note(h.entry) else (self.include_unverified or h.entry.verified))]
 
     def _format(self, hits: list[Recalled]) -> str:
-        return SEPARATOR.join(h.text(self.format_template).strip() for h in hits)
+        return SEPARATOR.join(h.text(self.format_template, self.note_template).strip() for h in hits)
 
     async def _aget(self, messages: list[ChatMessage] | None = None, **block_kwargs: Any) -> str:
         _check_messages(messages)
@@ -166,19 +175,24 @@ class KVMemoryBlock(BaseMemoryBlock[str]):
         self._remembered.append(entry)
         return entry
 
-    def _pairs(self, messages: list[ChatMessage]) -> list[tuple[str, str, str | None]]:
-        pairs = []
-        for user, reply in zip(messages, messages[1:]):
-            if user.role != MessageRole.USER or reply.role != MessageRole.ASSISTANT:
-                continue
-            problem, solution = _text(user).strip(), _text(reply).strip()
-            if problem and solution:
-                answer = reply.additional_kwargs.get(self.answer_key)
-                pairs.append((problem, solution, None if answer is None else str(answer)))
-        return pairs
+    def _chat(self, messages: list[ChatMessage]) -> list[dict]:
+        """The messages as `KVMemory.add` reads them (user and assistant turns; an answer on a reply)."""
+        out = []
+        for m in messages:
+            role = {MessageRole.USER: "user", MessageRole.ASSISTANT: "assistant"}.get(m.role, "other")
+            answer = m.additional_kwargs.get(self.answer_key) if role == "assistant" else None
+            out.append({"role": role, "content": _text(m),
+                        "answer": None if answer is None else str(answer)})
+        return out
+
+    def put_chat(self, messages: list[ChatMessage]) -> None:
+        """What a flush stores (module docstring): verified pairs, and the user's statements as notes."""
+        _check_messages(messages)
+        result = self.memory.add(self._chat(messages), namespace=self.namespace, verifier=self.verifier,
+                                 facts=self.include_notes)
+        self._remembered.extend(result.entries)
+        self._rejected.extend(Rejected(s["problem"], s["solution"], s["answer"], s["reason"]) for s in result.skipped)
 
     async def _aput(self, messages: list[ChatMessage]) -> None:
-        _check_messages(messages)
-        for problem, solution, answer in self._pairs(messages):
-            # Remembering runs the model over the pair (seconds on a CPU): off the event loop.
-            await asyncio.to_thread(self.remember, problem, solution, answer)
+        # Remembering runs the model over each pair and note (seconds on a CPU): off the event loop.
+        await asyncio.to_thread(self.put_chat, messages)

@@ -20,7 +20,7 @@ from llama_index.core.schema import NodeWithScore, QueryBundle, QueryType, TextN
 DEFAULT_TEXT_TEMPLATE = TEXT_TEMPLATE
 # The keys every kvmemory adapter (LangChain and LlamaIndex) puts on a retrieved solution
 # (`Recalled.metadata`), besides `problem` and `matched_text` (the problem or alias the query matched).
-METADATA_KEYS = ("entry_id", "score", "answer", "verified", "attestation_id", "namespace")
+METADATA_KEYS = ("entry_id", "score", "answer", "verified", "kind", "attestation_id", "namespace")
 # Provenance is for the caller, not for the model: a 135M model given "attestation_id: 3f9a..." in its
 # context only has more tokens to read, and an embedder would embed the hashes.
 _HIDDEN_KEYS = [*METADATA_KEYS, "problem", "matched_text"]
