@@ -55,7 +55,7 @@ def test_rewordings_agree_and_siblings_do_not():
 
 @pytest.fixture
 def stored(real_memory):
-    picked = [_problem("A rectangle is 7 cm"), _problem("A train travels at 80 km"), _problem("A car uses 6 liters")]
+    picked = [_problem("A rectangle is 7 cm"), _problem("A train travels at 80 km"), _problem("A pool is filled at 40")]
     entries = [real_memory.remember(p[0], p[1], answer=p[2]) for p in picked]
     return real_memory, picked, entries
 
@@ -84,12 +84,12 @@ def test_siblings_and_unrelated_questions_route_nowhere(stored):
 
 def test_a_given_threshold_gates_every_route(stored):
     mem, picked, entries = stored
-    q = picked[0][3]["units"]  # "Find the area in cm^2 of a 7 cm x 5 cm rectangle."
+    q = picked[2][3]["units"]  # "Flow rate 40 L/min, volume 1,200 L. Time to fill in min?"
     score = mem.recall(q, k=1, threshold=0.0)[0].score
     assert score < 0.83  # below the threshold: routed by its numbers
-    assert mem.answer(q, max_new_tokens=1).entries == [entries[0].id]
+    assert mem.answer(q, max_new_tokens=1).entries == [entries[2].id]
     assert mem.answer(q, threshold=0.83, max_new_tokens=1).entries == []
-    assert mem.answer(q, threshold=0.83, number_threshold=0.6, max_new_tokens=1).entries == [entries[0].id]
+    assert mem.answer(q, threshold=0.83, number_threshold=0.6, max_new_tokens=1).entries == [entries[2].id]
     # recall without the number check lists by the threshold alone
     assert mem.recall(q, k=1) == []
-    assert [h.entry.id for h in mem.recall(q, k=1, number_check=True)] == [entries[0].id]
+    assert [h.entry.id for h in mem.recall(q, k=1, number_check=True)] == [entries[2].id]

@@ -75,8 +75,11 @@ def run_rewordings_bench(mem=None, *, which: str = "report", problems: int | Non
     try:
         bar = dict(disable=not progress)
         entry_of = []
+        # A store given with the entries already in it (same texts, this namespace) is reused as it is.
+        have = {(e.problem, e.solution, e.answer): e.id for e in mem.store.list_entries(mem.namespace)}
         for problem, solution, answer, _, _ in tqdm(probs, desc="remembering", unit="problem", **bar):
-            entry_of.append(mem.remember(problem, solution, answer=answer).id)
+            eid = have.get((problem, solution, answer))
+            entry_of.append(eid or mem.remember(problem, solution, answer=answer).id)
 
         def ask(q: str, tokens: int = budget):
             return mem.answer(q, answer_prefix=ANSWER_PREFIX, choices="numbers", max_new_tokens=tokens, stop=["\n"])
@@ -215,6 +218,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--problems", type=int, default=None, help="only the first N problems")
     ap.add_argument("--unrelated", type=int, default=None, help="only the first N unrelated questions")
     ap.add_argument("--budget", type=int, default=12, help="tokens decoded when no entry routes (default: %(default)s)")
+    ap.add_argument("--store", default=None, help="a store to use (entries already there are reused; default: a "
+                    "temporary one)")
+    ap.add_argument("--namespace", default=None, help="namespace in --store (default: bench-rewordings-SET)")
     ap.add_argument("--json", action="store_true", help="print the full result as JSON")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
@@ -222,7 +228,12 @@ def main(argv: list[str] | None = None) -> int:
         r = calibrate(args.which, progress=not args.no_progress)
         print(json.dumps(r, indent=2))
         return 0
-    r = run_rewordings_bench(which=args.which, problems=args.problems, unrelated=args.unrelated, budget=args.budget,
+    mem = None
+    if args.store:
+        from kvmemory.memory.facade import KVMemory
+
+        mem = KVMemory(store=args.store, namespace=args.namespace or f"bench-rewordings-{args.which}")
+    r = run_rewordings_bench(mem, which=args.which, problems=args.problems, unrelated=args.unrelated, budget=args.budget,
                              progress=not args.no_progress)
     print(json.dumps(r, indent=2, default=str) if args.json else format_table(r))
     return 0
