@@ -26,17 +26,18 @@ from kvmemory.models.loading import DEFAULT_MODEL
 from kvmemory.memory.verifiers import numbers_in
 from kvmemory.memory import notes
 from kvmemory.memory.background import PendingWrite, Writer
-from kvmemory.memory.filters import check_where, matches
+from kvmemory.memory.filters import check_where
 from kvmemory.memory.listing import (DEFAULT_PAGE, HISTORY_KEY, RESERVED_META, EntryPage, EntryVersion, check_limit,
                                      page_of, snapshot, user_meta, versions)
 from kvmemory.memory.ids import entry_id_for
 from kvmemory.memory.entry_check import EntryChecks, refusal
-from kvmemory.memory.inputs import (MAX_K, MAX_TEXT_CHARS, check_answer_options, check_count, check_entry_id,
-                                     check_namespace, check_text, check_threshold)
+from kvmemory.memory.inputs import (MAX_TEXT_CHARS, check_answer_options, check_entry_id, check_namespace,
+                                     check_text)
 from kvmemory.memory.proof import VerifySummary
 from kvmemory.memory.token_text import TokenText
 from kvmemory.memory.layout import Layout, chat_layout, entry_probe, question_layout
 from kvmemory.memory.prompts import entry_messages, render_ids, solution_text
+from kvmemory.memory.routing import TEXT_TEMPLATE, Recalled  # noqa: F401 - re-exported
 from kvmemory.engine.runner import GREEDY, Sampling
 from kvmemory.store.local import EntryRecord
 
@@ -96,40 +97,7 @@ class Answer:
         }
 
 
-# How the framework adapters (LangChain and LlamaIndex retrievers, LlamaIndex's memory block) show a
-# recalled entry as text; `{answer}` is also available to custom templates.
-TEXT_TEMPLATE = "Problem: {problem}\nSolution: {solution}"
-
-
-@dataclass(slots=True, frozen=True)
-class Recalled:
-    """A routed entry and its cosine score."""
-
-    entry: EntryRecord
-    score: float
-    matched_text: str
-
-    def text(self, template: str = TEXT_TEMPLATE, note_template: str = notes.NOTE_TEMPLATE) -> str:
-        """The entry as a document's text; the solution as the model read it when it was stored
-        (ending with its answer). A note is shown by `note_template` (its statement, by default)."""
-        e = self.entry
-        if notes.is_note(e):
-            template = note_template
-        return template.format(problem=e.problem, solution=solution_text(e.solution, e.answer), answer=e.answer or "")
-
-    def metadata(self) -> dict:
-        """The provenance every adapter attaches to a recalled document (the same keys everywhere)."""
-        e = self.entry
-        return {"entry_id": e.id, "score": float(self.score), "answer": e.answer, "verified": bool(e.verified),
-                "kind": notes.kind_of(e),
-                "attestation_id": e.attestation.get("attestation_id"), "namespace": e.namespace,
-                "problem": e.problem, "matched_text": self.matched_text}
-
-    def to_json(self) -> dict:
-        e = self.entry
-        return {"id": e.id, "score": round(self.score, 4), "namespace": e.namespace, "problem": e.problem,
-                "solution": e.solution, "answer": e.answer, "verified": e.verified, "kind": notes.kind_of(e),
-                "attestation_id": e.attestation.get("attestation_id"), "matched_text": self.matched_text}
+# `Recalled` and `TEXT_TEMPLATE` live with routing (memory/routing.py); importable from here as before.
 
 
 @dataclass(slots=True, frozen=True)
@@ -184,6 +152,10 @@ def _check_text(name: str, text: str | None, required: bool = True) -> str | Non
 
 class KVMemory:
     """Verified solutions with their exact KV cache, grafted back on demand."""
+
+    # The score from which `answer` routes to an entry whose problem writes the same numbers as the
+    # question (memory/routing.py); None: the embedder's calibrated one, unless a threshold is given.
+    number_threshold: float | None = None
 
     def __init__(self, engine: Engine | None = None, *, model: str = DEFAULT_MODEL, store=None,
                  chunk: int | None = None, namespace: str = DEFAULT_NAMESPACE, probe_tokens: int = 4,
@@ -737,12 +709,16 @@ class KVMemory:
 
     # ------------------------------------------------------------------ routing
     def recall(self, query: str, k: int = 5, *, namespace: str | None = None, threshold: float | None = None,
-               number_check: bool = False, where: dict | None = None, refused: list | None = None) -> list[Recalled]:
+               number_check: bool = False, where: dict | None = None, refused: list | None = None,
+               number_threshold: float | None = None) -> list[Recalled]:
         """Entries whose problem is close to `query`, best first, with cosine scores; an unrelated
         query returns [] (scores below the calibrated threshold are dropped). With `number_check`,
-        entries whose problem writes other numbers than the query are left out (`answer` routes so).
-        `where` keeps only entries whose metadata matches (memory/filters.py); the router is asked
-        for more candidates until k matching ones are found or none is left above the threshold.
+        entries whose problem writes other numbers than the query are left out, and an entry whose
+        problem writes the same numbers (as values: words, units, separators; memory/quantities.py)
+        routes from the lower `number_threshold` (`answer` routes so; memory/routing.py says how the
+        two gates are chosen). `where` keeps only entries whose metadata matches (memory/filters.py);
+        the router is asked for more candidates until k matching ones are found or none is left
+        above the threshold.
 
         A namespace that holds no entries recalls [] (an agent's memory may be empty); when other
         namespaces do hold entries, a warning names them once (a misspelt namespace is the usual
@@ -751,92 +727,36 @@ class KVMemory:
         Every routed entry is checked against itself, and its route against it (memory/entry_check.py),
         before it is returned: one that fails is left out, logged, and named in `refused` (a list the
         caller passes, as {"entry", "reason"}); `kvmemory fsck --repair` puts it right."""
-        query = _check_text("query", query)
-        check_count("k", k, maximum=MAX_K)
-        check_threshold(threshold)
-        where = check_where(where)
-        ns = _check_namespace(namespace or self.namespace)
-        th = threshold if threshold is not None else self.threshold
-        self.sync_router(ns)
-        self.route_pending(ns)
-        out: list[Recalled] = []
-        seen: set[str] = set()
-        wanted = set(numbers_in(query)) if number_check else set()
-        # Over-fetch when hits may be dropped (other numbers, metadata), so k good ones can still be
-        # returned: ask for 4k, then 4x more while the router keeps returning full lists.
-        fetch = 4 * k if (wanted or where) else k
-        # The question is embedded once: the router searches with it, and each route is re-scored with it
-        # against the entry's own text (a damaged router row or vector is refused, not followed).
-        qvec = self.router.embedder.embed([query])[0] if ns in self.router.namespaces() else None
-        dropped = False
-        while True:
-            hits = (self.router.search_vector(qvec, fetch, ns, self.router.threshold if th is None else float(th))
-                    if qvec is not None else [])
-            if not hits and not seen and ns not in self._warned_namespaces:
-                self._warn_empty(ns)
-            for hit in hits:
-                if hit.entry_id in seen:
-                    continue
-                seen.add(hit.entry_id)
-                job = self._pending.get(hit.entry_id)
-                if job is not None:
-                    job.run()  # computed on first use (or finished by whoever had started it)
-                try:
-                    entry = self.store.get_entry(hit.entry_id, ns)
-                except UnknownEntry:
-                    if self._lost(hit.entry_id) and refused is not None:
-                        dropped = True
-                        refused.append(refusal(hit.entry_id, "it is routed and recorded beside its blocks, but the "
-                                               "catalogue no longer holds it (a damaged catalogue); run `kvmemory "
-                                               "fsck --repair`"))
-                    continue  # routed but forgotten meanwhile (or its deferred write failed: flush() says why)
-                except IntegrityError as exc:  # a damaged or forged catalogue row: refused, not fatal
-                    dropped = True
-                    if refused is not None:
-                        refused.append(refusal(hit.entry_id, str(exc)))
-                    continue
-                why = self.checks.route(hit, entry, qvec, self.router.embedder) or self.checks.entry(entry)
-                if why is not None:
-                    dropped = True
-                    if refused is not None:
-                        refused.append(refusal(entry.id, why))
-                    continue
-                # the entry's own problem, never the router's copy of a text: a near-duplicate with other
-                # numbers is another problem
-                if wanted and (found := set(numbers_in(entry.problem))) and found != wanted:
-                    continue
-                if where and not matches(user_meta(entry), where):
-                    continue
-                out.append(Recalled(entry=entry, score=float(hit.score), matched_text=hit.matched_text))
-                if len(out) == k:
-                    return out
-            if len(hits) < fetch or not (wanted or where or dropped):
-                return out
-            fetch *= 4
+        from kvmemory.memory import routing
+
+        return routing.recall(self, query, k, namespace=namespace, threshold=threshold, number_check=number_check,
+                              number_threshold=number_threshold, where=where, refused=refused)
 
     def route(self, query: str, k: int = 1, *, namespace: str | None = None, threshold: float | None = None,
-              where: dict | None = None, number_check: bool = False, refused: list | None = None) -> list[Recalled]:
+              where: dict | None = None, number_check: bool = False, number_threshold: float | None = None,
+              refused: list | None = None) -> list[Recalled]:
         """What `answer` and `chat` route to: `recall`'s entries, and notes scoring at least the note
         threshold (lower: a question about a fact scores lower against its statement), best first, at
         most k; a `threshold` given applies to both kinds (memory/notes.py)."""
         return notes.route(self, query, k, namespace=namespace, threshold=threshold, number_check=number_check,
-                           where=where, refused=refused)
+                           number_threshold=number_threshold, where=where, refused=refused)
 
     def _warn_empty(self, ns: str) -> None:
-        counts = self.namespaces()
-        others = {n: c for n, c in counts.items() if n != ns}
-        if ns not in counts and others:
-            self._warned_namespaces.add(ns)
-            _log.warning("namespace %r holds no entries, so nothing is recalled; namespaces with entries: %s",
-                         ns, ", ".join(f"{n!r} ({c})" for n, c in others.items()))
+        from kvmemory.memory import routing
+
+        routing.warn_empty(self, ns)
 
     def answer(self, query: str, *, k: int = 1, namespace: str | None = None, threshold: float | None = None,
                max_new_tokens: int = 256, sampling: Sampling = GREEDY, stop: Sequence[str] = (),
                on_text=None, use_memory: bool = True, answer_prefix: str | None = None,
                choices: str | Sequence[str] | None = None, choice_end: str = ".",
-               contrast: float = DEFAULT_CONTRAST, where: dict | None = None) -> Answer:
+               contrast: float = DEFAULT_CONTRAST, where: dict | None = None,
+               number_threshold: float | None = None) -> Answer:
         """Route `query`, put the best entries before it, graft the longest stored chain, decode.
-        `where` routes only to entries whose metadata matches (as in `recall`).
+        `where` routes only to entries whose metadata matches (as in `recall`). Routing checks the
+        numbers (`number_check`): an entry whose problem writes other numbers than the question is
+        not used, and one that writes the same numbers routes from `number_threshold` (default: the
+        embedder's calibrated one) instead of `threshold` (memory/routing.py).
 
         With several entries the first one's chain is grafted and the rest computed; the newly
         computed grid-aligned blocks are stored (per `block_policy`) so the same combination is
@@ -861,7 +781,7 @@ class KVMemory:
                              contrast=contrast)
         refused: list[dict] = []
         hits = self.route(query, k, namespace=namespace, threshold=threshold, number_check=self.number_check,
-                          where=where, refused=refused) if use_memory else []
+                          number_threshold=number_threshold, where=where, refused=refused) if use_memory else []
         ans = self.answer_from(query, hits, max_new_tokens=max_new_tokens, sampling=sampling, stop=stop,
                                on_text=on_text, answer_prefix=answer_prefix, choices=choices,
                                choice_end=choice_end, contrast=contrast)

@@ -124,12 +124,12 @@ def note_threshold(mem) -> float | None:
 
 
 def route(mem, query: str, k: int, *, namespace: str | None, threshold: float | None, number_check: bool,
-          where: dict | None, refused: list | None):
+          where: dict | None, refused: list | None, number_threshold: float | None = None):
     """What `answer` and `chat` route to: `recall`'s entries at the usual threshold, and notes that score
     at least the note threshold (`note_threshold`) too, best first, at most k. A threshold given here
     applies to both kinds (one `recall`)."""
     hits = mem.recall(query, k, namespace=namespace, threshold=threshold, number_check=number_check,
-                      where=where, refused=refused)
+                      number_threshold=number_threshold, where=where, refused=refused)
     nth = None if threshold is not None else note_threshold(mem)
     if nth is None:
         return hits

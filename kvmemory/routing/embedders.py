@@ -39,6 +39,7 @@ from kvmemory.errors import InvalidInput, KVMemoryError, RouterMismatch
 __all__ = [
     "BUILTIN_EMBEDDERS",
     "CALIBRATED_THRESHOLDS",
+    "MINILM_NUMBER_THRESHOLD",
     "MINILM_THRESHOLD",
     "MULTILINGUAL_THRESHOLD",
     "Embedder",
@@ -46,6 +47,7 @@ __all__ = [
     "UseEmbedder",
     "default_embedder_path",
     "embedder_from_identity",
+    "number_threshold_for",
     "resolve_embedder",
     "threshold_for",
     "weights_fingerprint",
@@ -77,6 +79,17 @@ MULTILINGUAL_SHA256 = "76265c6aa203b99380943492609b3726deab1673ef2368751d7686d79
 
 # weights SHA-256 -> calibrated threshold
 CALIBRATED_THRESHOLDS: dict[str, float] = {MINILM_SHA256: MINILM_THRESHOLD, MULTILINGUAL_SHA256: MULTILINGUAL_THRESHOLD}
+
+# The number threshold (memory/routing.py): the score from which `answer` routes to an entry whose
+# problem writes the same numbers as the question. Calibrated with `python -m kvmemory.bench.rewordings
+# --calibrate --set calibration` (bench/rewordings_calibration.py, 40 problems written by hand, 120
+# rewordings in words / notation / reordered, 100 unrelated questions): the best score an unrelated
+# question reached against any stored problem was 0.6005, rounded up: 0.61. There every rewording's own
+# problem was its top hit (lowest score 0.662, a rewording in notation); no unrelated question wrote the
+# numbers of a stored problem. Figures on the independent report set: BENCHMARKS.md "Routing rewordings".
+# The multilingual embedder has none calibrated: it routes by its threshold alone.
+MINILM_NUMBER_THRESHOLD = 0.61
+CALIBRATED_NUMBER_THRESHOLDS: dict[str, float] = {MINILM_SHA256: MINILM_NUMBER_THRESHOLD}
 
 
 class UncalibratedEmbedderWarning(UserWarning):
@@ -377,3 +390,8 @@ def threshold_for(embedder: Embedder, *, warn: bool = True) -> float:
     return MINILM_THRESHOLD
 
 
+
+
+def number_threshold_for(embedder: Embedder) -> float | None:
+    """The calibrated number threshold of `embedder` (by weights SHA-256; memory/routing.py), or None."""
+    return CALIBRATED_NUMBER_THRESHOLDS.get(weights_fingerprint(embedder.path, embedder.weight_files()))

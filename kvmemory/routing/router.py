@@ -51,6 +51,7 @@ from kvmemory.routing.embedders import (  # noqa: F401
     _offline,
     default_embedder_path,
     embedder_from_identity,
+    number_threshold_for,
     resolve_embedder,
     threshold_for,
     weights_fingerprint,
@@ -347,6 +348,13 @@ class Router:
         self._removed = False  # a namespace was dropped since the last commit
         with self._lock:
             self._refresh(force=True)
+
+    @property
+    def number_threshold(self) -> float | None:
+        """The embedder's calibrated number threshold (memory/routing.py: the score from which `answer`
+        routes to an entry whose problem writes the question's numbers); None when this router was
+        given a threshold (that one then gates every route) or the embedder has none calibrated."""
+        return None if self._explicit_threshold else number_threshold_for(self.embedder)
 
     def _recorded_embedder(self) -> Embedder:
         """The embedder the manifest names (so a store keeps the one it was indexed with), else the default.

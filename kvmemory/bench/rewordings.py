@@ -1,0 +1,243 @@
+"""`python -m kvmemory.bench.rewordings`: does `answer` find natural rewordings of stored problems?
+
+Two hand-written sets, by different authors (bench/rewordings_calibration.py, bench/rewordings_heldout.py):
+40 stored problems each, every problem with three rewordings of the same problem and numbers
+("words": numbers as words; "units": notation, units and symbols; "reordered": clauses reordered),
+a sibling (one number changed: the stored answer is wrong for it) and 100 unrelated questions.
+Routing thresholds are calibrated on the calibration set only (`--calibrate`); the report set is
+what the figures in BENCHMARKS.md ("Routing rewordings") come from.
+
+The bench stores each problem with its own worked solution (`remember`, default verifier: the
+solution must conclude with the given answer), then asks every question as an agent does:
+`answer(q, answer_prefix="The answer is", choices="numbers")`, and reports
+
+- rewordings: routed to their own entry (the first entry used), answered right (the value the
+  answer gives equals the stored answer), per kind and overall;
+- unrelated questions: routed to any entry (should be none);
+- siblings: routed to the original's entry, and answered with the original's stored answer through
+  memory (a leak: must be 0); siblings that got the original's answer with no memory are counted
+  beside it (the model's own decode landing on that number).
+
+A question no entry routes to is answered by the model alone (free decode, `--budget` tokens; one token
+for unrelated questions, whose route alone is scored).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from fractions import Fraction
+
+from tqdm import tqdm
+
+ANSWER_PREFIX = "The answer is"
+KINDS = ("words", "units", "reordered")
+SETS = ("report", "calibration")
+
+
+def load_set(which: str):
+    """The module holding PROBLEMS and UNRELATED for `which` ("report" or "calibration")."""
+    from kvmemory.errors import InvalidInput
+
+    if which == "report":
+        from kvmemory.bench import rewordings_heldout as s
+    elif which == "calibration":
+        from kvmemory.bench import rewordings_calibration as s
+    else:
+        raise InvalidInput(f"set must be one of {SETS}, got {which!r}")
+    return s
+
+
+def _value(text: str) -> Fraction | None:
+    from kvmemory.memory.verifiers import extract_value
+
+    return extract_value(text)
+
+
+def run_rewordings_bench(mem=None, *, which: str = "report", problems: int | None = None, unrelated: int | None = None,
+                         budget: int = 12, progress: bool = True) -> dict:
+    """Run the bench on `mem` (a KVMemory; a temporary one on the embedded model by default). `problems`
+    and `unrelated` take the first ones of the set only (a quick look; the figures use the whole set)."""
+    import tempfile
+
+    from kvmemory.memory.facade import KVMemory
+
+    s = load_set(which)
+    probs = s.PROBLEMS[:problems] if problems is not None else s.PROBLEMS
+    others = s.UNRELATED[:unrelated] if unrelated is not None else s.UNRELATED
+    tmp = None
+    if mem is None:
+        tmp = tempfile.TemporaryDirectory(prefix="kvmemory-bench-")
+        mem = KVMemory(store=f"{tmp.name}/store", namespace=f"bench-rewordings-{which}")
+    t0 = time.perf_counter()
+    try:
+        bar = dict(disable=not progress)
+        entry_of = []
+        # A store given with the entries already in it (same texts, this namespace) is reused as it is.
+        have = {(e.problem, e.solution, e.answer): e.id for e in mem.store.list_entries(mem.namespace)}
+        for problem, solution, answer, _, _ in tqdm(probs, desc="remembering", unit="problem", **bar):
+            eid = have.get((problem, solution, answer))
+            entry_of.append(eid or mem.remember(problem, solution, answer=answer).id)
+
+        def ask(q: str, tokens: int = budget):
+            return mem.answer(q, answer_prefix=ANSWER_PREFIX, choices="numbers", max_new_tokens=tokens, stop=["\n"])
+
+        kinds = {k: {"questions": 0, "routed_right": 0, "answered_right": 0, "used_memory": 0} for k in KINDS}
+        failures: list[dict] = []
+        siblings = {"questions": 0, "routed_to_original": 0, "leaks": 0, "given_original_answer_without_memory": 0,
+                    "answered_right": 0}
+        leaks: list[dict] = []
+        questions = [(i, k, p[3][k]) for i, p in enumerate(probs) for k in KINDS] + \
+                    [(i, "sibling", p[4][0]) for i, p in enumerate(probs)]
+        for i, kind, q in tqdm(questions, desc="rewordings and siblings", unit="question", **bar):
+            problem, _, answer, _, (_, sib_answer) = probs[i]
+            ans = ask(q)
+            got = _value(ans.text)
+            first = ans.entries[0] if ans.entries else None
+            if kind == "sibling":
+                siblings["questions"] += 1
+                on_original = entry_of[i] in ans.entries
+                siblings["routed_to_original"] += int(on_original)
+                siblings["answered_right"] += int(got == Fraction(sib_answer))
+                if got == Fraction(answer):
+                    if on_original:
+                        siblings["leaks"] += 1
+                        leaks.append({"question": q, "answer": ans.text, "stored_answer": answer,
+                                      "sibling_answer": sib_answer, "scores": ans.scores})
+                    elif not ans.entries:
+                        siblings["given_original_answer_without_memory"] += 1
+                continue
+            k = kinds[kind]
+            k["questions"] += 1
+            k["used_memory"] += int(bool(ans.entries))
+            right_route = first == entry_of[i]
+            right = got == Fraction(answer)
+            k["routed_right"] += int(right_route)
+            k["answered_right"] += int(right)
+            if not (right_route and right):
+                failures.append({"kind": kind, "question": q, "problem": problem, "expected": answer,
+                                 "answer": ans.text, "routed": right_route, "entries": ans.entries,
+                                 "scores": [round(x, 4) for x in ans.scores],
+                                 "refused": ans.refused})
+        routed_unrelated = []
+        for q in tqdm(others, desc="unrelated questions", unit="question", **bar):
+            ans = ask(q, 1)  # only the route is scored: one token decoded when none is found
+            if ans.entries:
+                routed_unrelated.append({"question": q, "entries": ans.entries,
+                                         "scores": [round(x, 4) for x in ans.scores]})
+        total = {key: sum(k[key] for k in kinds.values()) for key in ("questions", "routed_right", "answered_right",
+                                                                       "used_memory")}
+        n = max(total["questions"], 1)
+        router = mem.router
+        return {
+            "bench": "rewordings", "set": which, "source": s.__name__,
+            "model": mem.engine.loaded.source, "profile_id": mem.engine.profile_id,
+            "embedder": router.embedder.name, "threshold": router.threshold,
+            "number_threshold": getattr(router, "number_threshold", None),
+            "answer": f'answer(q, answer_prefix="{ANSWER_PREFIX}", choices="numbers", max_new_tokens={budget})',
+            "problems": len(probs),
+            "rewordings": {**total, "recall": total["routed_right"] / n, "accuracy": total["answered_right"] / n,
+                           "used_memory_rate": total["used_memory"] / n},
+            "kinds": {name: {**k, "recall": k["routed_right"] / max(k["questions"], 1),
+                             "accuracy": k["answered_right"] / max(k["questions"], 1)} for name, k in kinds.items()},
+            "unrelated": {"questions": len(others), "routed": len(routed_unrelated),
+                          "routed_rate": len(routed_unrelated) / max(len(others), 1), "details": routed_unrelated},
+            "siblings": {**siblings, "leak_details": leaks},
+            "failures": failures,
+            "seconds": round(time.perf_counter() - t0, 1),
+        }
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+
+
+def calibrate(which: str = "calibration", embedder=None, *, progress: bool = False) -> dict:
+    """Embedding scores on a set (no model, no store): for each rewording its own problem's score and
+    rank, each sibling's score against its original, and each unrelated question's best score.
+
+    `number_threshold` is the calibration rule for the gate that `answer` applies to an entry whose
+    problem writes the same numbers as the question (memory/routing.py): the best score any unrelated
+    question of the set reaches against any stored problem, rounded up to 0.01, so that the topic must
+    still be nearer than every unrelated question was; the numbers then tell the problem from its
+    siblings. Run it on the calibration set only."""
+    import numpy as np
+
+    from kvmemory.memory.quantities import question_numbers
+    from kvmemory.routing.embedders import resolve_embedder
+
+    s = load_set(which)
+    emb = resolve_embedder(embedder)
+    stored = [p[0] for p in s.PROBLEMS]
+    P = emb.embed(stored, progress=progress)
+    out: dict = {"set": which, "embedder": emb.name, "kinds": {}}
+    for kind in KINDS:
+        Q = emb.embed([p[3][kind] for p in s.PROBLEMS])
+        sc = Q @ P.T
+        own = np.diag(sc)
+        same = [question_numbers(p[3][kind]) == question_numbers(p[0]) for p in s.PROBLEMS]
+        out["kinds"][kind] = {"top1": float(np.mean(sc.argmax(1) == np.arange(len(stored)))),
+                              "own_score_min": float(own.min()), "own_score_p10": float(np.percentile(own, 10)),
+                              "numbers_agree": float(np.mean(same)),
+                              "numbers_disagree": [p[3][kind] for p, ok in zip(s.PROBLEMS, same) if not ok]}
+    sib = np.array([float(emb.embed([p[4][0]])[0] @ P[i]) for i, p in enumerate(s.PROBLEMS)])
+    out["siblings"] = {"score_min": float(sib.min()),
+                       "numbers_agree": sum(question_numbers(p[4][0]) == question_numbers(p[0]) for p in s.PROBLEMS)}
+    U = emb.embed(list(s.UNRELATED))
+    best = (U @ P.T).max(1)
+    out["unrelated"] = {"best_score_max": float(best.max()), "best_score_p99": float(np.percentile(best, 99)),
+                        "same_numbers_as_a_stored_problem": sum(
+                            any(question_numbers(u) == question_numbers(p) and question_numbers(u) for p in stored)
+                            for u in s.UNRELATED)}
+    out["number_threshold"] = math.ceil(float(best.max()) * 100) / 100
+    return out
+
+
+def format_table(r: dict) -> str:
+    lines = [f"set: {r['set']} ({r['problems']} problems); embedder {r['embedder']}, threshold {r['threshold']}, "
+             f"number threshold {r['number_threshold']}", "",
+             "| rewording | questions | routed to its entry | answered right | used memory |", "|---|---|---|---|---|"]
+    for name, k in [*r["kinds"].items(), ("all", r["rewordings"])]:
+        lines.append(f"| {name} | {k['questions']} | {k['routed_right']} ({k['routed_right'] / max(k['questions'], 1):.1%}) "
+                     f"| {k['answered_right']} ({k['answered_right'] / max(k['questions'], 1):.1%}) | {k['used_memory']} |")
+    u, s = r["unrelated"], r["siblings"]
+    lines += ["", f"unrelated questions routed: {u['routed']} of {u['questions']} ({u['routed_rate']:.1%})",
+              f"siblings routed to the original's entry: {s['routed_to_original']} of {s['questions']}; answered with "
+              f"the stored answer through memory: {s['leaks']}; with it without memory: "
+              f"{s['given_original_answer_without_memory']}; answered right: {s['answered_right']}",
+              f"{r['seconds']} s"]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m kvmemory.bench.rewordings", description=__doc__.split("\n")[0])
+    ap.add_argument("--set", dest="which", choices=SETS, default="report", help="which set (default: %(default)s)")
+    ap.add_argument("--calibrate", action="store_true", help="embedding scores only (no model): the calibration "
+                    "figures and the number threshold the set gives")
+    ap.add_argument("--problems", type=int, default=None, help="only the first N problems")
+    ap.add_argument("--unrelated", type=int, default=None, help="only the first N unrelated questions")
+    ap.add_argument("--budget", type=int, default=12, help="tokens decoded when no entry routes (default: %(default)s)")
+    ap.add_argument("--store", default=None, help="a store to use (entries already there are reused; default: a "
+                    "temporary one)")
+    ap.add_argument("--namespace", default=None, help="namespace in --store (default: bench-rewordings-SET)")
+    ap.add_argument("--json", action="store_true", help="print the full result as JSON")
+    ap.add_argument("--no-progress", action="store_true")
+    args = ap.parse_args(argv)
+    if args.calibrate:
+        r = calibrate(args.which, progress=not args.no_progress)
+        print(json.dumps(r, indent=2))
+        return 0
+    mem = None
+    if args.store:
+        from kvmemory.memory.facade import KVMemory
+
+        mem = KVMemory(store=args.store, namespace=args.namespace or f"bench-rewordings-{args.which}")
+    r = run_rewordings_bench(mem, which=args.which, problems=args.problems, unrelated=args.unrelated, budget=args.budget,
+                             progress=not args.no_progress)
+    print(json.dumps(r, indent=2, default=str) if args.json else format_table(r))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,193 @@
+"""Routing a question to stored entries: `recall`, and the number check that `answer` routes with.
+
+An entry is routed when its problem (or an alias) is near the question in the sentence embedder:
+
+- **the threshold** (the embedder's calibrated one, 0.83 for all-MiniLM-L6-v2): the score alone
+  routes; with the number check, an entry whose problem writes *other* numbers than the question is
+  left out (a sibling: "1234 * 57" scores 0.94 against "1234 * 56" and its stored answer is wrong);
+- **the number threshold** (with the number check only; 0.61 for all-MiniLM-L6-v2): an entry whose
+  problem writes *the same* numbers as the question routes from this lower score. A rewording that
+  writes its numbers in words ("seven boxes of six"), adds notation ("7 cm x 5 cm, in cm^2") or
+  turns the clauses around scores lower in the embedder (0.61-0.85 for rewordings in notation), and
+  its numbers are the evidence that it is the same problem. Numbers are compared as values
+  (memory/quantities.py: words, units, separators, fractions, cents, clock times), so a sibling
+  with other numbers is refused however it is written.
+
+A question that writes no number, or an entry whose problem writes none, needs the threshold.
+A threshold given explicitly (to `KVMemory(threshold=...)`, a `Router`, or the call) is the gate for
+both, unless a number threshold is given as well (`number_threshold=`, or `KVMemory.number_threshold`):
+a caller who sets the score routes by that score. Embedders without a calibrated number threshold
+route by the threshold alone.
+
+`recall` without the number check lists near entries whatever their numbers (for retrievers to rank).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from kvmemory.errors import IntegrityError, UnknownEntry
+from kvmemory.memory.entry_check import refusal
+from kvmemory.memory.filters import check_where, matches
+from kvmemory.memory.inputs import MAX_K, check_count, check_namespace, check_text, check_threshold
+from kvmemory.memory.listing import user_meta
+from kvmemory.memory.notes import NOTE_TEMPLATE
+from kvmemory.memory.prompts import solution_text
+from kvmemory.memory.quantities import question_numbers
+from kvmemory.memory.verifiers import is_note, kind_of
+from kvmemory.store.local import EntryRecord
+
+__all__ = ["TEXT_TEMPLATE", "Recalled", "MAX_BELOW_THRESHOLD", "gates", "numbers_differ", "recall"]
+
+_log = logging.getLogger("kvmemory.memory")
+
+# How the framework adapters (LangChain and LlamaIndex retrievers, LlamaIndex's memory block) show a
+# recalled entry as text; `{answer}` is also available to custom templates.
+TEXT_TEMPLATE = "Problem: {problem}\nSolution: {solution}"
+
+# Candidates below the threshold looked at for a number match, at most, per question: a store of many
+# similar problems has many entries between the two thresholds, and the right one is near the top.
+MAX_BELOW_THRESHOLD = 64
+
+
+@dataclass(slots=True, frozen=True)
+class Recalled:
+    """A routed entry and its cosine score."""
+
+    entry: EntryRecord
+    score: float
+    matched_text: str
+
+    def text(self, template: str = TEXT_TEMPLATE, note_template: str = NOTE_TEMPLATE) -> str:
+        """The entry as a document's text; the solution as the model read it when it was stored
+        (ending with its answer). A note is shown by `note_template` (its statement, by default)."""
+        e = self.entry
+        if is_note(e):
+            template = note_template
+        return template.format(problem=e.problem, solution=solution_text(e.solution, e.answer), answer=e.answer or "")
+
+    def metadata(self) -> dict:
+        """The provenance every adapter attaches to a recalled document (the same keys everywhere)."""
+        e = self.entry
+        return {"entry_id": e.id, "score": float(self.score), "answer": e.answer, "verified": bool(e.verified),
+                "kind": kind_of(e), "attestation_id": e.attestation.get("attestation_id"), "namespace": e.namespace,
+                "problem": e.problem, "matched_text": self.matched_text}
+
+    def to_json(self) -> dict:
+        e = self.entry
+        return {"id": e.id, "score": round(self.score, 4), "namespace": e.namespace, "problem": e.problem,
+                "solution": e.solution, "answer": e.answer, "verified": e.verified, "kind": kind_of(e),
+                "attestation_id": e.attestation.get("attestation_id"), "matched_text": self.matched_text}
+
+
+def numbers_differ(question_values: frozenset, problem: str) -> bool:
+    """True when the problem writes numbers and they are not the question's (which writes some)."""
+    found = question_numbers(problem)
+    return bool(question_values) and bool(found) and found != question_values
+
+
+def gates(mem, threshold: float | None, number_threshold: float | None, number_check: bool) -> tuple[float, float]:
+    """(threshold, number threshold) for a recall: see the module docstring. The second is the first when
+    the number check is off or no number threshold applies."""
+    router = mem.router
+    th = threshold if threshold is not None else mem.threshold
+    strict = router.threshold if th is None else float(th)
+    if not number_check:
+        return strict, strict
+    nt = number_threshold if number_threshold is not None else getattr(mem, "number_threshold", None)
+    if nt is None and th is None:
+        nt = getattr(router, "number_threshold", None)
+    return strict, strict if nt is None else min(strict, float(nt))
+
+
+def recall(mem, query: str, k: int = 5, *, namespace: str | None = None, threshold: float | None = None,
+           number_check: bool = False, number_threshold: float | None = None, where: dict | None = None,
+           refused: list | None = None) -> list[Recalled]:
+    """`KVMemory.recall` (its docstring; the gates are this module's docstring)."""
+    query = check_text("query", query)
+    check_count("k", k, maximum=MAX_K)
+    check_threshold(threshold)
+    check_threshold(number_threshold)
+    where = check_where(where)
+    ns = check_namespace(namespace or mem.namespace)
+    mem.sync_router(ns)
+    mem.route_pending(ns)
+    router = mem.router
+    strict, by_numbers = gates(mem, threshold, number_threshold, number_check)
+    out: list[Recalled] = []
+    seen: set[str] = set()
+    wanted = question_numbers(query) if number_check else frozenset()
+    lowered = bool(wanted) and by_numbers < strict
+    search_at = by_numbers if lowered else strict
+    # Over-fetch when hits may be dropped (other numbers, metadata), so k good ones can still be
+    # returned: ask for 4k, then 4x more while the router keeps returning full lists.
+    fetch = 4 * k if (wanted or where) else k
+    # The question is embedded once: the router searches with it, and each route is re-scored with it
+    # against the entry's own text (a damaged router row or vector is refused, not followed).
+    qvec = router.embedder.embed([query])[0] if ns in router.namespaces() else None
+    dropped = False
+    below = 0
+    while True:
+        hits = router.search_vector(qvec, fetch, ns, search_at) if qvec is not None else []
+        if not hits and not seen and ns not in mem._warned_namespaces:
+            warn_empty(mem, ns)
+        for hit in hits:
+            if hit.entry_id in seen:
+                continue
+            seen.add(hit.entry_id)
+            if hit.score < strict:
+                below += 1
+                if below > MAX_BELOW_THRESHOLD:
+                    return out
+            job = mem._pending.get(hit.entry_id)
+            if job is not None:
+                job.run()  # computed on first use (or finished by whoever had started it)
+            try:
+                entry = mem.store.get_entry(hit.entry_id, ns)
+            except UnknownEntry:
+                if mem._lost(hit.entry_id) and refused is not None:
+                    dropped = True
+                    refused.append(refusal(hit.entry_id, "it is routed and recorded beside its blocks, but the "
+                                           "catalogue no longer holds it (a damaged catalogue); run `kvmemory "
+                                           "fsck --repair`"))
+                continue  # routed but forgotten meanwhile (or its deferred write failed: flush() says why)
+            except IntegrityError as exc:  # a damaged or forged catalogue row: refused, not fatal
+                dropped = True
+                if refused is not None:
+                    refused.append(refusal(hit.entry_id, str(exc)))
+                continue
+            if number_check:
+                # the entry's own problem, never the router's copy of a text: a near-duplicate with other
+                # numbers is another problem; below the threshold only the same numbers route
+                found = question_numbers(entry.problem)
+                same = bool(wanted) and found == wanted
+                if wanted and found and not same:
+                    continue
+                if hit.score < strict and not same:
+                    continue
+            why = mem.checks.route(hit, entry, qvec, router.embedder) or mem.checks.entry(entry)
+            if why is not None:
+                dropped = True
+                if refused is not None:
+                    refused.append(refusal(entry.id, why))
+                continue
+            if where and not matches(user_meta(entry), where):
+                continue
+            out.append(Recalled(entry=entry, score=float(hit.score), matched_text=hit.matched_text))
+            if len(out) == k:
+                return out
+        if len(hits) < fetch or not (wanted or where or dropped):
+            return out
+        fetch *= 4
+
+
+def warn_empty(mem, ns: str) -> None:
+    """Warn once when `ns` holds no entries while other namespaces do (a misspelt namespace)."""
+    counts = mem.namespaces()
+    others = {n: c for n, c in counts.items() if n != ns}
+    if ns not in counts and others:
+        mem._warned_namespaces.add(ns)
+        _log.warning("namespace %r holds no entries, so nothing is recalled; namespaces with entries: %s",
+                     ns, ", ".join(f"{n!r} ({c})" for n, c in others.items()))
+

@@ -1,0 +1,95 @@
+"""Natural rewordings of a stored problem route to it and are answered from it; siblings (other numbers)
+and unrelated questions do not route (issue 41 item 2). Items from the report set
+(bench/rewordings_heldout.py); figures over whole sets: `python -m kvmemory.bench.rewordings`."""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+import pytest
+
+from kvmemory.bench.rewordings_heldout import PROBLEMS, UNRELATED
+from kvmemory.memory.quantities import numbers_agree, question_numbers
+from kvmemory.memory.verifiers import extract_value
+
+PREFIX = "The answer is"
+
+
+def _problem(start: str):
+    return next(p for p in PROBLEMS if p[0].startswith(start))
+
+
+@pytest.mark.parametrize("text, values", [
+    ("A baker made twenty-four muffins and sold eighteen of them.", {24, 18}),
+    ("seventy-eight, eighty-five and ninety-two", {78, 85, 92}),
+    ("one thousand two hundred litres", {1200}),
+    ("Flow rate 40 L/min, volume 1,200 L.", {40, 1200}),
+    ("Fuel consumption 6 L/100 km; distance 450 km.", {6, 100, 450}),
+    ("a car burns six litres every hundred kilometres", {6, 100}),
+    ("Find the area in cm^2 of a 7 cm x 5 cm rectangle.", {7, 5}),
+    ("Shirt: $40.00, discount 25 %.", {40, 25}),
+    ("a four-hundred-meter track and a ten-dollar bill", {400, 10}),
+    ("three dollars and fifty cents, and ten cents", {Fraction(7, 2), Fraction(1, 10)}),
+    ("two and a half hours, one quarter of them, three point six metres", {Fraction(5, 2), Fraction(1, 4),
+                                                                          Fraction(18, 5)}),
+    ("minus four degrees", {4}),
+    ("Morning: −4 °C", {4}),
+    ("A runner finishes one lap in ninety seconds.", {90}),  # the value 1 is left out: "a lap" is the same
+])
+def test_question_numbers_reads_values_however_written(text, values):
+    assert question_numbers(text) == frozenset(Fraction(v) for v in values)
+
+
+def test_clock_times_are_times():
+    assert question_numbers("from 10 pm to 6:30 am") == question_numbers("22:00 → 06:30") \
+        == question_numbers("from ten p.m. until six thirty a.m.") == {("time", 22 * 60), ("time", 6 * 60 + 30)}
+
+
+def test_rewordings_agree_and_siblings_do_not():
+    for problem, _, _, rewordings, (sibling, _) in PROBLEMS:
+        for kind, q in rewordings.items():
+            assert numbers_agree(q, problem), (kind, q)
+        assert numbers_agree(sibling, problem) is False, sibling
+    assert numbers_agree("What is the capital of Australia?", PROBLEMS[0][0]) is None
+
+
+@pytest.fixture
+def stored(real_memory):
+    picked = [_problem("A rectangle is 7 cm"), _problem("A train travels at 80 km"), _problem("A pool is filled at 40")]
+    entries = [real_memory.remember(p[0], p[1], answer=p[2]) for p in picked]
+    return real_memory, picked, entries
+
+
+def test_rewordings_route_and_are_answered(stored):
+    mem, picked, entries = stored
+    asked = [(0, "units"), (0, "words"), (1, "words"), (2, "words"), (2, "units")]
+    for i, kind in asked:
+        q = picked[i][3][kind]
+        ans = mem.answer(q, answer_prefix=PREFIX, choices="numbers")
+        assert ans.entries == [entries[i].id], (kind, q, ans.scores)
+        assert extract_value(ans.text) == Fraction(picked[i][2]), (q, ans.text)
+
+
+def test_siblings_and_unrelated_questions_route_nowhere(stored):
+    mem, picked, entries = stored
+    for problem, _, answer, _, (sibling, _) in picked:
+        ans = mem.answer(sibling, answer_prefix=PREFIX, choices="numbers", max_new_tokens=1)
+        assert ans.entries == [], sibling
+    # a sibling written in words is refused too (its numbers are read as values)
+    words_sibling = "A train goes eighty kilometres an hour for five hours. How far does it go?"
+    assert mem.answer(words_sibling, max_new_tokens=1).entries == []
+    for q in UNRELATED[::10]:
+        assert mem.answer(q, max_new_tokens=1).entries == [], q
+
+
+def test_a_given_threshold_gates_every_route(stored):
+    mem, picked, entries = stored
+    q = picked[2][3]["units"]  # "Flow rate 40 L/min, volume 1,200 L. Time to fill in min?"
+    score = mem.recall(q, k=1, threshold=0.0)[0].score
+    assert score < 0.83  # below the threshold: routed by its numbers
+    assert mem.answer(q, max_new_tokens=1).entries == [entries[2].id]
+    assert mem.answer(q, threshold=0.83, max_new_tokens=1).entries == []
+    assert mem.answer(q, threshold=0.83, number_threshold=0.6, max_new_tokens=1).entries == [entries[2].id]
+    # recall without the number check lists by the threshold alone
+    assert mem.recall(q, k=1) == []
+    assert [h.entry.id for h in mem.recall(q, k=1, number_check=True)] == [entries[2].id]
