@@ -157,6 +157,15 @@ def recall(mem, query: str, k: int = 5, *, namespace: str | None = None, thresho
                 if refused is not None:
                     refused.append(refusal(hit.entry_id, str(exc)))
                 continue
+            # A route that would have been followed at the usual threshold is checked first, so a damaged
+            # router row (one problem's text pointing at another entry) is refused and named, never
+            # dropped silently as "other numbers". Below it, the number check comes first: only the same
+            # numbers route there, and checking every lowered candidate would cost the entry checks of
+            # dozens of entries the numbers already rule out.
+            checked = hit.score >= strict
+            if checked and not _checked_route(mem, hit, entry, qvec, refused):
+                dropped = True
+                continue
             if number_check:
                 # the entry's own problem, never the router's copy of a text: a near-duplicate with other
                 # numbers is another problem; below the threshold only the same numbers route
@@ -166,11 +175,8 @@ def recall(mem, query: str, k: int = 5, *, namespace: str | None = None, thresho
                     continue
                 if hit.score < strict and not same:
                     continue
-            why = mem.checks.route(hit, entry, qvec, router.embedder) or mem.checks.entry(entry)
-            if why is not None:
+            if not checked and not _checked_route(mem, hit, entry, qvec, refused):
                 dropped = True
-                if refused is not None:
-                    refused.append(refusal(entry.id, why))
                 continue
             if where and not matches(user_meta(entry), where):
                 continue
@@ -180,6 +186,14 @@ def recall(mem, query: str, k: int = 5, *, namespace: str | None = None, thresho
         if len(hits) < fetch or not (wanted or where or dropped):
             return out
         fetch *= 4
+
+
+def _checked_route(mem, hit, entry: EntryRecord, qvec, refused: list | None) -> bool:
+    """Whether the route and its entry check (memory/entry_check.py); a failure is named in `refused`."""
+    why = mem.checks.route(hit, entry, qvec, mem.router.embedder) or mem.checks.entry(entry)
+    if why is not None and refused is not None:
+        refused.append(refusal(entry.id, why))
+    return why is None
 
 
 def warn_empty(mem, ns: str) -> None:
