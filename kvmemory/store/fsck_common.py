@@ -170,3 +170,12 @@ def set_aside_local(store: LocalStore, eid, cols: str, reason: str, *, record_to
     rf = store.records
     if record_too and rf is not None and isinstance(eid, str) and rf.path(eid).exists():
         rf.set_aside(rf.path(eid), reason)
+
+
+def broken_chain(chain, usable) -> str | None:
+    """Why an entry's chain cannot be grafted whole (blocks not in `usable`), or None."""
+    bad = [h for h in chain if h not in usable]
+    if not bad:
+        return None
+    return (f"{len(bad)} of {len(chain)} chain blocks missing, quarantined or damaged; grafts stop at "
+            f"block {chain.index(bad[0])}")

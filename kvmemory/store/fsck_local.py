@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from kvmemory.errors import IntegrityError, KVMemoryError, StoreError, UnknownEntry
+from kvmemory.store.fsck_common import broken_chain
 from kvmemory.store.fsck_common import (EntryCheck, FsckReport, check_block_bytes, fsck_tables, master_signer,
                                         progress_bar, set_aside_local)
 from kvmemory.store.fsck_records import chunk_for, reconcile_local, self_problem
@@ -191,11 +192,8 @@ def _check_entries_local(rep: FsckReport, store: LocalStore, repair: bool, usabl
                 set_aside_local(store, eid, cols, f"fsck: {why}", record_too=True)
             rep.problem(kind, eid, why, fixed=repair)
             continue
-        bad = [h for h in entry.chain if h not in usable]
-        if bad:
-            first = entry.chain.index(bad[0])
-            why = (f"{len(bad)} of {len(entry.chain)} chain blocks missing, quarantined or damaged; grafts stop at "
-                   f"block {first}")
+        why = broken_chain(entry.chain, usable)
+        if why is not None:
             rep.broken.append(eid)
             if eid in marked:
                 rep.add("entries_broken_chain")  # known and marked by an earlier repair: not a new problem

@@ -21,6 +21,7 @@ import json
 import time
 
 from kvmemory.errors import IntegrityError
+from kvmemory.store.fsck_common import broken_chain
 from kvmemory.store.fsck_common import EntryCheck, FsckReport, check_block_bytes, master_signer, progress_bar
 from kvmemory.store.fsck_records import differing_fields, self_problem, signature_ok
 from kvmemory.store.local import BlockRow, EntryRecord
@@ -146,11 +147,8 @@ def fsck_redis(store, repair: bool, grace: float, *, purge_orphans: bool = False
     for eid, (entry, _) in sorted(entries.items()):
         for h in entry.chain:
             refs[h] = refs.get(h, 0) + 1
-        bad = [h for h in entry.chain if h not in usable]
-        if bad:
-            first = entry.chain.index(bad[0])
-            why = (f"{len(bad)} of {len(entry.chain)} chain blocks missing, quarantined or damaged; grafts stop at "
-                   f"block {first}")
+        why = broken_chain(entry.chain, usable)
+        if why is not None:
             rep.broken.append(eid)
             if eid in marked:
                 rep.add("entries_broken_chain")  # known and marked by an earlier repair: not a new problem
