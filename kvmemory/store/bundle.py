@@ -70,8 +70,9 @@ from pathlib import Path
 import torch
 
 from kvmemory.errors import BundleError, IntegrityError, InvalidInput, StoreError
-from kvmemory.store.blocks import BlockMeta, chain_hash, chain_hashes, ids_bytes
-from kvmemory.store.local import EntryRecord, entry_from_fields
+from kvmemory.store.blocks import BlockMeta, chain_hash, chain_hashes
+from kvmemory.store.local import EntryRecord
+from kvmemory.store.records import MALFORMED, entry_from_dict
 
 FORMAT = "kvmemory-bundle"
 VERSION = 1
@@ -116,26 +117,12 @@ def entry_to_json(e: EntryRecord) -> dict:
 
 
 def entry_from_json(d: object, where: str) -> EntryRecord:
-    """An EntryRecord from its bundle JSON, every field type-checked (as a catalogue row is)."""
+    """An EntryRecord from its bundle JSON, every field type-checked (as a record's entry is)."""
     if not isinstance(d, dict):
         raise BundleError(f"{where}: an entry is not a JSON object")
     try:
-        ids = d["token_ids"]
-        if not isinstance(ids, list) or not all(type(t) is int and 0 <= t < 2**32 for t in ids):
-            raise ValueError("token_ids are not integers in [0, 2**32)")
-        if d.get("n_tokens") != len(ids):
-            raise ValueError("n_tokens does not match token_ids")
-        chain = d["chain"]
-        if not isinstance(chain, list):
-            raise ValueError("chain is not a list")
-        row = (d["id"], d["namespace"], d["problem"], d["solution"], d["answer"],
-               json.dumps(d["verifier"]), d["verified"], ids_bytes(ids), d["profile_id"],
-               json.dumps(d["attestation"]), json.dumps(d["meta"]), d["created"], d["updated"])
-        if not isinstance(d["verified"], bool) or not all(isinstance(d[k], (int, float)) and not isinstance(d[k], bool)
-                                                          for k in ("created", "updated")):
-            raise ValueError("verified / created / updated have the wrong type")
-        rec = entry_from_fields(row, chain)
-    except (KeyError, TypeError, ValueError, OverflowError, IntegrityError) as exc:
+        rec = entry_from_dict(d)
+    except (*MALFORMED, IntegrityError) as exc:
         name = d.get("id") if isinstance(d.get("id"), str) else "?"
         raise BundleError(f"{where}: entry {name!r} is malformed ({exc})") from None
     if not rec.id or not rec.namespace:

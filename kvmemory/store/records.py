@@ -67,28 +67,39 @@ def content_sha256(entry: EntryRecord) -> str:
     return hashlib.sha256(canonical(entry_json(entry))).hexdigest()
 
 
+def entry_from_dict(d: dict) -> EntryRecord:
+    """An EntryRecord from its JSON object (a record's "entry", a bundle's entry: `entry_json`), every field
+    type-checked. What is wrong raises KeyError, TypeError, ValueError or OverflowError (the reason), or
+    IntegrityError (from `entry_from_fields`); callers say where the object came from."""
+    ids = d["token_ids"]
+    if not isinstance(ids, list) or not all(type(t) is int and 0 <= t < 2**32 for t in ids):
+        raise ValueError("token_ids are not integers in [0, 2**32)")
+    if d.get("n_tokens") != len(ids):
+        raise ValueError("n_tokens does not match token_ids")
+    chain = d["chain"]
+    if not isinstance(chain, list):
+        raise ValueError("chain is not a list")
+    if not isinstance(d["verified"], bool) or not all(
+            isinstance(d[k], (int, float)) and not isinstance(d[k], bool) for k in ("created", "updated")):
+        raise ValueError("verified / created / updated have the wrong type")
+    row = (d["id"], d["namespace"], d["problem"], d["solution"], d["answer"], json.dumps(d["verifier"]),
+           int(d["verified"]), ids_bytes(ids), d["profile_id"], json.dumps(d["attestation"]),
+           json.dumps(d["meta"]), d["created"], d["updated"])
+    return entry_from_fields(row, chain)
+
+
+# What `entry_from_dict` raises for a malformed object (besides IntegrityError).
+MALFORMED = (KeyError, TypeError, ValueError, OverflowError)
+
+
 def entry_from_json(d: object) -> EntryRecord:
     """An EntryRecord from a record's "entry" object, every field type-checked (IntegrityError)."""
     if not isinstance(d, dict):
         raise IntegrityError("the record's entry is not a JSON object")
     try:
-        ids = d["token_ids"]
-        if not isinstance(ids, list) or not all(type(t) is int and 0 <= t < 2**32 for t in ids):
-            raise ValueError("token_ids are not integers in [0, 2**32)")
-        if d.get("n_tokens") != len(ids):
-            raise ValueError("n_tokens does not match token_ids")
-        chain = d["chain"]
-        if not isinstance(chain, list):
-            raise ValueError("chain is not a list")
-        if not isinstance(d["verified"], bool) or not all(
-                isinstance(d[k], (int, float)) and not isinstance(d[k], bool) for k in ("created", "updated")):
-            raise ValueError("verified / created / updated have the wrong type")
-        row = (d["id"], d["namespace"], d["problem"], d["solution"], d["answer"], json.dumps(d["verifier"]),
-               int(d["verified"]), ids_bytes(ids), d["profile_id"], json.dumps(d["attestation"]),
-               json.dumps(d["meta"]), d["created"], d["updated"])
-    except (KeyError, TypeError, ValueError, OverflowError) as exc:
+        return entry_from_dict(d)
+    except MALFORMED as exc:
         raise IntegrityError(f"the record's entry is malformed ({exc})") from None
-    return entry_from_fields(row, chain)
 
 
 def make_record(entry: EntryRecord, *, previous_sha256: str | None = None, signature: dict | None = None) -> dict:
