@@ -184,7 +184,8 @@ def cmd_ask(args) -> int:
     from kvmemory.memory.inputs import check_answer_options, check_entry_id, check_text
 
     check_text("question", args.question)  # bad input fails here, before the model loads
-    check_answer_options(k=args.k, max_new_tokens=args.max_tokens, choices=args.choice)
+    check_answer_options(k=args.k, max_new_tokens=args.max_tokens, choices=args.choice,
+                         prior=0.0 if args.prior is None else args.prior)
     check_where(_meta(args.where))
     if args.entry is not None:
         check_entry_id(args.entry)
@@ -197,8 +198,9 @@ def cmd_ask(args) -> int:
             raise KVMemoryError("routing is not available; give --entry ID")
         if args.choices and args.choice:
             raise InvalidInput("give --choices numbers or --choice values, not both")
+        prior = {} if args.prior is None else {"prior": args.prior}
         ans = mem.answer(args.question, k=args.k, max_new_tokens=args.max_tokens, answer_prefix=args.answer_prefix,
-                         choices=args.choices or args.choice or None, where=_meta(args.where))
+                         choices=args.choices or args.choice or None, where=_meta(args.where), **prior)
     if stream is not None:
         print(ans.text)
         r = ans.report
@@ -282,6 +284,29 @@ def bench_recurring(args) -> int:
             r = run_recurring_bench(mem, problems=args.problems, rewordings=args.rewordings,
                                     unrelated=args.unrelated, seed=args.seed, base_budget=args.base_budget,
                                     progress=_progress(args))
+    _emit(args, r, format_table(r))
+    return 0
+
+
+def bench_rewordings(args) -> int:
+    _quiet_transformers()
+    import tempfile
+
+    from kvmemory.bench.rewordings import calibrate, format_table, run_rewordings_bench
+    from kvmemory.memory.inputs import check_prior
+
+    if args.prior is not None:
+        check_prior(args.prior)  # before the model loads
+    if args.calibrate:
+        r = calibrate(args.set_name, args.embedder, progress=_progress(args))
+        _emit(args, r, json.dumps(r, indent=2))
+        return 0
+    with tempfile.TemporaryDirectory(prefix="kvmemory-bench-rewordings-") as tmp:
+        if args.store is None:  # a temporary store (removed after) unless one is given
+            args.store = str(Path(tmp) / "store")
+        mem = _memory(args)
+        r = run_rewordings_bench(mem, which=args.set_name, problems=args.problems, unrelated=args.unrelated,
+                                 budget=args.budget, prior=args.prior, progress=_progress(args))
     _emit(args, r, format_table(r))
     return 0
 
@@ -959,6 +984,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="choose the answer among the numbers of the routed solutions (by the model's likelihood)")
     a.add_argument("--choice", action="append", metavar="TEXT", help="a possible answer (repeat); the model picks "
                    "the likeliest")
+    a.add_argument("--prior", type=float, default=None, metavar="NATS", help="with --choices: how far the answer the "
+                   "routed solution verified starts ahead of the other numbers (default: 2.5; 0: the model's choice "
+                   "alone)")
     a.add_argument("--where", type=_pair, action="append", metavar="KEY=VALUE", help=_WHERE_HELP)
     a.set_defaults(func=cmd_ask)
 
@@ -1203,6 +1231,26 @@ def _bench_parsers(bench: argparse.ArgumentParser) -> None:
     seed(rc)
     # Without --store the bench runs in a temporary store; --store runs it in (and leaves entries in) that one.
     rc.set_defaults(func=bench_recurring)
+
+    rw = _command(sub, "rewordings", "natural rewordings of stored word problems (numbers in words, units, reordered "
+                  "clauses): routed to their entry and answered right; siblings (other numbers), questions asking "
+                  "another quantity with the same numbers, and unrelated questions",
+                  parents=[_parent(*_STORE_OPTS, *_ENGINE_OPTS, "namespace", "embedder"), json_opt],
+                  epilog=_examples("kvmemory bench rewordings --json > rewordings-report.json",
+                                   "kvmemory bench rewordings --set calibration --calibrate   # the number threshold",
+                                   "kvmemory bench rewordings --prior 0   # the model's own choice, for comparison"))
+    rw.add_argument("--set", dest="set_name", choices=["report", "calibration"], default="report",
+                    help="the hand-written set: report (held out) or calibration (default: %(default)s)")
+    rw.add_argument("--calibrate", action="store_true", help="embedding scores only (no model, no store): the "
+                    "calibration figures and the number threshold the set gives")
+    rw.add_argument("--problems", type=_count(), default=None, help="only the first N problems (default: all 40)")
+    rw.add_argument("--unrelated", type=_count(0), default=None, help="only the first N unrelated questions "
+                    "(default: all 100)")
+    rw.add_argument("--budget", type=_count(), default=12, help="tokens decoded when no entry routes (default: "
+                    "%(default)s)")
+    rw.add_argument("--prior", type=float, default=None, help="answer's prior on a verified answer, in nats "
+                    "(default: answer's own; 0: the model's choice alone)")
+    rw.set_defaults(func=bench_rewordings)
 
     ro = _command(sub, "router", "recall latency and memory of the router at growing index sizes",
                   parents=[json_opt], epilog=_examples("kvmemory bench router --sizes 10000,100000 --queries 200"))

@@ -59,3 +59,16 @@ def test_tiny_run_reports_every_kind(real_memory):
         assert r["kinds"][kind]["model_alone"]["used_memory"] == 0.0
         assert r["kinds"][kind]["model_alone"]["decode_tokens_per_question"] <= 8
     assert "sibling leak rate" in format_table(r)
+
+
+def test_prior_study_counts_the_kvmemory_side_at_each_prior(real_memory):
+    from kvmemory.bench.recurring_outside import study_prior
+
+    r = study_prior(real_memory, problems=2, seed=1, priors=(0.0, 2.5), progress=False)
+    json.dumps(r)
+    assert r["problems"] == 2 and r["priors"] == [0.0, 2.5] and set(r["kinds"]) == {"verbatim", "reworded"}
+    for row in r["kinds"].values():
+        assert row["questions"] == 2 and row["routed_to_its_entry"] == 2  # verbatim and reworded: its own entry
+        assert 0 <= row["right_at_prior_0"] <= 2 and 0 <= row["right_at_prior_2.5"] <= 2
+    with pytest.raises(Exception, match="prior"):
+        study_prior(real_memory, problems=1, priors=(-1.0,), progress=False)

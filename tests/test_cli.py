@@ -304,20 +304,11 @@ def test_unknown_model_in_process_is_quick_and_a_folder_or_cached_id_resolves(tm
 def tiny_store(tmp_path_factory):
     """A store filled through the CLI on a tiny random Llama with the real tokenizer (seconds, not minutes):
     alice's two entries and bob's one, with metadata."""
-    import torch
-    import transformers as T
-
     from kvmemory.cli import main
-    from kvmemory.models.loading import resolve_model_path
+    from tiny_models import save_tiny_llama
 
     root = tmp_path_factory.mktemp("cli-list")
-    tok = T.AutoTokenizer.from_pretrained(resolve_model_path())
-    torch.manual_seed(0)
-    cfg = T.LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048, head_dim=16,
-                        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
-    T.AutoModelForCausalLM.from_config(cfg).save_pretrained(root / "model")
-    tok.save_pretrained(root / "model")
+    save_tiny_llama(root)
     lines = root / "in.jsonl"
     lines.write_text("\n".join(json.dumps(d) for d in [
         {"problem": "Ana reads 14 pages a day for 9 days. How many pages?", "solution": "14 * 9 = 126. The answer is 126.",

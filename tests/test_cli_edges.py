@@ -49,20 +49,10 @@ def run_main(*argv: str) -> tuple[int, str, str]:
 @pytest.fixture(scope="module")
 def tiny_model():
     """A tiny Llama with the embedded model's tokenizer and chat template (read from its files, no model load)."""
-    import torch
-    import transformers as T
-
-    from kvmemory.adapters.tokens import tokenizer_for
+    from tiny_models import save_tiny_llama
 
     root = Path(tempfile.mkdtemp(prefix="kvm-cli-edges-"))
-    tok = tokenizer_for()
-    torch.manual_seed(0)
-    cfg = T.LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048, head_dim=16,
-                        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
-    T.AutoModelForCausalLM.from_config(cfg).save_pretrained(root / "model")
-    tok.save_pretrained(root / "model")
-    yield str(root / "model")
+    yield save_tiny_llama(root)
     shutil.rmtree(root, ignore_errors=True)
 
 

@@ -52,6 +52,8 @@ SURROGATE = "Tom has 3 boxes of 12 eggs\ud800. How many?"
     lambda m: m.answer("How many eggs?", k=2**70),
     lambda m: m.answer("How many eggs?", threshold=float("nan")),
     lambda m: m.answer("How many eggs?", contrast=2.0),
+    lambda m: m.answer("How many eggs?", prior=-0.5),
+    lambda m: m.answer_from("How many eggs?", [], prior=float("inf")),
     lambda m: m.answer_from("How many eggs?", [], max_new_tokens=-1),
     lambda m: m.recall("How many eggs?", k=2**70),
     lambda m: m.recall("How many eggs?", threshold=7.0),
@@ -63,7 +65,7 @@ SURROGATE = "Tom has 3 boxes of 12 eggs\ud800. How many?"
 ], ids=["remember-problem-surrogate", "remember-solution-surrogate", "recall-surrogate", "answer-surrogate",
         "ask-surrogate", "choices-int", "choices-ints", "choices-surrogate", "max-new-tokens-negative",
         "max-new-tokens-zero", "max-new-tokens-huge", "max-new-tokens-bool", "k-huge", "threshold-nan",
-        "contrast-out-of-range", "answer-from-negative-tokens", "recall-k-huge", "recall-threshold-7",
+        "contrast-out-of-range", "prior-negative", "answer-from-prior-inf", "answer-from-negative-tokens", "recall-k-huge", "recall-threshold-7",
         "ask-negative-tokens", "chat-k-huge", "chat-negative-tokens", "get-surrogate-id", "list-surrogate-namespace"])
 def test_bad_input_is_invalid_input_before_any_compute(mem, call):
     with pytest.raises(InvalidInput) as err:

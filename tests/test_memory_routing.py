@@ -68,12 +68,15 @@ def test_answer_chosen_among_the_solution_numbers(library):
     assert g_rep.tokens_grafted == len(e.token_ids) and r_rep.tokens_grafted == 0  # the whole entry, tail too
     assert g_scores == r_scores and g_best == r_best
     assert g_rep.tokens_scored == sum(map(len, tokenized))
-    plain = mem.answer(q, answer_prefix=prefix, choices="numbers", contrast=0.0)
+    plain = mem.answer(q, answer_prefix=prefix, choices="numbers", contrast=0.0, prior=0.0)
     assert plain.choice_scores == g_scores and plain.report.tokens_scored == g_rep.tokens_scored
-    # Contrasted (the default): minus half the likelihood after the question alone, without memory.
+    # The default: minus half the likelihood after the question alone (without memory), plus the prior
+    # (2.5 nats) on the one choice that is the entry's verified answer.
     alone = render_ids(eng.tokenizer, [{"role": "user", "content": q}], add_generation_prompt=True) + eng.encode(prefix)
     _, a_scores, a_rep = eng.choose(alone, tokenized, graft=False)
-    assert ans.choice_scores == [s - 0.5 * a for s, a in zip(g_scores, a_scores)]
+    known = [float(c) == float(p.answer) for c in ans.choices]
+    assert sum(known) == 1
+    assert ans.choice_scores == [s - 0.5 * a + 2.5 * k for s, a, k in zip(g_scores, a_scores, known)]
     assert ans.report.tokens_scored == 2 * g_rep.tokens_scored + len(alone)
     # Each batched score is the choice's log-likelihood, as a plain forward over prompt + choice gives it.
     for c, score in zip(tokenized[:3], g_scores):
@@ -82,6 +85,37 @@ def test_answer_chosen_among_the_solution_numbers(library):
         assert abs(ref - score) < 1e-3
     with pytest.raises(InvalidInput):
         mem.answer(q, choices="numbers", contrast=2.0)
+    for bad in (-1.0, float("nan"), float("inf"), True, "2"):
+        with pytest.raises(InvalidInput):
+            mem.answer(q, choices="numbers", prior=bad)
+
+
+def test_a_verified_answer_outweighs_an_intermediate_result(real_memory):
+    """The calibration set's case: reading the verified solution, the small model prefers the sum it
+    wrote on the way (255) to the average it concluded (85). The prior keeps it to the verified answer;
+    prior=0 is the model's own choice, unchanged."""
+    mem = real_memory
+    e = mem.remember("Lena scored 78, 85 and 92 on three tests. What is her average score?",
+                     "78 + 85 + 92 = 255. 255 / 3 = 85. The answer is 85.", answer="85")
+    q = "Test scores: 78 pts, 85 pts, 92 pts (n = 3). Average in pts = ?"
+    own = mem.answer(q, answer_prefix="The answer is", choices="numbers", prior=0.0)
+    ans = mem.answer(q, answer_prefix="The answer is", choices="numbers")
+    assert own.entries == ans.entries == [e.id]
+    assert own.text == "The answer is 255." and ans.text == "The answer is 85."
+    i = ans.choices.index("85")
+    assert [round(b - a, 9) for a, b in zip(own.choice_scores, ans.choice_scores)] == \
+        [2.5 if j == i else 0.0 for j in range(len(ans.choices))]
+
+
+def test_no_prior_for_notes_or_unverified_entries(real_memory):
+    mem = real_memory
+    mem.remember("A box holds 12 pens and 3 are taken out. How many pens are in the box?",
+                 "12 - 3 = 9 pens remain. The answer is 9.", answer="9", verifier="none", allow_unverified=True)
+    q = "A box has 12 pens; 3 are removed. How many pens are left in the box?"
+    a0 = mem.answer(q, answer_prefix="The answer is", choices="numbers", prior=0.0)
+    a1 = mem.answer(q, answer_prefix="The answer is", choices="numbers", prior=50.0)
+    assert a0.entries and a0.verified == [False]
+    assert a1.choice_scores == a0.choice_scores  # nothing verified: nothing favoured
 
 
 def test_answer_choices_given_and_refused(library):

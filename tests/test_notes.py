@@ -115,9 +115,10 @@ def test_a_note_routes_and_is_grafted(real_memory):
     mem.remember("Tom has 3 boxes of 12 apples. How many apples does he have?",
                  "3 * 12 = 36. The answer is 36.", "36")
     # The question scores below the threshold that routes solutions (a question is not a rewording of
-    # a statement), so `recall` alone does not find it; answer routes notes at their own threshold.
-    assert mem.recall(QUESTION) == []
+    # a statement): notes are routed at their own threshold, by recall as by answer.
     hits = mem.route(QUESTION)
+    assert [h.entry.id for h in mem.recall(QUESTION)] == [note.id]
+    assert mem.recall(QUESTION, threshold=0.83) == []
     assert [h.entry.id for h in hits] == [note.id] and 0.54 <= hits[0].score < mem.router.threshold
     ans = mem.answer(QUESTION, max_new_tokens=12)
     assert ans.entries == [note.id] and ans.kinds == ["note"] and ans.verified == [False]
@@ -147,20 +148,10 @@ def test_cli_list_says_note(real_memory, capsys):
 
 
 def test_cli_remember_a_statement(tmp_path, capsys):
-    import torch
-    import transformers as T
-
     from kvmemory.cli import main
-    from kvmemory.models.loading import resolve_model_path
+    from tiny_models import save_tiny_llama
 
-    tok = T.AutoTokenizer.from_pretrained(resolve_model_path())
-    torch.manual_seed(0)
-    cfg = T.LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048, head_dim=16,
-                        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
-    T.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "model")
-    tok.save_pretrained(tmp_path / "model")
-    common = ["--model", str(tmp_path / "model"), "--store", str(tmp_path / "store")]
+    common = ["--model", save_tiny_llama(tmp_path), "--store", str(tmp_path / "store")]
     assert main(["remember", "--problem", "Alice likes green tea.", "--json", *common]) == 0
     got = json.loads(capsys.readouterr().out)["remembered"]
     assert [(o["kind"], o["verified"], o["bit_identical"]) for o in got] == [("note", False, True)]

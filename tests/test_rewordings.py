@@ -93,3 +93,67 @@ def test_a_given_threshold_gates_every_route(stored):
     # recall without the number check lists by the threshold alone
     assert mem.recall(q, k=1) == []
     assert [h.entry.id for h in mem.recall(q, k=1, number_check=True)] == [entries[2].id]
+
+
+def test_other_asks_are_the_same_numbers_asking_another_quantity():
+    """The "other asks" set (bench/rewordings_other_asks.py): one question per stored problem of each set,
+    the same situation and numbers, another quantity asked, so the stored answer is wrong for it."""
+    from kvmemory.bench import rewordings_calibration, rewordings_other_asks
+
+    for probs, asks in ((rewordings_calibration.PROBLEMS, rewordings_other_asks.CALIBRATION),
+                        (PROBLEMS, rewordings_other_asks.REPORT)):
+        assert [i for i, _, _ in asks] == list(range(len(probs)))
+        for i, q, answer in asks:
+            assert Fraction(answer) != Fraction(probs[i][2]) and q != probs[i][0]
+
+
+def test_the_bench_reports_every_kind_of_question(real_memory):
+    from kvmemory.bench.rewordings import format_table, run_rewordings_bench
+
+    r = run_rewordings_bench(real_memory, which="report", problems=2, unrelated=2, progress=False)
+    assert r["problems"] == 2 and r["rewordings"]["questions"] == 6 and r["siblings"]["questions"] == 2
+    assert r["prior"] == 2.5 and r["contrast"] == 0.5 and r["unrelated"]["questions"] == 2
+    other = r["other_asks"]
+    assert other["questions"] == 2 and len(other["details"]) == 2
+    assert 0 <= other["given_stored_answer"] + other["answered_right"] <= 2
+    assert "other asks (same numbers, another quantity)" in format_table(r)
+    with pytest.raises(Exception, match="prior"):
+        run_rewordings_bench(real_memory, which="report", problems=1, unrelated=0, prior=-1.0, progress=False)
+
+
+def test_cli_calibrates_the_number_threshold_on_the_calibration_set(capsys):
+    """`kvmemory bench rewordings --calibrate` (no model): the calibration set gives the number threshold
+    that routing uses (memory/routing.py), by the rule in bench/rewordings.calibrate."""
+    import json
+
+    from kvmemory.cli import main
+    from kvmemory.routing.embedders import number_threshold_for, resolve_embedder
+
+    assert main(["bench", "rewordings", "--set", "calibration", "--calibrate", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["set"] == "calibration" and r["number_threshold"] == number_threshold_for(resolve_embedder(None)) == 0.61
+
+
+def test_cli_ask_takes_the_prior(tmp_path, capsys):
+    """`kvmemory ask --choices numbers --prior N`: the prior reaches the choice (0: the model's own), and a
+    negative one is refused before the model loads."""
+    import json
+
+    from kvmemory.cli import main
+
+    store = ["--store", str(tmp_path / "store")]
+    assert main(["remember", *store, "--json", "--problem", "Lena scored 78, 85 and 92 on three tests. What is her "
+                 "average score?", "--solution", "78 + 85 + 92 = 255. 255 / 3 = 85. The answer is 85.",
+                 "--answer", "85"]) == 0
+    eid = json.loads(capsys.readouterr().out)["remembered"][0]["id"]
+    q = "Test scores: 78 pts, 85 pts, 92 pts (n = 3). Average in pts = ?"
+    common = ["ask", q, *store, "--choices", "numbers", "--answer-prefix", PREFIX, "--json"]
+    got = {}
+    for prior in ("0", "2.5"):
+        assert main([*common, "--prior", prior]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["entries"] == [eid]
+        got[prior] = out["text"]
+    assert got == {"0": "The answer is 255.", "2.5": "The answer is 85."}
+    assert main([*common, "--prior", "-1"]) == 2
+    assert "prior must be a number" in json.loads(capsys.readouterr().out)["message"]

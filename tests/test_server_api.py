@@ -221,3 +221,40 @@ def test_response_format_json_object_with_openai_and_langchain_json_mode(server)
                      max_retries=0)
     person = llm.with_structured_output(Person, method="json_mode").invoke(q)
     assert isinstance(person, Person) and person.name == "Ann" and person.age == 31
+
+
+# ---------------------------------------------------------------------- notes
+def test_a_note_is_remembered_and_found_over_http_and_mcp(server):
+    """A statement remembered without a solution is a note, over MCP as over HTTP; a question about it
+    scores below the solutions' threshold and is found at the notes' own (memory/notes.py)."""
+    with server.client(BOB) as b:
+        http_note = b.post("/v1/memory/remember", json={"problem": "Bob's sister is called Ada."})
+        found = b.post("/v1/memory/recall", json={"query": "What is the name of Bob's sister?"})
+    assert http_note.status_code == 200, http_note.text
+    assert http_note.json()["kind"] == "note" and http_note.json()["verified"] is False
+    assert [r["id"] for r in found.json()["results"]] == [http_note.json()["id"]]
+    assert found.json()["results"][0]["score"] < 0.83
+    _, _, (made, got) = asyncio.run(_mcp(server, BOB, [
+        ("remember", {"problem": "Bob drinks his coffee black."}),
+        ("recall", {"query": "How does Bob take his coffee?"}),
+    ]))
+    assert not made.is_error, made.content[0].text
+    note = json.loads(made.content[0].text)
+    assert note["kind"] == "note" and note["verified"] is False
+    assert json.loads(got.content[0].text)["results"][0]["id"] == note["id"]
+
+
+def test_answer_takes_the_prior_over_http(server, entries):
+    with server.client(ALICE) as a:
+        default = a.post("/v1/memory/answer", json={"query": EGGS_Q, "choices": "numbers",
+                                                    "answer_prefix": "The answer is"})
+        none = a.post("/v1/memory/answer", json={"query": EGGS_Q, "choices": "numbers", "prior": 0,
+                                                 "answer_prefix": "The answer is"})
+        bad = a.post("/v1/memory/answer", json={"query": EGGS_Q, "choices": "numbers", "prior": -1})
+    assert default.status_code == 200 and none.status_code == 200, (default.text, none.text)
+    d, n = default.json(), none.json()
+    assert d["choices"] == n["choices"] and "31" in d["choices"]
+    i = d["choices"].index("31")
+    assert [round(x - y, 3) for x, y in zip(d["choice_scores"], n["choice_scores"])] == \
+        [2.5 if j == i else 0.0 for j in range(len(d["choices"]))]
+    assert bad.status_code in (400, 422) and "prior" in bad.text

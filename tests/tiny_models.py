@@ -107,3 +107,23 @@ def assert_graft_equals_recompute(eng: Engine, ids: list[int], stored: int, new_
     assert res.generated == ref.generated
     assert torch.equal(res.decode_logits, ref.decode_logits)
     assert torch.equal(res.prefill_logits, ref.prefill_logits[stored:])
+
+
+def save_tiny_llama(folder) -> str:
+    """A 1-layer random Llama with the embedded model's tokenizer and chat template, saved as an HF folder
+    under `folder` (seconds, not minutes): for CLI tests that load a model by path. Returns its path."""
+    from pathlib import Path
+
+    import transformers as T
+
+    from kvmemory.adapters.tokens import tokenizer_for
+
+    out = Path(folder) / "model"
+    tok = tokenizer_for()
+    torch.manual_seed(0)
+    cfg = T.LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048, head_dim=16,
+                        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    T.AutoModelForCausalLM.from_config(cfg).save_pretrained(out)
+    tok.save_pretrained(out)
+    return str(out)

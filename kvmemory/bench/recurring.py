@@ -151,6 +151,7 @@ def run_recurring_bench(mem=None, *, problems: int = 12, rewordings: int = 2, un
             "answer_budget_tokens": answer_budget,
             "answer_prefix": ANSWER_PREFIX,
             "choice_contrast": mem.__class__.answer.__kwdefaults__["contrast"],
+            "choice_prior": mem.__class__.answer.__kwdefaults__["prior"],
             "base_on_originals": base_original.to_json(),
             "library": {"entries": len(entry_of), "from_model": library_from_model,
                         "from_worked_solution": len(entry_of) - library_from_model},

@@ -26,6 +26,7 @@ CPU-second ratios of the model alone over kvmemory.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from tqdm import tqdm
@@ -81,25 +82,33 @@ def _ratio(a: float, b: float) -> float | None:
     return a / b if b > 0 else None
 
 
-def run_outside_bench(mem=None, *, dataset: str = "gsm-symbolic", problems: int = 20, seed: int = 0,
-                      base_budget: int = 256, progress: bool = True) -> dict:
-    """Run the benchmark on `mem` (a KVMemory; a temporary one on the embedded model by default)."""
+@contextmanager
+def _problems_and_memory(mem, dataset: str, problems: int, seed: int):
+    """The dataset's problem pairs and the memory a run uses: `mem`, or a temporary one (removed after)."""
     import tempfile
 
     from kvmemory.bench import gsm_symbolic
-    from kvmemory.bench.paraphrase import paraphrase
     from kvmemory.errors import InvalidInput
     from kvmemory.memory.facade import KVMemory
-    from kvmemory.memory.verifiers import extract_value
 
     if dataset != gsm_symbolic.NAME:
         raise InvalidInput(f"unknown dataset {dataset!r}; known: {gsm_symbolic.NAME}")
     pairs = gsm_symbolic.load_problems(problems, seed)
-    tmp = None
-    if mem is None:
-        tmp = tempfile.TemporaryDirectory(prefix="kvmemory-bench-")
-        mem = KVMemory(store=f"{tmp.name}/store", namespace=f"bench-outside-{seed}")
-    try:
+    if mem is not None:
+        yield pairs, mem
+        return
+    with tempfile.TemporaryDirectory(prefix="kvmemory-bench-") as tmp:
+        yield pairs, KVMemory(store=f"{tmp}/store", namespace=f"bench-outside-{seed}")
+
+
+def run_outside_bench(mem=None, *, dataset: str = "gsm-symbolic", problems: int = 20, seed: int = 0,
+                      base_budget: int = 256, progress: bool = True) -> dict:
+    """Run the benchmark on `mem` (a KVMemory; a temporary one on the embedded model by default)."""
+    from kvmemory.bench import gsm_symbolic
+    from kvmemory.bench.paraphrase import paraphrase
+    from kvmemory.memory.verifiers import extract_value
+
+    with _problems_and_memory(mem, dataset, problems, seed) as (pairs, mem):
         bar = dict(disable=not progress, unit="problem")
         entry_of = {}
         for pair in tqdm(pairs, desc="remembering the worked solutions", **bar):
@@ -181,9 +190,6 @@ def run_outside_bench(mem=None, *, dataset: str = "gsm-symbolic", problems: int 
             "model_alone_gave_the_originals_answer_on_siblings": alone_gave_original,
             "samples": samples,
         }
-    finally:
-        if tmp is not None:
-            tmp.cleanup()
 
 
 def format_table(r: dict) -> str:
@@ -208,3 +214,60 @@ def format_table(r: dict) -> str:
                     f"{fmt(ratio['cpu_seconds'])} CPU seconds; routed to its entry "
                     f"{r['kinds'][kind]['routed_to_its_entry']:.0%}")
     return "\n".join(head + rows + [""] + tail)
+
+
+def study_prior(mem=None, *, dataset: str = "gsm-symbolic", problems: int = 20, seed: int = 0,
+                priors: tuple[float, ...] = (0.0, 2.5), progress: bool = True) -> dict:
+    """The kvmemory side of the bench (verbatim and reworded questions; siblings route nowhere, so the prior
+    does not reach them) answered at several `prior`s of `answer(choices="numbers")`: how many are right.
+    The model-alone side does not depend on the prior and is not run."""
+    from kvmemory.bench.paraphrase import paraphrase
+    from kvmemory.memory.inputs import check_prior
+    from kvmemory.memory.verifiers import extract_value
+
+    priors = tuple(check_prior(p) for p in priors)
+    with _problems_and_memory(mem, dataset, problems, seed) as (pairs, mem):
+        bar = dict(disable=not progress, unit="problem")
+        ids = {p.original.id: mem.remember(p.original.question, p.original.solution, answer=p.original.answer,
+                                           verifier="exact-answer").id
+               for p in tqdm(pairs, desc="remembering the worked solutions", **bar)}
+        kinds = {k: {"questions": 0, "routed_to_its_entry": 0, **{f"right_at_prior_{p:g}": 0 for p in priors}}
+                 for k in ("verbatim", "reworded")}
+        for pair in tqdm(pairs, desc="asking at each prior", **bar):
+            o = pair.original
+            for kind, q in (("verbatim", o.question), ("reworded", paraphrase(o.question))):
+                row = kinds[kind]
+                row["questions"] += 1
+                hits = mem.recall(q, k=1, number_check=True)
+                row["routed_to_its_entry"] += int(bool(hits) and hits[0].entry.id == ids[o.id])
+                for p in priors:
+                    if hits:
+                        ans = mem.answer_from(q, hits, answer_prefix=ANSWER_PREFIX, choices="numbers", prior=p)
+                        row[f"right_at_prior_{p:g}"] += int(extract_value(ans.text) == o.value)
+        return {"bench": "recurring-outside-prior", "dataset": dataset, "seed": seed, "problems": len(pairs),
+                "model": mem.engine.loaded.source, "profile_id": mem.engine.profile_id, "priors": list(priors),
+                "answer_prefix": ANSWER_PREFIX, "kinds": kinds}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m kvmemory.bench.recurring_outside prior --seed 1 --problems 30`: the prior study."""
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser(prog="python -m kvmemory.bench.recurring_outside",
+                                 description="studies on outside data (the bench itself: kvmemory bench recurring "
+                                             "--dataset gsm-symbolic)")
+    sub = ap.add_subparsers(dest="study", required=True)
+    pr = sub.add_parser("prior", help="the kvmemory side answered at several priors of answer(choices='numbers')")
+    pr.add_argument("--seed", type=int, default=0, help="seed of the problems drawn (default: %(default)s)")
+    pr.add_argument("--problems", type=int, default=20, help="problems (default: %(default)s)")
+    pr.add_argument("--priors", default="0,2.5", help="comma-separated priors in nats (default: %(default)s)")
+    args = ap.parse_args(argv)
+    r = study_prior(problems=args.problems, seed=args.seed,
+                    priors=tuple(float(x) for x in args.priors.split(",") if x.strip()), progress=True)
+    print(json.dumps(r, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

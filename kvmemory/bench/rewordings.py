@@ -1,4 +1,4 @@
-"""`python -m kvmemory.bench.rewordings`: does `answer` find natural rewordings of stored problems?
+"""`kvmemory bench rewordings` (or `python -m kvmemory.bench.rewordings`): does `answer` find natural rewordings?
 
 Two hand-written sets, by different authors (bench/rewordings_calibration.py, bench/rewordings_heldout.py):
 40 stored problems each, every problem with three rewordings of the same problem and numbers
@@ -16,7 +16,10 @@ solution must conclude with the given answer), then asks every question as an ag
 - unrelated questions: routed to any entry (should be none);
 - siblings: routed to the original's entry, and answered with the original's stored answer through
   memory (a leak: must be 0); siblings that got the original's answer with no memory are counted
-  beside it (the model's own decode landing on that number).
+  beside it (the model's own decode landing on that number);
+- other asks (bench/rewordings_other_asks.py, a third author): the same numbers as a stored problem,
+  asking for another quantity: routed to the entry (the number check cannot tell them apart), answered
+  with the stored answer through memory (wrong for them; and beside it without memory), answered right.
 
 A question no entry routes to is answered by the model alone (free decode, `--budget` tokens; one token
 for unrelated questions, whose route alone is scored).
@@ -57,13 +60,17 @@ def _value(text: str) -> Fraction | None:
 
 
 def run_rewordings_bench(mem=None, *, which: str = "report", problems: int | None = None, unrelated: int | None = None,
-                         budget: int = 12, progress: bool = True) -> dict:
+                         budget: int = 12, prior: float | None = None, progress: bool = True) -> dict:
     """Run the bench on `mem` (a KVMemory; a temporary one on the embedded model by default). `problems`
-    and `unrelated` take the first ones of the set only (a quick look; the figures use the whole set)."""
+    and `unrelated` take the first ones of the set only (a quick look; the figures use the whole set).
+    `prior`: `answer`'s (default: its own default)."""
     import tempfile
 
-    from kvmemory.memory.facade import KVMemory
+    from kvmemory.bench import rewordings_other_asks
+    from kvmemory.memory.facade import DEFAULT_CONTRAST, DEFAULT_PRIOR, KVMemory
+    from kvmemory.memory.inputs import check_prior
 
+    prior = DEFAULT_PRIOR if prior is None else check_prior(prior)
     s = load_set(which)
     probs = s.PROBLEMS[:problems] if problems is not None else s.PROBLEMS
     others = s.UNRELATED[:unrelated] if unrelated is not None else s.UNRELATED
@@ -82,7 +89,8 @@ def run_rewordings_bench(mem=None, *, which: str = "report", problems: int | Non
             entry_of.append(eid or mem.remember(problem, solution, answer=answer).id)
 
         def ask(q: str, tokens: int = budget):
-            return mem.answer(q, answer_prefix=ANSWER_PREFIX, choices="numbers", max_new_tokens=tokens, stop=["\n"])
+            return mem.answer(q, answer_prefix=ANSWER_PREFIX, choices="numbers", max_new_tokens=tokens, stop=["\n"],
+                              prior=prior)
 
         kinds = {k: {"questions": 0, "routed_right": 0, "answered_right": 0, "used_memory": 0} for k in KINDS}
         failures: list[dict] = []
@@ -121,6 +129,22 @@ def run_rewordings_bench(mem=None, *, which: str = "report", problems: int | Non
                                  "answer": ans.text, "routed": right_route, "entries": ans.entries,
                                  "scores": [round(x, 4) for x in ans.scores],
                                  "refused": ans.refused})
+        other = {"questions": 0, "routed_to_entry": 0, "given_stored_answer": 0,
+                 "given_stored_answer_without_memory": 0, "answered_right": 0}
+        other_details = []
+        asks = [a for a in getattr(rewordings_other_asks, which.upper()) if a[0] < len(probs)]
+        for i, q, right_answer in tqdm(asks, desc="other asks", unit="question", **bar):
+            ans = ask(q)
+            got = _value(ans.text)
+            other["questions"] += 1
+            on_entry = entry_of[i] in ans.entries
+            other["routed_to_entry"] += int(on_entry)
+            stored = got == Fraction(probs[i][2])
+            other["given_stored_answer"] += int(stored and on_entry)
+            other["given_stored_answer_without_memory"] += int(stored and not ans.entries)
+            other["answered_right"] += int(got == Fraction(right_answer))
+            other_details.append({"question": q, "expected": right_answer, "stored_answer": probs[i][2],
+                                  "answer": ans.text, "entries": ans.entries})
         routed_unrelated = []
         for q in tqdm(others, desc="unrelated questions", unit="question", **bar):
             ans = ask(q, 1)  # only the route is scored: one token decoded when none is found
@@ -136,7 +160,9 @@ def run_rewordings_bench(mem=None, *, which: str = "report", problems: int | Non
             "model": mem.engine.loaded.source, "profile_id": mem.engine.profile_id,
             "embedder": router.embedder.name, "threshold": router.threshold,
             "number_threshold": getattr(router, "number_threshold", None),
-            "answer": f'answer(q, answer_prefix="{ANSWER_PREFIX}", choices="numbers", max_new_tokens={budget})',
+            "answer": f'answer(q, answer_prefix="{ANSWER_PREFIX}", choices="numbers", max_new_tokens={budget}, '
+                      f'prior={prior:g})',
+            "contrast": DEFAULT_CONTRAST, "prior": prior,
             "problems": len(probs),
             "rewordings": {**total, "recall": total["routed_right"] / n, "accuracy": total["answered_right"] / n,
                            "used_memory_rate": total["used_memory"] / n},
@@ -145,6 +171,7 @@ def run_rewordings_bench(mem=None, *, which: str = "report", problems: int | Non
             "unrelated": {"questions": len(others), "routed": len(routed_unrelated),
                           "routed_rate": len(routed_unrelated) / max(len(others), 1), "details": routed_unrelated},
             "siblings": {**siblings, "leak_details": leaks},
+            "other_asks": {**other, "details": other_details},
             "failures": failures,
             "seconds": round(time.perf_counter() - t0, 1),
         }
@@ -196,7 +223,7 @@ def calibrate(which: str = "calibration", embedder=None, *, progress: bool = Fal
 
 def format_table(r: dict) -> str:
     lines = [f"set: {r['set']} ({r['problems']} problems); embedder {r['embedder']}, threshold {r['threshold']}, "
-             f"number threshold {r['number_threshold']}", "",
+             f"number threshold {r['number_threshold']}; choices contrast {r['contrast']:g}, prior {r['prior']:g}", "",
              "| rewording | questions | routed to its entry | answered right | used memory |", "|---|---|---|---|---|"]
     for name, k in [*r["kinds"].items(), ("all", r["rewordings"])]:
         lines.append(f"| {name} | {k['questions']} | {k['routed_right']} ({k['routed_right'] / max(k['questions'], 1):.1%}) "
@@ -206,6 +233,11 @@ def format_table(r: dict) -> str:
               f"siblings routed to the original's entry: {s['routed_to_original']} of {s['questions']}; answered with "
               f"the stored answer through memory: {s['leaks']}; with it without memory: "
               f"{s['given_original_answer_without_memory']}; answered right: {s['answered_right']}",
+              f"other asks (same numbers, another quantity): {r['other_asks']['routed_to_entry']} of "
+              f"{r['other_asks']['questions']} routed to the entry; given the stored answer (wrong) through memory: "
+              f"{r['other_asks']['given_stored_answer']}, without memory: "
+              f"{r['other_asks']['given_stored_answer_without_memory']}; answered right: "
+              f"{r['other_asks']['answered_right']}",
               f"{r['seconds']} s"]
     return "\n".join(lines)
 
@@ -218,6 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--problems", type=int, default=None, help="only the first N problems")
     ap.add_argument("--unrelated", type=int, default=None, help="only the first N unrelated questions")
     ap.add_argument("--budget", type=int, default=12, help="tokens decoded when no entry routes (default: %(default)s)")
+    ap.add_argument("--prior", type=float, default=None, help="answer's prior on a verified answer, in nats "
+                    "(default: answer's own; 0: the model's choice alone)")
     ap.add_argument("--store", default=None, help="a store to use (entries already there are reused; default: a "
                     "temporary one)")
     ap.add_argument("--namespace", default=None, help="namespace in --store (default: bench-rewordings-SET)")
@@ -234,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
 
         mem = KVMemory(store=args.store, namespace=args.namespace or f"bench-rewordings-{args.which}")
     r = run_rewordings_bench(mem, which=args.which, problems=args.problems, unrelated=args.unrelated, budget=args.budget,
-                             progress=not args.no_progress)
+                             prior=args.prior, progress=not args.no_progress)
     print(json.dumps(r, indent=2, default=str) if args.json else format_table(r))
     return 0
 

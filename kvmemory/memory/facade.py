@@ -20,11 +20,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvmemory.errors import IntegrityError, InvalidInput, KVMemoryError, UnknownEntry, VerificationFailed
-from kvmemory.engine.graft import GraftReport
 from kvmemory.engine.engine import Engine, VerifyReport
 from kvmemory.models.loading import DEFAULT_MODEL
-from kvmemory.memory.verifiers import numbers_in
-from kvmemory.memory import notes
+from kvmemory.memory import answers, choices as choice_list, notes, routing
+from kvmemory.memory.answers import DEFAULT_CONTRAST, DEFAULT_PRIOR, Answer  # noqa: F401 - re-exported
 from kvmemory.memory.background import PendingWrite, Writer
 from kvmemory.memory.filters import check_where
 from kvmemory.memory.listing import (DEFAULT_PAGE, HISTORY_KEY, RESERVED_META, EntryPage, EntryVersion, check_limit,
@@ -36,7 +35,7 @@ from kvmemory.memory.inputs import (MAX_TEXT_CHARS, check_answer_options, check_
 from kvmemory.memory.proof import VerifySummary
 from kvmemory.memory.token_text import TokenText
 from kvmemory.memory.layout import Layout, chat_layout, entry_probe, question_layout
-from kvmemory.memory.prompts import entry_messages, render_ids, solution_text
+from kvmemory.memory.prompts import entry_messages, render_ids
 from kvmemory.memory.routing import TEXT_TEMPLATE, Recalled  # noqa: F401 - re-exported
 from kvmemory.engine.runner import GREEDY, Sampling
 from kvmemory.store.local import EntryRecord
@@ -56,47 +55,8 @@ KEEP = _Keep()
 # When `answer` / `chat` store the grid-aligned blocks they newly computed, so that the same context
 # is grafted next time: never, only when several entries were combined (default), or always.
 BLOCK_POLICIES = {"none", "multi", "always"}
-# How much of the no-memory likelihood of a choice `answer(choices=...)` subtracts (see there).
-DEFAULT_CONTRAST = 0.5
 
-
-@dataclass(slots=True)
-class Answer:
-    """An answer with its provenance."""
-
-    text: str
-    token_ids: list[int]
-    report: GraftReport
-    entries: list[str] = field(default_factory=list)
-    scores: list[float] = field(default_factory=list)
-    attestations: list[str] = field(default_factory=list)
-    verified: list[bool] = field(default_factory=list)
-    seconds: float = 0.0
-    stopped_by: str = "length"
-    choices: list[str] = field(default_factory=list)  # what the answer was chosen among ([] = free decode)
-    choice_scores: list[float] = field(default_factory=list)  # the model's log-likelihood of each
-    # Entries routed to but not used, each {"entry", "reason"}: they did not check against themselves
-    # or the route to them could not be trusted (memory/entry_check.py); the answer did without them.
-    refused: list[dict] = field(default_factory=list)
-    kinds: list[str] = field(default_factory=list)  # each used entry's kind: "solution" or "note" (memory/notes.py)
-
-    def to_json(self) -> dict:
-        return {
-            "text": self.text,
-            "refused": self.refused,
-            "kinds": self.kinds,
-            "choices": self.choices,
-            "choice_scores": [round(s, 4) for s in self.choice_scores],
-            "entries": self.entries,
-            "scores": [round(s, 4) for s in self.scores],
-            "attestations": self.attestations,
-            "verified": self.verified,
-            "seconds": round(self.seconds, 4),
-            "stopped_by": self.stopped_by,
-            **self.report.to_json(),
-        }
-
-
+# `Answer`, the choice among given answers and its defaults live in memory/answers.py; importable from here.
 # `Recalled` and `TEXT_TEMPLATE` live with routing (memory/routing.py); importable from here as before.
 
 
@@ -712,7 +672,9 @@ class KVMemory:
                number_check: bool = False, where: dict | None = None, refused: list | None = None,
                number_threshold: float | None = None) -> list[Recalled]:
         """Entries whose problem is close to `query`, best first, with cosine scores; an unrelated
-        query returns [] (scores below the calibrated threshold are dropped). With `number_check`,
+        query returns [] (scores below the calibrated threshold are dropped; notes, whose statements a
+        question about them scores lower against, have a lower threshold of their own unless `threshold`
+        is given: memory/notes.py). With `number_check`,
         entries whose problem writes other numbers than the query are left out, and an entry whose
         problem writes the same numbers (as values: words, units, separators; memory/quantities.py)
         routes from the lower `number_threshold` (`answer` routes so; memory/routing.py says how the
@@ -727,30 +689,25 @@ class KVMemory:
         Every routed entry is checked against itself, and its route against it (memory/entry_check.py),
         before it is returned: one that fails is left out, logged, and named in `refused` (a list the
         caller passes, as {"entry", "reason"}); `kvmemory fsck --repair` puts it right."""
-        from kvmemory.memory import routing
-
-        return routing.recall(self, query, k, namespace=namespace, threshold=threshold, number_check=number_check,
-                              number_threshold=number_threshold, where=where, refused=refused)
+        return routing.route_with_notes(self, query, k, namespace=namespace, threshold=threshold,
+                                        number_check=number_check, number_threshold=number_threshold, where=where,
+                                        refused=refused)
 
     def route(self, query: str, k: int = 1, *, namespace: str | None = None, threshold: float | None = None,
               where: dict | None = None, number_check: bool = False, number_threshold: float | None = None,
               refused: list | None = None) -> list[Recalled]:
-        """What `answer` and `chat` route to: `recall`'s entries, and notes scoring at least the note
-        threshold (lower: a question about a fact scores lower against its statement), best first, at
-        most k; a `threshold` given applies to both kinds (memory/notes.py)."""
-        return notes.route(self, query, k, namespace=namespace, threshold=threshold, number_check=number_check,
+        """What `answer` and `chat` route to: `recall` (the same entries and notes), with k=1 by default."""
+        return self.recall(query, k, namespace=namespace, threshold=threshold, number_check=number_check,
                            number_threshold=number_threshold, where=where, refused=refused)
 
     def _warn_empty(self, ns: str) -> None:
-        from kvmemory.memory import routing
-
         routing.warn_empty(self, ns)
 
     def answer(self, query: str, *, k: int = 1, namespace: str | None = None, threshold: float | None = None,
                max_new_tokens: int = 256, sampling: Sampling = GREEDY, stop: Sequence[str] = (),
                on_text=None, use_memory: bool = True, answer_prefix: str | None = None,
                choices: str | Sequence[str] | None = None, choice_end: str = ".",
-               contrast: float = DEFAULT_CONTRAST, where: dict | None = None,
+               contrast: float = DEFAULT_CONTRAST, prior: float = DEFAULT_PRIOR, where: dict | None = None,
                number_threshold: float | None = None) -> Answer:
         """Route `query`, put the best entries before it, graft the longest stored chain, decode.
         `where` routes only to entries whose metadata matches (as in `recall`). Routing checks the
@@ -775,28 +732,35 @@ class KVMemory:
         (no memory) is subtracted, so a number the model favours only because the question wrote it
         does not win (Li et al. 2023, contrastive decoding; 0.5 was chosen on one seed of `kvmemory
         bench recurring` and held on four others: BENCHMARKS.md). 0 scores by likelihood alone.
+        Then `prior` nats are added to the answer a routed entry verified (not to notes' or unverified
+        entries' numbers): a question routed to a verified solution (its numbers checked) most often
+        asks what that solution answered, and a small model reading it still strays to an intermediate
+        result. The model overrides it only when it prefers another number by more than `prior`; a
+        question with the same numbers that asks for another quantity gets the stored answer all the
+        same (BENCHMARKS.md, "other asks"). 0 leaves the choice to the model alone.
         """
         query = _check_text("query", query)
         check_answer_options(k=k, max_new_tokens=max_new_tokens, threshold=threshold, choices=choices,
-                             contrast=contrast)
+                             contrast=contrast, prior=prior)
         refused: list[dict] = []
         hits = self.route(query, k, namespace=namespace, threshold=threshold, number_check=self.number_check,
                           number_threshold=number_threshold, where=where, refused=refused) if use_memory else []
         ans = self.answer_from(query, hits, max_new_tokens=max_new_tokens, sampling=sampling, stop=stop,
                                on_text=on_text, answer_prefix=answer_prefix, choices=choices,
-                               choice_end=choice_end, contrast=contrast)
+                               choice_end=choice_end, contrast=contrast, prior=prior)
         ans.refused = refused + ans.refused
         return ans
 
     def answer_from(self, query: str, hits: Sequence[Recalled], *, max_new_tokens: int = 256,
                     sampling: Sampling = GREEDY, stop: Sequence[str] = (), on_text=None,
                     answer_prefix: str | None = None, choices: str | Sequence[str] | None = None,
-                    choice_end: str = ".", contrast: float = DEFAULT_CONTRAST) -> Answer:
+                    choice_end: str = ".", contrast: float = DEFAULT_CONTRAST,
+                    prior: float = DEFAULT_PRIOR) -> Answer:
         """`answer` after routing: answer `query` from these routed entries (e.g. the ones a framework's
         retriever returned), the first one's KV grafted; the options are `answer`'s. An entry that does not
         check against itself is left out and named in `Answer.refused`."""
         query = _check_text("query", query)
-        check_answer_options(max_new_tokens=max_new_tokens, choices=choices, contrast=contrast)
+        check_answer_options(max_new_tokens=max_new_tokens, choices=choices, contrast=contrast, prior=prior)
         refused: list[dict] = []
         kept = []
         for h in hits:
@@ -808,63 +772,27 @@ class KVMemory:
         hits = kept
         ans = self._answer_from(query, hits, max_new_tokens=max_new_tokens, sampling=sampling, stop=stop,
                                 on_text=on_text, answer_prefix=answer_prefix, choices=choices, choice_end=choice_end,
-                                contrast=contrast)
+                                contrast=contrast, prior=prior)
         ans.refused = refused
         return ans
 
     def _answer_from(self, query: str, hits: Sequence[Recalled], *, max_new_tokens: int, sampling: Sampling,
                      stop: Sequence[str], on_text, answer_prefix: str | None, choices, choice_end: str,
-                     contrast: float) -> Answer:
+                     contrast: float, prior: float) -> Answer:
         entries = [h.entry for h in hits]
         for e in entries:
             self.engine.require_profile(e.profile_id, f"entry {e.id}'s blocks")
         prompt = self.question_layout(query, entries, answer_prefix)
         store_new = self.block_policy == "always" or (self.block_policy == "multi" and len(entries) > 1)
-        offered = self._choices(choices, entries)
+        offered = choice_list.offered(choices, entries)
         if offered:
-            return self._choose(prompt, offered, choice_end, answer_prefix, hits, query, contrast)
+            return answers.choose(self, prompt, offered, choice_end, answer_prefix, hits, query, contrast, prior)
         ans = self.generate(prompt.ids, max_new_tokens=max_new_tokens, sampling=sampling, stop=stop,
                             store_new_blocks=store_new, entries=entries, scores=[h.score for h in hits],
                             on_text=on_text, cuts=prompt.cuts)
         if answer_prefix:
             ans.text = f"{answer_prefix.strip()} {ans.text}".strip()
         return ans
-
-    @staticmethod
-    def _choices(choices, entries: Sequence[EntryRecord]) -> list[str]:
-        if choices is None:
-            return []
-        if isinstance(choices, str):
-            if choices != "numbers":
-                raise InvalidInput(f'choices must be "numbers" or a list of strings, got {choices!r}')
-            return list(dict.fromkeys(n for e in entries for n in numbers_in(solution_text(e.solution, e.answer))))
-        out = [_check_text("choice", c) for c in choices]
-        if not out:
-            raise InvalidInput("choices is empty")
-        return list(dict.fromkeys(c.strip() for c in out))
-
-    def _choose(self, prompt: Layout, offered: list[str], end: str, answer_prefix: str | None,
-                hits: Sequence[Recalled], query: str, contrast: float) -> Answer:
-        eng = self.engine
-        if not isinstance(contrast, (int, float)) or not 0.0 <= contrast <= 1.0:
-            raise InvalidInput(f"contrast must be a number in [0, 1], got {contrast!r}")
-        t0 = time.perf_counter()
-        sep = " " if answer_prefix else ""
-        tokenized = [eng.encode(f"{sep}{c}{end}") for c in offered]
-        entries = [h.entry for h in hits]
-        best, scores, report = eng.choose(prompt.ids, tokenized, entries_used=[e.id for e in entries],
-                                          cuts=prompt.cuts)
-        if entries and contrast:
-            _, base, rep = eng.choose(self.question_ids(query, (), answer_prefix), tokenized, graft=False)
-            scores = [s - contrast * b for s, b in zip(scores, base)]
-            best = max(range(len(scores)), key=lambda i: (scores[i], -i))
-            report.tokens_decoded = len(tokenized[best])
-            report.tokens_scored += rep.tokens_computed + rep.tokens_scored
-        text = f"{(answer_prefix or '').strip()}{sep}{offered[best]}{end}".strip()
-        return Answer(text=text, token_ids=tokenized[best], report=report, entries=[e.id for e in entries],
-                      scores=[h.score for h in hits], attestations=[e.attestation.get("attestation_id", "") for e in entries],
-                      verified=[e.verified for e in entries], seconds=time.perf_counter() - t0, stopped_by="choice",
-                      choices=offered, choice_scores=scores, kinds=[notes.kind_of(e) for e in entries])
 
     def chat(self, messages: Sequence[dict], *, route: bool = True, k: int = 1, namespace: str | None = None,
              threshold: float | None = None, max_new_tokens: int = 256, sampling: Sampling = GREEDY,

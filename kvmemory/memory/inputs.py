@@ -100,17 +100,27 @@ def check_choices(choices: object) -> str | list[str] | None:
     return out
 
 
+MAX_PRIOR = 100.0  # nats: far past any log-likelihood gap between two short numbers
+
+
 def check_contrast(contrast: object) -> float:
     if isinstance(contrast, bool) or not isinstance(contrast, (int, float)) or not 0.0 <= contrast <= 1.0:
         raise InvalidInput(f"contrast must be a number in [0, 1], got {contrast!r}")
     return float(contrast)
 
 
+def check_prior(prior: object) -> float:
+    if isinstance(prior, bool) or not isinstance(prior, (int, float)) or not 0.0 <= prior <= MAX_PRIOR:
+        raise InvalidInput(f"prior must be a number in [0, {MAX_PRIOR:g}] (nats), got {prior!r}")
+    return float(prior)
+
+
 def check_answer_options(*, k: object = 1, max_new_tokens: object = 1, threshold: object = None,
-                         choices: object = None, contrast: object = 0.0) -> None:
+                         choices: object = None, contrast: object = 0.0, prior: object = 0.0) -> None:
     """What `answer` / `ask` / `chat` take besides their texts, checked before anything is computed."""
     check_count("k", k, maximum=MAX_K)
     check_count("max_new_tokens", max_new_tokens, maximum=MAX_NEW_TOKENS)
     check_threshold(threshold)
     check_choices(choices)
     check_contrast(contrast)
+    check_prior(prior)

@@ -18,11 +18,12 @@ Routing notes. A question about a fact ("What pet does Alice have?") scores lowe
 ("Alice has a cat named Tom.") than a rewording scores against a problem: with all-MiniLM-L6-v2, 24
 fact/question pairs (bench/notes_routing.py) scored 0.546-0.897 (22 of 24 below the 0.83 that routes
 solutions), and the best other fact scored 0.109-0.649 against each question (23 of 24 below 0.54;
-generic questions at most 0.35). So `answer` and `chat` route notes with a lower threshold of their own
-(`NOTE_THRESHOLDS`, by the embedder's weights; 0.54 for MiniLM), and solutions with the usual one; an
-embedder without a measured note threshold routes notes with the usual threshold, and a threshold the
-caller gives (to the call or to `KVMemory(threshold=...)`) applies to both kinds. `recall` itself is
-unchanged (one threshold for every entry).
+generic questions at most 0.35). So notes route with a lower threshold of their own (`NOTE_THRESHOLDS`,
+by the embedder's weights; 0.54 for MiniLM), and solutions with the usual one, wherever a question is
+routed: `recall` and everything built on it (`kvmemory recall`, HTTP /v1/memory/recall, the MCP recall
+tool, the LangChain and LlamaIndex retrievers), `answer` and `chat`. An embedder without a measured note
+threshold routes notes with the usual threshold, and a threshold the caller gives (to the call or to
+`KVMemory(threshold=...)`) applies to both kinds.
 
 `KVMemory.add(messages)`: what a chat taught, by a fixed rule (no model involved), returned as an
 `AddResult`:
@@ -50,7 +51,7 @@ from dataclasses import dataclass, field
 
 from kvmemory.errors import InvalidInput, UnknownEntry, VerificationFailed
 from kvmemory.memory.ids import entry_id_for
-from kvmemory.memory.inputs import MAX_K, check_namespace, check_text
+from kvmemory.memory.inputs import check_namespace, check_text
 from kvmemory.memory.listing import user_meta
 from kvmemory.memory.verifiers import NoteVerifier, is_note, kind_of
 
@@ -59,7 +60,7 @@ SOLUTION = "solution"
 # How an adapter shows a recalled note as text (a solution's is facade.TEXT_TEMPLATE).
 NOTE_TEMPLATE = "{problem}"
 NOTE_SOLUTION = ""  # what the model reads as the assistant's turn after a note's statement
-NOTE_FETCH = 16  # extra candidates the notes' routing pass asks for (see `route`)
+NOTE_FETCH = 16  # extra candidates the notes' routing pass asks for (routing.route_with_notes)
 
 # all-MiniLM-L6-v2 (weights SHA-256, as embedders.CALIBRATED_THRESHOLDS): the threshold notes are routed
 # with by `answer` and `chat`; measured with bench/notes_routing.py (module docstring).
@@ -121,30 +122,6 @@ def note_threshold(mem) -> float | None:
         return None
     th = NOTE_THRESHOLDS.get(sha)
     return th if th is not None and th < router.threshold else None
-
-
-def route(mem, query: str, k: int, *, namespace: str | None, threshold: float | None, number_check: bool,
-          where: dict | None, refused: list | None, number_threshold: float | None = None):
-    """What `answer` and `chat` route to: `recall`'s entries at the usual threshold, and notes that score
-    at least the note threshold (`note_threshold`) too, best first, at most k. A threshold given here
-    applies to both kinds (one `recall`)."""
-    hits = mem.recall(query, k, namespace=namespace, threshold=threshold, number_check=number_check,
-                      number_threshold=number_threshold, where=where, refused=refused)
-    nth = None if threshold is not None else note_threshold(mem)
-    if nth is None:
-        return hits
-    # Entries refused at the lower threshold are notes or would not have been routed: their refusals are
-    # logged by recall, not reported (the routed list below decides what the answer used).
-    # Solutions scoring between the two thresholds come back too and are dropped below: ask for enough
-    # that k notes still fit (NOTE_FETCH more than needed; a namespace with more solutions in that band
-    # than that can crowd a note out, a bound that keeps one answer's routing to one search).
-    low = mem.recall(query, min(MAX_K, k + len(hits) + NOTE_FETCH), namespace=namespace, threshold=nth,
-                     number_check=number_check, where=where, refused=None)
-    have = {h.entry.id for h in hits}
-    extra = [h for h in low if is_note(h.entry) and h.entry.id not in have]
-    if not extra:
-        return hits
-    return sorted([*hits, *extra], key=lambda h: -h.score)[:k]
 
 
 # ---------------------------------------------------------------------------------------------- chats
@@ -287,4 +264,4 @@ def add(mem, messages, *, namespace: str | None = None, meta: dict | None = None
 
 
 __all__ = ["NOTE", "NOTE_TEMPLATE", "NOTE_THRESHOLDS", "SOLUTION", "AddResult", "add", "asks", "facts_in", "is_note",
-           "kind_of", "message_asks", "note_threshold", "plan", "commit", "route", "sentences", "statement"]
+           "kind_of", "message_asks", "note_threshold", "plan", "commit", "sentences", "statement"]

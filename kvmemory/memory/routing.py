@@ -20,6 +20,7 @@ a caller who sets the score routes by that score. Embedders without a calibrated
 route by the threshold alone.
 
 `recall` without the number check lists near entries whatever their numbers (for retrievers to rank).
+Notes (statements: memory/notes.py) route from a lower threshold of their own (`route_with_notes`).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from kvmemory.memory.entry_check import refusal
 from kvmemory.memory.filters import check_where, matches
 from kvmemory.memory.inputs import MAX_K, check_count, check_namespace, check_text, check_threshold
 from kvmemory.memory.listing import user_meta
-from kvmemory.memory.notes import NOTE_TEMPLATE
+from kvmemory.memory.notes import NOTE_FETCH, NOTE_TEMPLATE, note_threshold
 from kvmemory.memory.prompts import solution_text
 from kvmemory.memory.quantities import question_numbers
 from kvmemory.memory.verifiers import is_note, kind_of
@@ -104,7 +105,17 @@ def gates(mem, threshold: float | None, number_threshold: float | None, number_c
 def recall(mem, query: str, k: int = 5, *, namespace: str | None = None, threshold: float | None = None,
            number_check: bool = False, number_threshold: float | None = None, where: dict | None = None,
            refused: list | None = None) -> list[Recalled]:
-    """`KVMemory.recall` (its docstring; the gates are this module's docstring)."""
+    """One search at one threshold (`KVMemory.recall`'s docstring; the gates are this module's docstring):
+    `route_with_notes` below adds the notes' own threshold."""
+    query, where, ns, qvec = _prepared(mem, query, k, namespace, threshold, number_threshold, where)
+    return _search(mem, query, qvec, ns, k, threshold=threshold, number_check=number_check,
+                   number_threshold=number_threshold, where=where, refused=refused)
+
+
+def _prepared(mem, query: str, k: int, namespace: str | None, threshold: float | None,
+              number_threshold: float | None, where: dict | None):
+    """A recall's checked inputs, its namespace made current in the router, and the question embedded
+    once (None when the namespace has no index): (query, where, namespace, vector)."""
     query = check_text("query", query)
     check_count("k", k, maximum=MAX_K)
     check_threshold(threshold)
@@ -113,6 +124,16 @@ def recall(mem, query: str, k: int = 5, *, namespace: str | None = None, thresho
     ns = check_namespace(namespace or mem.namespace)
     mem.sync_router(ns)
     mem.route_pending(ns)
+    router = mem.router
+    # The question is embedded once: the router searches with it, and each route is re-scored with it
+    # against the entry's own text (a damaged router row or vector is refused, not followed).
+    qvec = router.embedder.embed([query])[0] if ns in router.namespaces() else None
+    return query, where, ns, qvec
+
+
+def _search(mem, query: str, qvec, ns: str, k: int, *, threshold: float | None, number_check: bool,
+            number_threshold: float | None, where: dict | None, refused: list | None) -> list[Recalled]:
+    """`recall` for a prepared question (`_prepared`)."""
     router = mem.router
     strict, by_numbers = gates(mem, threshold, number_threshold, number_check)
     out: list[Recalled] = []
@@ -123,9 +144,6 @@ def recall(mem, query: str, k: int = 5, *, namespace: str | None = None, thresho
     # Over-fetch when hits may be dropped (other numbers, metadata), so k good ones can still be
     # returned: ask for 4k, then 4x more while the router keeps returning full lists.
     fetch = 4 * k if (wanted or where) else k
-    # The question is embedded once: the router searches with it, and each route is re-scored with it
-    # against the entry's own text (a damaged router row or vector is refused, not followed).
-    qvec = router.embedder.embed([query])[0] if ns in router.namespaces() else None
     dropped = False
     below = 0
     while True:
@@ -205,3 +223,29 @@ def warn_empty(mem, ns: str) -> None:
         _log.warning("namespace %r holds no entries, so nothing is recalled; namespaces with entries: %s",
                      ns, ", ".join(f"{n!r} ({c})" for n, c in others.items()))
 
+
+def route_with_notes(mem, query: str, k: int, *, namespace: str | None, threshold: float | None,
+                     number_check: bool, where: dict | None, refused: list | None,
+                     number_threshold: float | None = None):
+    """What `KVMemory.recall` (and so `answer` and `chat`) routes to: `recall`'s entries at the usual
+    threshold, and notes that score at least the note threshold (memory/notes.py `note_threshold`) too,
+    best first, at most k. A threshold given here applies to both kinds (one search)."""
+    query, where, ns, qvec = _prepared(mem, query, k, namespace, threshold, number_threshold, where)
+    hits = _search(mem, query, qvec, ns, k, threshold=threshold, number_check=number_check,
+                   number_threshold=number_threshold, where=where, refused=refused)
+    nth = None if threshold is not None else note_threshold(mem)
+    if nth is None:
+        return hits
+    # Entries refused at the lower threshold are notes or would not have been routed: their refusals are
+    # logged by recall, not reported (the routed list below decides what the answer used).
+    # Solutions scoring between the two thresholds come back too and are dropped below: ask for enough
+    # that k notes still fit (NOTE_FETCH more than needed; a namespace with more solutions in that band
+    # than that can crowd a note out, a bound that keeps one answer's routing to one search).
+    # The same embedded question searched again at the notes' threshold (no second embedding).
+    low = _search(mem, query, qvec, ns, min(MAX_K, k + len(hits) + NOTE_FETCH), threshold=nth,
+                  number_check=number_check, number_threshold=number_threshold, where=where, refused=None)
+    have = {h.entry.id for h in hits}
+    extra = [h for h in low if is_note(h.entry) and h.entry.id not in have]
+    if not extra:
+        return hits
+    return sorted([*hits, *extra], key=lambda h: -h.score)[:k]

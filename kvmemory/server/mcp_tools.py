@@ -74,8 +74,10 @@ def build_server(st: ServerState, principal: Principal | None = None) -> MCPServ
 
     @mcp.tool(description="Store a verified solution (with its exact KV cache) in the caller's scope. The verifier "
                           "runs first (exact-answer when `answer` is given, else none unless `verifier` is set); a "
-                          "refused solution is an error and nothing is stored.")
-    async def remember(problem: str, solution: str, ctx: Context, answer: str | int | float | None = None,
+                          "refused solution is an error and nothing is stored. Without a solution, `problem` is a "
+                          "statement (a fact or preference: 'Alice likes tea.') stored as an unverified note.")
+    async def remember(problem: str, ctx: Context, solution: str | None = None,
+                       answer: str | int | float | None = None,
                        verifier: str | None = None, metadata: dict[str, Any] | None = None,
                        user_id: str | None = None, agent_id: str | None = None, run_id: str | None = None,
                        namespace: str | None = None) -> dict:
@@ -83,8 +85,8 @@ def build_server(st: ServerState, principal: Principal | None = None) -> MCPServ
             st.memory, ns, problem=problem, solution=solution, answer=None if answer is None else str(answer),
             verifier=verifier, metadata=metadata))
 
-    @mcp.tool(description="Stored entries whose problem is close to `query` in the caller's scope, best first, with "
-                          "cosine scores ([] when nothing is close).")
+    @mcp.tool(description="Stored entries whose problem (or note's statement) is close to `query` in the caller's "
+                          "scope, best first, with cosine scores ([] when nothing is close).")
     async def recall(query: str, ctx: Context, k: int = 5, where: dict[str, Any] | None = None,
                      user_id: str | None = None, agent_id: str | None = None, run_id: str | None = None,
                      namespace: str | None = None) -> dict:
@@ -93,16 +95,18 @@ def build_server(st: ServerState, principal: Principal | None = None) -> MCPServ
 
     @mcp.tool(description="Answer `query` with the best routed entries of the caller's scope grafted (their KV read "
                           "from the store, not recomputed). choices='numbers' picks the answer among the numbers of "
-                          "the routed verified solution (the reliable mode on a small model).")
+                          "the routed verified solution (the reliable mode on a small model); `prior` (nats, "
+                          "default 2.5) favours the answer that solution verified, 0 leaves the choice to the model.")
     async def answer(query: str, ctx: Context, k: int = 1, max_tokens: int = 64, answer_prefix: str | None = None,
-                     choices: str | list[str] | None = None, where: dict[str, Any] | None = None,
+                     choices: str | list[str] | None = None, prior: float | None = None,
+                     where: dict[str, Any] | None = None,
                      user_id: str | None = None, agent_id: str | None = None, run_id: str | None = None,
                      namespace: str | None = None) -> dict:
         if not 1 <= max_tokens <= max_tokens_limit:
             raise ToolError(f"max_tokens must be between 1 and {max_tokens_limit}")
         return await call(ctx, scope_of(user_id, agent_id, run_id, namespace), lambda ns, _: ops.answer(
             st.memory, ns, query=query, k=max(1, min(k, 8)), max_tokens=max_tokens, answer_prefix=answer_prefix,
-            choices=choices, where=where)[0])
+            choices=choices, where=where, prior=prior)[0])
 
     @mcp.tool(description="One entry of the caller's scope by id: its texts, metadata, version and attestation.")
     async def get(entry_id: str, ctx: Context, user_id: str | None = None, agent_id: str | None = None,

@@ -72,8 +72,10 @@ def recall(mem: KVMemory, namespace: str, *, query: str, k: int = 5, threshold: 
 def answer(mem: KVMemory, namespace: str, *, query: str, k: int = 1, max_tokens: int = 64,
            answer_prefix: str | None = None, choices: str | list[str] | None = None, memory: bool = True,
            sampling: Sampling | None = None, threshold: float | None = None,
-           where: dict | None = None) -> tuple[dict, Any]:
+           where: dict | None = None, prior: float | None = None) -> tuple[dict, Any]:
     kw = {"sampling": sampling} if sampling is not None else {}
+    if prior is not None:
+        kw["prior"] = prior
     ans = mem.answer(query, k=k, namespace=namespace, threshold=threshold, max_new_tokens=max_tokens,
                      answer_prefix=answer_prefix, choices=choices, use_memory=memory, where=where, **kw)
     return {"namespace": namespace, **ans.to_json()}, ans

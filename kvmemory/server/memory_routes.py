@@ -8,7 +8,7 @@ confined to the one namespace it maps to (auth.py, memory_ops.py):
     POST   /v1/memory/remember        {problem, solution?, answer?, verifier?, allow_unverified?, metadata?, aliases?}
                                       (no solution: the problem is a statement, stored as a note)
     POST   /v1/memory/recall          {query, k?, threshold?, where?}
-    POST   /v1/memory/answer          {query, k?, max_tokens?, answer_prefix?, choices?, memory?, temperature?, top_p?, seed?, where?}
+    POST   /v1/memory/answer          {query, k?, max_tokens?, answer_prefix?, choices?, prior?, memory?, temperature?, top_p?, seed?, where?}
     GET    /v1/memory/entries         ?limit=&offset=&verified=&metadata={"k": "v"}
     GET    /v1/memory/entries/{id}
     PATCH  /v1/memory/entries/{id}    {problem?, solution?, answer?, metadata?, aliases?, verifier?, allow_unverified?}
@@ -97,6 +97,7 @@ class AnswerBody(Scoped):
     max_tokens: int = Field(64, ge=1)
     answer_prefix: str | None = None
     choices: Literal["numbers"] | list[str] | None = None
+    prior: float | None = Field(None, ge=0.0, le=100.0)  # nats on a routed verified answer among choices
     memory: bool = True
     threshold: float | None = Field(None, ge=-1.0, le=1.0)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
@@ -178,7 +179,7 @@ async def answer(body: AnswerBody, request: Request) -> dict:
     def work() -> dict:
         out, ans = ops.answer(st.memory, ns, query=body.query, k=body.k, max_tokens=body.max_tokens,
                               answer_prefix=body.answer_prefix, choices=body.choices, memory=body.memory,
-                              sampling=sampling, threshold=body.threshold, where=body.where)
+                              sampling=sampling, threshold=body.threshold, where=body.where, prior=body.prior)
         r = ans.report
         st.metrics.model_call(grafted=r.tokens_grafted, computed=r.tokens_computed, decoded=r.tokens_decoded,
                               entries=len(ans.entries), quarantined=len(r.quarantined))

@@ -38,3 +38,19 @@ def test_k_and_namespace_per_call():
     assert len(r.invoke(PROBLEMS[1].text, k=2)) == 2
     assert r.invoke(PROBLEMS[1].text, namespace="nobody-here") == []
     assert len(asyncio.run(r.ainvoke(PROBLEMS[1].text, k=1))) == 1
+
+
+def test_a_question_about_a_stored_fact_finds_its_note():
+    """A note (a plain statement) is found at the note threshold, as `answer` routes it: a question
+    about a fact scores below the threshold that routes solutions (0.83 for MiniLM)."""
+    from lc_testutil import fresh_store
+
+    path = fresh_store() + "-notes"
+    mem = shared_memory(None, path)
+    note = mem.note("Alice has a cat named Tom.", namespace="facts")
+    r = KVMemoryRetriever(store=path, namespace="facts")
+    docs = r.invoke("What pet does Alice have?")
+    assert [d.id for d in docs] == [note.id] and docs[0].metadata["kind"] == "note"
+    assert docs[0].metadata["score"] < 0.83
+    assert r.invoke("What pet does Alice have?", score_threshold=0.83) == []  # a threshold given gates both kinds
+    assert r.invoke("What is the capital of Australia?") == []

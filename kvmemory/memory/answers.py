@@ -1,0 +1,92 @@
+"""What `KVMemory.answer` returns, and how it chooses among given answers (`choices=`).
+
+`Answer` is an answer with its provenance (entries, scores, attestations, the graft's report). With
+`choices`, the answer is not decoded: each choice is scored by the model's log-likelihood after the
+prompt (one batched forward, the routed entries grafted), contrasted with its likelihood after the
+question alone (`DEFAULT_CONTRAST`), and a routed verified entry's own answer starts `DEFAULT_PRIOR`
+nats ahead (memory/choices.py says which choices those are). `KVMemory.answer`'s docstring says why.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvmemory.engine.graft import GraftReport
+from kvmemory.memory import choices
+from kvmemory.memory.layout import Layout
+from kvmemory.memory.verifiers import kind_of
+
+# How much of the no-memory likelihood of a choice `answer(choices=...)` subtracts (see there).
+DEFAULT_CONTRAST = 0.5
+# Nats added to a routed verified entry's own answer among `choices="numbers"`: the smallest (in steps of
+# 0.5) with which every routed rewording and original of the calibration set is answered right
+# (bench/rewordings.py; BENCHMARKS.md "Routing rewordings").
+DEFAULT_PRIOR = 2.5
+
+
+@dataclass(slots=True)
+class Answer:
+    """An answer with its provenance."""
+
+    text: str
+    token_ids: list[int]
+    report: GraftReport
+    entries: list[str] = field(default_factory=list)
+    scores: list[float] = field(default_factory=list)
+    attestations: list[str] = field(default_factory=list)
+    verified: list[bool] = field(default_factory=list)
+    seconds: float = 0.0
+    stopped_by: str = "length"
+    choices: list[str] = field(default_factory=list)  # what the answer was chosen among ([] = free decode)
+    choice_scores: list[float] = field(default_factory=list)  # the model's log-likelihood of each
+    # Entries routed to but not used, each {"entry", "reason"}: they did not check against themselves
+    # or the route to them could not be trusted (memory/entry_check.py); the answer did without them.
+    refused: list[dict] = field(default_factory=list)
+    kinds: list[str] = field(default_factory=list)  # each used entry's kind: "solution" or "note" (memory/notes.py)
+
+    def to_json(self) -> dict:
+        return {
+            "text": self.text,
+            "refused": self.refused,
+            "kinds": self.kinds,
+            "choices": self.choices,
+            "choice_scores": [round(s, 4) for s in self.choice_scores],
+            "entries": self.entries,
+            "scores": [round(s, 4) for s in self.scores],
+            "attestations": self.attestations,
+            "verified": self.verified,
+            "seconds": round(self.seconds, 4),
+            "stopped_by": self.stopped_by,
+            **self.report.to_json(),
+        }
+
+
+def choose(mem, prompt: Layout, offered: list[str], end: str, answer_prefix: str | None,
+           hits: Sequence, query: str, contrast: float, prior: float) -> Answer:
+    """`KVMemory.answer` with choices: each offered answer (followed by `end`) scored by the model after
+    `prompt` (the routed entries grafted), contrasted with its score after the question alone, a routed
+    verified entry's own answer raised by `prior`; the best one is the answer."""
+    eng = mem.engine
+    t0 = time.perf_counter()
+    sep = " " if answer_prefix else ""
+    tokenized = [eng.encode(f"{sep}{c}{end}") for c in offered]
+    entries = [h.entry for h in hits]
+    best, scores, report = eng.choose(prompt.ids, tokenized, entries_used=[e.id for e in entries],
+                                      cuts=prompt.cuts)
+    if entries and contrast:
+        _, base, rep = eng.choose(mem.question_ids(query, (), answer_prefix), tokenized, graft=False)
+        scores = [s - contrast * b for s, b in zip(scores, base)]
+        best = max(range(len(scores)), key=lambda i: (scores[i], -i))
+        report.tokens_decoded = len(tokenized[best])
+        report.tokens_scored += rep.tokens_computed + rep.tokens_scored
+    if prior and (known := choices.verified_answers(entries)):
+        scores = [s + prior * choices.is_known(c, known) for s, c in zip(scores, offered)]
+        best = max(range(len(scores)), key=lambda i: (scores[i], -i))
+        report.tokens_decoded = len(tokenized[best])
+    text = f"{(answer_prefix or '').strip()}{sep}{offered[best]}{end}".strip()
+    return Answer(text=text, token_ids=tokenized[best], report=report, entries=[e.id for e in entries],
+                  scores=[h.score for h in hits], attestations=[e.attestation.get("attestation_id", "") for e in entries],
+                  verified=[e.verified for e in entries], seconds=time.perf_counter() - t0, stopped_by="choice",
+                  choices=offered, choice_scores=scores, kinds=[kind_of(e) for e in entries])
