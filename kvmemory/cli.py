@@ -306,7 +306,8 @@ def bench_rewordings(args) -> int:
             args.store = str(Path(tmp) / "store")
         mem = _memory(args)
         r = run_rewordings_bench(mem, which=args.set_name, problems=args.problems, unrelated=args.unrelated,
-                                 budget=args.budget, prior=args.prior, progress=_progress(args))
+                                 budget=args.budget, prior=args.prior, chat_siblings=args.chat_siblings,
+                                 progress=_progress(args))
     _emit(args, r, format_table(r))
     return 0
 
@@ -1250,6 +1251,9 @@ def _bench_parsers(bench: argparse.ArgumentParser) -> None:
                     "%(default)s)")
     rw.add_argument("--prior", type=float, default=None, help="answer's prior on a verified answer, in nats "
                     "(default: answer's own; 0: the model's choice alone)")
+    rw.add_argument("--chat-siblings", type=_count(0), default=0, metavar="TOKENS", help="also answer each sibling "
+                    "by chat with TOKENS tokens, routed and not: does a worked example with other numbers mislead "
+                    "the model? (default: 0, off)")
     rw.set_defaults(func=bench_rewordings)
 
     ro = _command(sub, "router", "recall latency and memory of the router at growing index sizes",

@@ -9,6 +9,7 @@ from fractions import Fraction
 import pytest
 
 from kvmemory.bench.rewordings_heldout import PROBLEMS, UNRELATED
+from kvmemory.errors import InvalidInput
 from kvmemory.memory.quantities import numbers_agree, question_numbers
 from kvmemory.memory.verifiers import extract_value
 
@@ -94,6 +95,27 @@ def test_a_given_threshold_gates_every_route(stored):
     assert mem.recall(q, k=1) == []
     assert [h.entry.id for h in mem.recall(q, k=1, number_check=True)] == [entries[2].id]
 
+
+
+def test_chat_routes_rewordings_by_their_numbers_and_keeps_other_numbers(stored):
+    """`chat` (and so the server's chat completions and the framework chat models) routes a rewording that
+    scores under the threshold by its numbers, as `answer` does; an entry above the threshold still
+    routes whatever numbers it writes (a worked example in the conversation: memory/routing.py LIFT)."""
+    mem, picked, entries = stored
+    q = picked[2][3]["units"]  # "Flow rate 40 L/min, volume 1,200 L. Time to fill in min?"
+    assert mem.recall(q, k=1) == []  # under the threshold: only its numbers route it
+    prompt = mem.chat_prompt([{"role": "user", "content": q}])
+    assert [h.entry.id for h in prompt.hits] == [entries[2].id]
+    ans = mem.chat([{"role": "user", "content": q}], max_new_tokens=1)
+    assert ans.entries == [entries[2].id] and ans.report.tokens_grafted > 0
+    sibling = picked[1][4][0]  # the train problem with one number changed
+    score = mem.recall(sibling, k=1)[0].score
+    assert score >= 0.83 and mem.answer(sibling, max_new_tokens=1).entries == []
+    assert [h.entry.id for h in mem.chat_prompt([{"role": "user", "content": sibling}]).hits] == [entries[1].id]
+    mem.number_check = False  # no number check: the threshold alone, as recall
+    assert mem.chat_prompt([{"role": "user", "content": q}]).hits == []
+    with pytest.raises(InvalidInput, match="number_check"):
+        mem.recall(q, number_check="yes")
 
 def test_other_asks_are_the_same_numbers_asking_another_quantity():
     """The "other asks" set (bench/rewordings_other_asks.py): one question per stored problem of each set,

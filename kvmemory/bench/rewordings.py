@@ -21,6 +21,10 @@ solution must conclude with the given answer), then asks every question as an ag
   asking for another quantity: routed to the entry (the number check cannot tell them apart), answered
   with the stored answer through memory (wrong for them; and beside it without memory), answered right.
 
+Each rewording, sibling and unrelated question is also routed as `chat` routes a one-message
+conversation (no decode): the figure for the server's chat completions and the framework chat models,
+where a routed entry is a worked example in the conversation, so other numbers refuse nothing there.
+
 A question no entry routes to is answered by the model alone (free decode, `--budget` tokens; one token
 for unrelated questions, whose route alone is scored).
 """
@@ -30,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import time
 from fractions import Fraction
 
@@ -60,10 +65,12 @@ def _value(text: str) -> Fraction | None:
 
 
 def run_rewordings_bench(mem=None, *, which: str = "report", problems: int | None = None, unrelated: int | None = None,
-                         budget: int = 12, prior: float | None = None, progress: bool = True) -> dict:
+                         budget: int = 12, prior: float | None = None, chat_siblings: int = 0,
+                         progress: bool = True) -> dict:
     """Run the bench on `mem` (a KVMemory; a temporary one on the embedded model by default). `problems`
     and `unrelated` take the first ones of the set only (a quick look; the figures use the whole set).
-    `prior`: `answer`'s (default: its own default)."""
+    `prior`: `answer`'s (default: its own default). `chat_siblings` > 0: each sibling is also answered by
+    `chat` with that many tokens, routed and not (`_chat_siblings`)."""
     import tempfile
 
     from kvmemory.bench import rewordings_other_asks
@@ -92,10 +99,17 @@ def run_rewordings_bench(mem=None, *, which: str = "report", problems: int | Non
             return mem.answer(q, answer_prefix=ANSWER_PREFIX, choices="numbers", max_new_tokens=tokens, stop=["\n"],
                               prior=prior)
 
-        kinds = {k: {"questions": 0, "routed_right": 0, "answered_right": 0, "used_memory": 0} for k in KINDS}
+        def chat_route(q: str) -> str | None:
+            """The entry `chat` routes a one-message conversation to (what the server and the framework
+            chat models graft), without decoding."""
+            hits = mem.chat_prompt([{"role": "user", "content": q}]).hits
+            return hits[0].entry.id if hits else None
+
+        kinds = {k: {"questions": 0, "routed_right": 0, "answered_right": 0, "used_memory": 0, "routed_in_chat": 0}
+                 for k in KINDS}
         failures: list[dict] = []
         siblings = {"questions": 0, "routed_to_original": 0, "leaks": 0, "given_original_answer_without_memory": 0,
-                    "answered_right": 0}
+                    "answered_right": 0, "routed_to_original_in_chat": 0}
         leaks: list[dict] = []
         questions = [(i, k, p[3][k]) for i, p in enumerate(probs) for k in KINDS] + \
                     [(i, "sibling", p[4][0]) for i, p in enumerate(probs)]
@@ -109,6 +123,7 @@ def run_rewordings_bench(mem=None, *, which: str = "report", problems: int | Non
                 on_original = entry_of[i] in ans.entries
                 siblings["routed_to_original"] += int(on_original)
                 siblings["answered_right"] += int(got == Fraction(sib_answer))
+                siblings["routed_to_original_in_chat"] += int(chat_route(q) == entry_of[i])
                 if got == Fraction(answer):
                     if on_original:
                         siblings["leaks"] += 1
@@ -123,6 +138,7 @@ def run_rewordings_bench(mem=None, *, which: str = "report", problems: int | Non
             right_route = first == entry_of[i]
             right = got == Fraction(answer)
             k["routed_right"] += int(right_route)
+            k["routed_in_chat"] += int(chat_route(q) == entry_of[i])
             k["answered_right"] += int(right)
             if not (right_route and right):
                 failures.append({"kind": kind, "question": q, "problem": problem, "expected": answer,
@@ -146,13 +162,15 @@ def run_rewordings_bench(mem=None, *, which: str = "report", problems: int | Non
             other_details.append({"question": q, "expected": right_answer, "stored_answer": probs[i][2],
                                   "answer": ans.text, "entries": ans.entries})
         routed_unrelated = []
+        unrelated_in_chat = 0
         for q in tqdm(others, desc="unrelated questions", unit="question", **bar):
+            unrelated_in_chat += int(chat_route(q) is not None)
             ans = ask(q, 1)  # only the route is scored: one token decoded when none is found
             if ans.entries:
                 routed_unrelated.append({"question": q, "entries": ans.entries,
                                          "scores": [round(x, 4) for x in ans.scores]})
         total = {key: sum(k[key] for k in kinds.values()) for key in ("questions", "routed_right", "answered_right",
-                                                                       "used_memory")}
+                                                                       "used_memory", "routed_in_chat")}
         n = max(total["questions"], 1)
         router = mem.router
         return {
@@ -168,10 +186,13 @@ def run_rewordings_bench(mem=None, *, which: str = "report", problems: int | Non
                            "used_memory_rate": total["used_memory"] / n},
             "kinds": {name: {**k, "recall": k["routed_right"] / max(k["questions"], 1),
                              "accuracy": k["answered_right"] / max(k["questions"], 1)} for name, k in kinds.items()},
-            "unrelated": {"questions": len(others), "routed": len(routed_unrelated),
+            "chat": "chat([{'role': 'user', 'content': q}]): routed with the same numbers lifting (memory/routing.py "
+                    "LIFT), other numbers refusing nothing",
+            "unrelated": {"questions": len(others), "routed": len(routed_unrelated), "routed_in_chat": unrelated_in_chat,
                           "routed_rate": len(routed_unrelated) / max(len(others), 1), "details": routed_unrelated},
             "siblings": {**siblings, "leak_details": leaks},
             "other_asks": {**other, "details": other_details},
+            **({"chat_siblings": _chat_siblings(mem, probs, entry_of, chat_siblings, bar)} if chat_siblings else {}),
             "failures": failures,
             "seconds": round(time.perf_counter() - t0, 1),
         }
@@ -221,15 +242,45 @@ def calibrate(which: str = "calibration", embedder=None, *, progress: bool = Fal
     return out
 
 
+def _last_value(text: str) -> Fraction | None:
+    """The last number a free-decoded reply writes (its conclusion, as a reader would take it)."""
+    nums = re.findall(r"-?\d[\d,]*(?:\.\d+)?", text)
+    return Fraction(nums[-1].replace(",", "")) if nums else None
+
+
+def _chat_siblings(mem, probs, entry_of, tokens: int, bar: dict) -> dict:
+    """Siblings in `chat`: routed there to their original's entry (a worked example with other numbers),
+    does the reply give the stored answer (wrong for them) or their own? Against the same chat unrouted."""
+    out = {"tokens": tokens, "questions": len(probs)}
+    for mode in ("routed", "alone"):
+        out[mode] = {"used_the_original": 0, "gave_the_stored_answer": 0, "answered_right": 0}
+    for i, (_, _, answer, _, (sibling, sib_answer)) in enumerate(tqdm(probs, desc="siblings in chat", unit="question",
+                                                                        **bar)):
+        for mode in ("routed", "alone"):
+            ans = mem.chat([{"role": "user", "content": sibling}], route=mode == "routed", max_new_tokens=tokens)
+            got = _last_value(ans.text)
+            row = out[mode]
+            row["used_the_original"] += int(entry_of[i] in ans.entries)
+            row["gave_the_stored_answer"] += int(got == Fraction(answer))
+            row["answered_right"] += int(got == Fraction(sib_answer))
+    return out
+
+
 def format_table(r: dict) -> str:
     lines = [f"set: {r['set']} ({r['problems']} problems); embedder {r['embedder']}, threshold {r['threshold']}, "
              f"number threshold {r['number_threshold']}; choices contrast {r['contrast']:g}, prior {r['prior']:g}", "",
-             "| rewording | questions | routed to its entry | answered right | used memory |", "|---|---|---|---|---|"]
+             "| rewording | questions | routed to its entry | answered right | used memory | chat: routed to its entry |",
+             "|---|---|---|---|---|---|"]
     for name, k in [*r["kinds"].items(), ("all", r["rewordings"])]:
-        lines.append(f"| {name} | {k['questions']} | {k['routed_right']} ({k['routed_right'] / max(k['questions'], 1):.1%}) "
-                     f"| {k['answered_right']} ({k['answered_right'] / max(k['questions'], 1):.1%}) | {k['used_memory']} |")
+        n = max(k["questions"], 1)
+        lines.append(f"| {name} | {k['questions']} | {k['routed_right']} ({k['routed_right'] / n:.1%}) "
+                     f"| {k['answered_right']} ({k['answered_right'] / n:.1%}) | {k['used_memory']} "
+                     f"| {k['routed_in_chat']} ({k['routed_in_chat'] / n:.1%}) |")
     u, s = r["unrelated"], r["siblings"]
-    lines += ["", f"unrelated questions routed: {u['routed']} of {u['questions']} ({u['routed_rate']:.1%})",
+    lines += ["", f"unrelated questions routed: {u['routed']} of {u['questions']} ({u['routed_rate']:.1%}); "
+                  f"in chat: {u['routed_in_chat']}",
+              f"siblings routed to the original's entry in chat (a worked example there, not the answer): "
+              f"{s['routed_to_original_in_chat']} of {s['questions']}",
               f"siblings routed to the original's entry: {s['routed_to_original']} of {s['questions']}; answered with "
               f"the stored answer through memory: {s['leaks']}; with it without memory: "
               f"{s['given_original_answer_without_memory']}; answered right: {s['answered_right']}",
@@ -239,6 +290,13 @@ def format_table(r: dict) -> str:
               f"{r['other_asks']['given_stored_answer_without_memory']}; answered right: "
               f"{r['other_asks']['answered_right']}",
               f"{r['seconds']} s"]
+    if "chat_siblings" in r:
+        c = r["chat_siblings"]
+        lines[-1:-1] = [f"siblings in chat ({c['tokens']} tokens), routed / alone: used the original's entry "
+                        f"{c['routed']['used_the_original']} / {c['alone']['used_the_original']}; gave the stored "
+                        f"answer {c['routed']['gave_the_stored_answer']} / {c['alone']['gave_the_stored_answer']}; "
+                        f"answered right {c['routed']['answered_right']} / {c['alone']['answered_right']} "
+                        f"of {c['questions']}"]
     return "\n".join(lines)
 
 
@@ -252,6 +310,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget", type=int, default=12, help="tokens decoded when no entry routes (default: %(default)s)")
     ap.add_argument("--prior", type=float, default=None, help="answer's prior on a verified answer, in nats "
                     "(default: answer's own; 0: the model's choice alone)")
+    ap.add_argument("--chat-siblings", type=int, default=0, metavar="TOKENS", help="also answer each sibling by "
+                    "chat with TOKENS tokens, routed and not (default: off)")
     ap.add_argument("--store", default=None, help="a store to use (entries already there are reused; default: a "
                     "temporary one)")
     ap.add_argument("--namespace", default=None, help="namespace in --store (default: bench-rewordings-SET)")
@@ -268,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
 
         mem = KVMemory(store=args.store, namespace=args.namespace or f"bench-rewordings-{args.which}")
     r = run_rewordings_bench(mem, which=args.which, problems=args.problems, unrelated=args.unrelated, budget=args.budget,
-                             prior=args.prior, progress=not args.no_progress)
+                             prior=args.prior, chat_siblings=args.chat_siblings, progress=not args.no_progress)
     print(json.dumps(r, indent=2, default=str) if args.json else format_table(r))
     return 0
 

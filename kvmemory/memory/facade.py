@@ -669,7 +669,7 @@ class KVMemory:
 
     # ------------------------------------------------------------------ routing
     def recall(self, query: str, k: int = 5, *, namespace: str | None = None, threshold: float | None = None,
-               number_check: bool = False, where: dict | None = None, refused: list | None = None,
+               number_check: bool | str = False, where: dict | None = None, refused: list | None = None,
                number_threshold: float | None = None) -> list[Recalled]:
         """Entries whose problem is close to `query`, best first, with cosine scores; an unrelated
         query returns [] (scores below the calibrated threshold are dropped; notes, whose statements a
@@ -678,7 +678,8 @@ class KVMemory:
         entries whose problem writes other numbers than the query are left out, and an entry whose
         problem writes the same numbers (as values: words, units, separators; memory/quantities.py)
         routes from the lower `number_threshold` (`answer` routes so; memory/routing.py says how the
-        two gates are chosen). `where` keeps only entries whose metadata matches (memory/filters.py);
+        two gates are chosen). `number_check=routing.LIFT` ("lift", what `chat` routes with) keeps the
+        lower gate for the same numbers and refuses nothing for other numbers. `where` keeps only entries whose metadata matches (memory/filters.py);
         the router is asked for more candidates until k matching ones are found or none is left
         above the threshold.
 
@@ -694,7 +695,7 @@ class KVMemory:
                                         refused=refused)
 
     def route(self, query: str, k: int = 1, *, namespace: str | None = None, threshold: float | None = None,
-              where: dict | None = None, number_check: bool = False, number_threshold: float | None = None,
+              where: dict | None = None, number_check: bool | str = False, number_threshold: float | None = None,
               refused: list | None = None) -> list[Recalled]:
         """What `answer` and `chat` route to: `recall` (the same entries and notes), with k=1 by default."""
         return self.recall(query, k, namespace=namespace, threshold=threshold, number_check=number_check,
@@ -823,8 +824,11 @@ class KVMemory:
             raise InvalidInput("empty conversation")
         last_user = next((m["content"] for m in reversed(msgs) if m["role"] == "user"), "")
         refused: list[dict] = []
-        hits = (self.route(last_user, k, namespace=namespace, threshold=threshold, where=where, refused=refused)
-                if route and last_user.strip() else [])
+        # The same numbers lift a route below the threshold; other numbers refuse nothing here: a routed
+        # entry is a worked example in the conversation (memory/routing.py, LIFT).
+        lift = routing.LIFT if self.number_check else False
+        hits = (self.route(last_user, k, namespace=namespace, threshold=threshold, where=where, refused=refused,
+                           number_check=lift) if route and last_user.strip() else [])
         entries = [h.entry for h in hits]
         for e in entries:
             self.engine.require_profile(e.profile_id, f"entry {e.id}'s blocks")

@@ -20,6 +20,11 @@ a caller who sets the score routes by that score. Embedders without a calibrated
 route by the threshold alone.
 
 `recall` without the number check lists near entries whatever their numbers (for retrievers to rank).
+With `number_check=LIFT` (what `chat` routes with) the same numbers still route from the number
+threshold, but other numbers refuse nothing: an entry above the threshold routes whatever numbers it
+writes. A chat puts routed entries in the conversation as worked examples (a tool demonstration with
+other numbers is meant to route there), while `answer(choices="numbers")` picks among an entry's numbers,
+so only `answer` refuses a sibling.
 Notes (statements: memory/notes.py) route from a lower threshold of their own (`route_with_notes`).
 """
 
@@ -28,7 +33,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from kvmemory.errors import IntegrityError, UnknownEntry
+from kvmemory.errors import IntegrityError, InvalidInput, UnknownEntry
 from kvmemory.memory.entry_check import refusal
 from kvmemory.memory.filters import check_where, matches
 from kvmemory.memory.inputs import MAX_K, check_count, check_namespace, check_text, check_threshold
@@ -37,6 +42,9 @@ from kvmemory.memory.notes import NOTE_FETCH, NOTE_TEMPLATE, note_threshold
 from kvmemory.memory.prompts import solution_text
 from kvmemory.memory.quantities import question_numbers
 from kvmemory.memory.verifiers import is_note, kind_of
+
+# `number_check` mode: the same numbers lift a route below the threshold, other numbers refuse nothing.
+LIFT = "lift"
 from kvmemory.store.local import EntryRecord
 
 __all__ = ["TEXT_TEMPLATE", "Recalled", "MAX_BELOW_THRESHOLD", "gates", "numbers_differ", "recall"]
@@ -88,7 +96,7 @@ def numbers_differ(question_values: frozenset, problem: str) -> bool:
     return bool(question_values) and bool(found) and found != question_values
 
 
-def gates(mem, threshold: float | None, number_threshold: float | None, number_check: bool) -> tuple[float, float]:
+def gates(mem, threshold: float | None, number_threshold: float | None, number_check: bool | str) -> tuple[float, float]:
     """(threshold, number threshold) for a recall: see the module docstring. The second is the first when
     the number check is off or no number threshold applies."""
     router = mem.router
@@ -103,19 +111,21 @@ def gates(mem, threshold: float | None, number_threshold: float | None, number_c
 
 
 def recall(mem, query: str, k: int = 5, *, namespace: str | None = None, threshold: float | None = None,
-           number_check: bool = False, number_threshold: float | None = None, where: dict | None = None,
+           number_check: bool | str = False, number_threshold: float | None = None, where: dict | None = None,
            refused: list | None = None) -> list[Recalled]:
     """One search at one threshold (`KVMemory.recall`'s docstring; the gates are this module's docstring):
     `route_with_notes` below adds the notes' own threshold."""
-    query, where, ns, qvec = _prepared(mem, query, k, namespace, threshold, number_threshold, where)
+    query, where, ns, qvec = _prepared(mem, query, k, namespace, threshold, number_threshold, where, number_check)
     return _search(mem, query, qvec, ns, k, threshold=threshold, number_check=number_check,
                    number_threshold=number_threshold, where=where, refused=refused)
 
 
 def _prepared(mem, query: str, k: int, namespace: str | None, threshold: float | None,
-              number_threshold: float | None, where: dict | None):
+              number_threshold: float | None, where: dict | None, number_check: object = False):
     """A recall's checked inputs, its namespace made current in the router, and the question embedded
     once (None when the namespace has no index): (query, where, namespace, vector)."""
+    if number_check not in (True, False, LIFT) or not isinstance(number_check, (bool, str)):
+        raise InvalidInput(f"number_check must be True, False or {LIFT!r}, got {number_check!r}")
     query = check_text("query", query)
     check_count("k", k, maximum=MAX_K)
     check_threshold(threshold)
@@ -131,7 +141,7 @@ def _prepared(mem, query: str, k: int, namespace: str | None, threshold: float |
     return query, where, ns, qvec
 
 
-def _search(mem, query: str, qvec, ns: str, k: int, *, threshold: float | None, number_check: bool,
+def _search(mem, query: str, qvec, ns: str, k: int, *, threshold: float | None, number_check: bool | str,
             number_threshold: float | None, where: dict | None, refused: list | None) -> list[Recalled]:
     """`recall` for a prepared question (`_prepared`)."""
     router = mem.router
@@ -186,10 +196,11 @@ def _search(mem, query: str, qvec, ns: str, k: int, *, threshold: float | None, 
                 continue
             if number_check:
                 # the entry's own problem, never the router's copy of a text: a near-duplicate with other
-                # numbers is another problem; below the threshold only the same numbers route
+                # numbers is another problem (refused unless LIFT); below the threshold only the same
+                # numbers route
                 found = question_numbers(entry.problem)
                 same = bool(wanted) and found == wanted
-                if wanted and found and not same:
+                if wanted and found and not same and number_check != LIFT:
                     continue
                 if hit.score < strict and not same:
                     continue
@@ -230,7 +241,7 @@ def route_with_notes(mem, query: str, k: int, *, namespace: str | None, threshol
     """What `KVMemory.recall` (and so `answer` and `chat`) routes to: `recall`'s entries at the usual
     threshold, and notes that score at least the note threshold (memory/notes.py `note_threshold`) too,
     best first, at most k. A threshold given here applies to both kinds (one search)."""
-    query, where, ns, qvec = _prepared(mem, query, k, namespace, threshold, number_threshold, where)
+    query, where, ns, qvec = _prepared(mem, query, k, namespace, threshold, number_threshold, where, number_check)
     hits = _search(mem, query, qvec, ns, k, threshold=threshold, number_check=number_check,
                    number_threshold=number_threshold, where=where, refused=refused)
     nth = None if threshold is not None else note_threshold(mem)
