@@ -60,6 +60,6 @@ def test_the_command_prints_json(capsys):
     assert main(["--problems", "3", "--seed", "1", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["bench"] == "verifier" and out["problems"] == 3
-    assert out["verifiers"] == ["exact-answer v3", "arithmetic v3"]
+    assert out["verifiers"] == ["exact-answer v3", "arithmetic v4"]
     row = out["sets"]["gsm-sentence"]["exact-answer v3"]
     assert row["cases"] == 3 and row["false_refusals"] == 0

@@ -190,6 +190,49 @@ def test_find_equations_forms():
     assert find_equations("x = 5 and the answer = 7") == []  # no operator: not an equation to check
 
 
+@pytest.mark.parametrize("text, expression, stated", [
+    # units inside the working (GSM8K's authors write them): left out of the expression
+    ("For the yellow balls, 15 balls * £8/ball = £120.", "15 * 8", 120),
+    ("James was 25 years * 3= 75 years old.", "25 * 3", 75),
+    ("   - So 159.25 meters / 1.75 meters per plant = 91 plants total", "159.25 / 1.75", 91),
+    ("So 91 plants needed - 29 owned = 62 plants to buy", "91 - 29", 62),
+    ("Silage: 8 pounds/turkey * 36 turkey = 288 pounds", "8 * 36", 288),
+    ("- 64 plants × £5 per plant = £320", "64 * 5", 320),  # a bullet, not the sign of 64
+    ("she is sure of her 20 questions x 95/100 = 19 points.", "20 * 95/100", 19),  # a sentence ends it
+    # compact fractions, implicit products, percentages and fractions as results
+    ("it takes her 12÷2/5=30 minutes.", "12 / 2/5", 30),
+    ("The room's perimeter is 2(91+78) = 338", "2 * ( 91 + 78 )", 338),
+    ("the chances are 4 / 8 = 50.0%.", "4 / 8", Fraction(1, 2)),
+    ("a rate of 15 miles per 60 minutes, or 15/60 = 1/4 miles per minute.", "15/60", Fraction(1, 4)),
+    ("Starting at -40 m and going down 25 m more gives -40 - 25 = -65.", "- 40 - 25", -65),
+])
+def test_find_equations_reads_units_and_notation(text, expression, stated):
+    (eq,) = find_equations(text)
+    assert (eq.expression, eq.stated, eq.correct) == (expression, Fraction(stated), True)
+
+
+def test_find_equations_checks_what_it_reads():
+    assert not find_equations("15 balls * £8/ball = £130.")[0].correct  # units do not hide a wrong product
+    assert not find_equations("The room's perimeter is 2(91+78) = 169")[0].correct
+    assert not find_equations("the chances are 4 / 8 = 40.0%.")[0].correct
+    assert not find_equations("Ben has 3*0.5=1 tubes of red paint")[0].correct  # a truncation is wrong as written
+    # a float's last digits are print noise; a whole result computed from floats too
+    assert find_equations("20.916666666666668 - 4 - 5/6 = 16.083333333333336 hours")[0].correct
+    assert find_equations("48 * 0.3333333333333333 = 16 letters")[0].correct
+    assert not find_equations("48 * 0.3333333333333333 = 17 letters")[0].correct
+    # a variable against a number is algebra, not a unit: nothing to check
+    assert find_equations("we get 2x+160=346") == []
+    assert find_equations("There are 3 apples and 2 pears = 5 fruit") == []  # no operator
+
+
+def test_arithmetic_accepts_working_with_units():
+    sol = ("For the yellow balls, 15 balls * £8/ball = £120.\nFor the green balls, 12 balls * £6/ball = £72.\n"
+           "For all balls, £120 + £72 = £192.\n#### 192")
+    assert ArithmeticVerifier()("q", sol, "192").ok and ArithmeticVerifier()("q", sol, None).ok
+    r = ArithmeticVerifier()("q", sol.replace("£72 = £192", "£72 = £182").replace("#### 192", "#### 182"), "182")
+    assert not r.ok and "wrong arithmetic: 120 + 72 = 182" in r.detail
+
+
 def test_exact_answer_verifier(probs):
     v = ExactAnswerVerifier()
     p = probs[0]

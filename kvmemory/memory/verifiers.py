@@ -2,7 +2,7 @@
 
 `remember` runs a verifier before it computes a single block: `exact-answer` checks that what the
 solution concludes is the given answer, `arithmetic` also re-checks every equation the solution writes
-(exact rational arithmetic), `none` accepts anything (the entry is then marked unverified unless a
+(exact rational arithmetic, units and all: memory/equations.py), `none` accepts anything (the entry is then marked unverified unless a
 verifier said yes). What a solution concludes is read by `conclusion.read_conclusion`: a marked answer
 ("#### N", "The answer is N", "\\boxed{N}"), else its concluding sentence ("..., so 12 cows."); a
 conclusion that is ambiguous is refused with the reason. Answers are compared as exact rationals:
@@ -22,11 +22,13 @@ from typing import Callable, Protocol, runtime_checkable
 
 from kvmemory.errors import InvalidInput
 from kvmemory.memory.conclusion import ConclusionError, fmt_value, quote, read_conclusion
+from kvmemory.memory.equations import find_equations
 from kvmemory.memory.values import parse_value
 
 __all__ = [
     "extract_answer",
     "extract_value",
+    "find_equations",
     "numbers_in",
     "VerifierResult",
     "Verifier",
@@ -100,137 +102,6 @@ def numbers_in(text: str) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Arithmetic checking
-# ---------------------------------------------------------------------------------------------------
-
-_TOKEN_RE = re.compile(r"\s*(?:(\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?)|([-+*/()]))")
-
-
-def _normalise_ops(text: str) -> str:
-    text = text.replace("\u2212", "-").replace("\u00f7", "/").replace("\\times", "*").replace("\\cdot", "*")
-    text = text.replace("\u00d7", "*").replace("\u00b7", "*")
-    text = re.sub(r"(?<=\d)\s*[xX]\s*(?=\$?\d)", " * ", text)  # "3 x 4" as multiplication
-    return text.replace("$", "")
-
-
-def _tokenize(expr: str) -> list[str] | None:
-    pos, out = 0, []
-    expr = expr.rstrip()
-    while pos < len(expr):
-        m = _TOKEN_RE.match(expr, pos)
-        if not m:
-            return None
-        out.append(m.group(1) or m.group(2))
-        pos = m.end()
-    return out
-
-
-class _Parser:
-    """Recursive-descent evaluation of + - * / and parentheses over Fractions (exact)."""
-
-    def __init__(self, tokens: list[str]):
-        self.t, self.i = tokens, 0
-
-    def parse(self) -> Fraction | None:
-        try:
-            v = self.expr()
-        except (IndexError, ZeroDivisionError, ValueError):
-            return None
-        return v if self.i == len(self.t) else None
-
-    def expr(self) -> Fraction:
-        v = self.term()
-        while self.i < len(self.t) and self.t[self.i] in "+-":
-            op = self.t[self.i]
-            self.i += 1
-            r = self.term()
-            v = v + r if op == "+" else v - r
-        return v
-
-    def term(self) -> Fraction:
-        v = self.factor()
-        while self.i < len(self.t) and self.t[self.i] in "*/":
-            op = self.t[self.i]
-            self.i += 1
-            r = self.factor()
-            v = v * r if op == "*" else v / r
-        return v
-
-    def factor(self) -> Fraction:
-        tok = self.t[self.i]
-        self.i += 1
-        if tok == "-":
-            return -self.factor()
-        if tok == "(":
-            v = self.expr()
-            if self.t[self.i] != ")":
-                raise ValueError("unbalanced")
-            self.i += 1
-            return v
-        if tok in "+*/)":
-            raise ValueError("operator where a number belongs")
-        return Fraction(tok.replace(",", ""))
-
-
-@dataclass(slots=True, frozen=True)
-class Equation:
-    """One "expression = result" found in a solution, with what the expression really evaluates to."""
-
-    expression: str
-    stated: Fraction
-    actual: Fraction
-    decimals: int
-
-    @property
-    def correct(self) -> bool:
-        if self.decimals == 0:
-            return self.actual == self.stated
-        # A stated decimal is right when it is the true value rounded to the digits shown (10/3 = 3.33).
-        return abs(self.actual - self.stated) <= Fraction(1, 2 * 10**self.decimals)
-
-
-_RHS_RE = re.compile(r"\s*(-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.(\d+))?)")
-_EXPR_CHARS = re.compile(r"[\d\s,.+\-*/()]*$")
-
-
-def find_equations(solution: str) -> list[Equation]:
-    """Every "a op b (op c ...) = r" in `solution`, in order; chained "a = b + c = d" are split at each "="."""
-    text = _normalise_ops(solution)
-    out: list[Equation] = []
-    prev = 0
-    for m in re.finditer(r"=", text):
-        left = text[prev:m.start()]
-        prev = m.end()
-        rhs = _RHS_RE.match(text, m.end())
-        if rhs is None:
-            continue
-        cand = _EXPR_CHARS.search(left)
-        tokens = _tokenize(cand.group(0)) if cand else None
-        if not tokens:
-            # the suffix may begin with stray punctuation ("22. 5 + 3"); drop characters until it tokenizes
-            s = cand.group(0) if cand else ""
-            tokens = None
-            for j in range(len(s)):
-                tokens = _tokenize(s[j:])
-                if tokens:
-                    break
-            if not tokens:
-                continue
-        # The longest token suffix that is a whole expression with at least one operator.
-        for j in range(len(tokens)):
-            sub = tokens[j:]
-            if not any(t in "+-*/" for t in sub[1:]):
-                break
-            val = _Parser(sub).parse()
-            if val is not None:
-                dec = rhs.group(2)
-                out.append(Equation(" ".join(sub), Fraction(rhs.group(1).replace(",", "")), val,
-                                    len(dec) if dec else 0))
-                break
-    return out
-
-
-# ---------------------------------------------------------------------------------------------------
 # Verifiers
 # ---------------------------------------------------------------------------------------------------
 
@@ -295,8 +166,9 @@ class ArithmeticVerifier:
 
     name = "arithmetic"
     # 1 read integer final answers only; 2 took the last equation's result as the final answer;
-    # 3 reads the conclusion, and needs it to be the last result only when no answer is given.
-    version = "3"
+    # 3 reads the conclusion, and needs it to be the last result only when no answer is given;
+    # 4 reads equations with units inside them and compact fractions (memory/equations.py).
+    version = "4"
 
     def __call__(self, problem: str, solution: str, answer: str | None) -> VerifierResult:
         eqs = find_equations(solution or "")
