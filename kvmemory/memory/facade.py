@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from kvmemory.errors import IntegrityError, InvalidInput, KVMemoryError, UnknownEntry, VerificationFailed
 from kvmemory.engine.engine import Engine, VerifyReport
 from kvmemory.models.loading import DEFAULT_MODEL
-from kvmemory.memory import answers, choices as choice_list, notes, routing
+from kvmemory.memory import answers, choices as choice_list, notes, routing, writes
 from kvmemory.memory.answers import DEFAULT_CONTRAST, DEFAULT_PRIOR, Answer  # noqa: F401 - re-exported
 from kvmemory.memory.background import PendingWrite, Writer
 from kvmemory.memory.filters import check_where
@@ -34,8 +34,7 @@ from kvmemory.memory.inputs import (MAX_TEXT_CHARS, check_answer_options, check_
                                      check_text)
 from kvmemory.memory.proof import VerifySummary
 from kvmemory.memory.token_text import TokenText
-from kvmemory.memory.layout import Layout, chat_layout, entry_probe, question_layout
-from kvmemory.memory.prompts import entry_messages, render_ids
+from kvmemory.memory.layout import Layout, chat_layout, question_layout
 from kvmemory.memory.routing import TEXT_TEMPLATE, Recalled  # noqa: F401 - re-exported
 from kvmemory.engine.runner import GREEDY, Sampling
 from kvmemory.store.local import EntryRecord
@@ -184,15 +183,6 @@ class KVMemory:
         return self._router
 
     # ------------------------------------------------------------------ remember
-    def _verify_solution(self, problem: str, solution: str, answer: str | None, verifier) -> dict:
-        if verifier is None or isinstance(verifier, str):
-            from kvmemory.memory.verifiers import verifier_by_name
-
-            verifier = verifier_by_name(verifier or ("exact-answer" if answer is not None else "none"))
-        result = verifier(problem, solution, answer)
-        return {"name": verifier.name, "version": getattr(verifier, "version", "0"), "ok": bool(result.ok),
-                "detail": result.detail}
-
     def remember(self, problem: str, solution: str | None = None, answer: str | None = None, *, verifier=None,
                  namespace: str | None = None, allow_unverified: bool = False, meta: dict | None = None,
                  aliases: Sequence[str] = ()) -> EntryRecord:
@@ -208,7 +198,7 @@ class KVMemory:
             return notes.commit(self, self._plan(problem, None, answer, verifier, namespace, allow_unverified, meta,
                                                  aliases))
         plan = self._plan(problem, solution, answer, verifier, namespace, allow_unverified, meta, aliases)
-        entry = self._compute_and_commit(plan)
+        entry = writes.compute_and_commit(self, plan)
         self._after_remember(entry)
         return entry
 
@@ -299,7 +289,7 @@ class KVMemory:
 
     def _run_pending(self, plan: dict) -> EntryRecord:
         try:
-            entry = self._compute_and_commit(plan)
+            entry = writes.compute_and_commit(self, plan)
             job = self._pending.get(plan["id"])
             if job is None or not job.routed:
                 self._after_remember(entry)
@@ -325,7 +315,7 @@ class KVMemory:
         namespace = _check_namespace(namespace or self.namespace)
         meta = _check_meta(meta)
         aliases = _check_aliases(aliases)
-        verdict = self._verify_solution(problem, solution, answer, verifier)
+        verdict = writes.verify_solution(problem, solution, answer, verifier)
         if not verdict["ok"] and not allow_unverified:
             raise VerificationFailed(
                 f"verifier {verdict['name']!r} refused the solution: {verdict['detail']}. "
@@ -334,62 +324,6 @@ class KVMemory:
         eid = entry_id_for(namespace, problem, solution, answer, self.engine.profile_id)
         return {"id": eid, "namespace": namespace, "problem": problem, "solution": solution, "answer": answer,
                 "verdict": verdict, "meta": meta, "aliases": aliases}
-
-    def _compute_kv(self, problem: str, solution: str, answer: str | None):
-        """Token ids, blocks (written to the store) and attestation of a solution, the graft proven."""
-        eng = self.engine
-        ids = render_ids(eng.tokenizer, entry_messages(problem, solution, answer))
-        # The entry's ids and a probe question after them, cut at the entry's end: every chunk of the
-        # entry is a block (its last, partial one too: a tail block, so a short entry is grafted whole),
-        # and the proof grafts all of them and computes the probe (memory/layout.py).
-        probe = entry_probe(eng.tokenizer, ids, problem, solution, answer)
-        eng.runner.check_ids(probe.ids, self.probe_tokens)
-        ref, blocks = eng.compute_blocks(probe.ids, max_new_tokens=self.probe_tokens, cuts=probe.cuts, upto=len(ids))
-        # Write the block files, then prove the graft by reading them back through the verified path.
-        eng.store.write_block_files(blocks)
-        vr = self._prove(probe, blocks, ref)
-        if not vr.bit_identical:
-            raise VerificationFailed(
-                f"the grafted logits differ from the recompute (KL {vr.comparison.kl_max}, argmax agreement "
-                f"{vr.comparison.argmax_agreement:.4f}): this execution profile is not deterministic; nothing stored"
-            )
-        return ids, blocks, vr.attestation
-
-    def _compute_and_commit(self, plan: dict) -> EntryRecord:
-        eng = self.engine
-        history: list = []
-        try:
-            cur = eng.store.get_entry(plan["id"])
-        except UnknownEntry:
-            cur = None
-        if cur is not None:
-            if (cur.problem, cur.solution, cur.answer) != (plan["problem"], plan["solution"], plan["answer"]):
-                # Ids are content hashes of the first version: this content was an entry that
-                # `update` has changed since. Re-adding it would silently undo that update.
-                raise InvalidInput(
-                    f"entry {cur.id} was this solution before an update changed it (now version "
-                    f"{len(cur.meta.get(HISTORY_KEY) or ()) + 1}); to go back, `update({cur.id!r}, ...)` "
-                    "with these texts (its history keeps every version)")
-            history = list(cur.meta.get(HISTORY_KEY) or ())
-        ids, blocks, attestation = self._compute_kv(plan["problem"], plan["solution"], plan["answer"])
-        now = time.time()
-        meta = {**plan["meta"], "aliases": plan["aliases"]}
-        if history:
-            meta[HISTORY_KEY] = history
-        entry = EntryRecord(
-            id=plan["id"], namespace=plan["namespace"], problem=plan["problem"], solution=plan["solution"],
-            answer=plan["answer"], verifier=plan["verdict"], verified=plan["verdict"]["ok"], token_ids=tuple(ids),
-            profile_id=eng.profile_id, chain=tuple(m.hash for m, _ in blocks), attestation=attestation, meta=meta,
-            created=cur.created if cur is not None else now, updated=now,
-        )
-        eng.store.commit_entry(entry, blocks)
-        return entry
-
-    def _prove(self, probe: Layout, blocks, ref) -> VerifyReport:
-        """Graft the just-written blocks (read back and hashed) and compare with the recompute `ref`."""
-        eng = self.engine
-        return eng.verify_tokens(probe.ids, decode_tokens=self.probe_tokens, single_pass=False, reference=ref,
-                                 rows=eng.rows_for(blocks), cuts=probe.cuts)
 
     def _after_remember(self, entry: EntryRecord) -> None:
         """Route the entry: its problem and aliases go into its namespace's index."""
@@ -503,14 +437,14 @@ class KVMemory:
         if kv_changes:
             if verifier is None:
                 verifier = cur.verifier.get("name")
-            verdict = self._verify_solution(new_problem, new_solution, new_answer, verifier)
+            verdict = writes.verify_solution(new_problem, new_solution, new_answer, verifier)
             allow = (not cur.verified) if allow_unverified is None else allow_unverified
             if not verdict["ok"] and not allow:
                 raise VerificationFailed(
                     f"verifier {verdict['name']!r} refused the new solution: {verdict['detail']}; entry "
                     f"{cur.id} is unchanged. Fix it, or pass allow_unverified=True to store it marked unverified.")
             self.engine.require_profile(cur.profile_id, f"entry {cur.id}")
-            ids, blocks, attestation = self._compute_kv(new_problem, new_solution, new_answer)
+            ids, blocks, attestation = writes.compute_kv(self, new_problem, new_solution, new_answer)
             changes.update(problem=new_problem, solution=new_solution, answer=new_answer, verifier=verdict,
                            verified=verdict["ok"], token_ids=tuple(ids), chain=tuple(m.hash for m, _ in blocks),
                            attestation=attestation)

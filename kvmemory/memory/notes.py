@@ -9,7 +9,7 @@ note. A failed verification is never turned into a note.
 What a note is, stored: problem = the statement, solution = "" (the model reads the statement as a user
 turn and an empty assistant turn), answer None, verifier {"name": "note", "ok": false} and so
 `verified=False`. Its KV is computed, written and its graft proven exactly as a solution's (the same
-`_compute_kv`), it is routed by its statement (and aliases) and grafted like any entry. `kind_of(entry)`
+`writes.compute_kv`), it is routed by its statement (and aliases) and grafted like any entry. `kind_of(entry)`
 is "note" for it ("solution" otherwise); listings (`KVMemory.list`, `kvmemory list`, GET
 /v1/memory/entries), recalled entries (`Recalled.to_json`, adapters' metadata) and answers
 (`Answer.kinds`) say which kind each entry is.
@@ -50,6 +50,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvmemory.errors import InvalidInput, UnknownEntry, VerificationFailed
+from kvmemory.memory import writes
 from kvmemory.memory.ids import entry_id_for
 from kvmemory.memory.inputs import check_namespace, check_text
 from kvmemory.memory.listing import user_meta
@@ -98,7 +99,7 @@ def commit(mem, p: dict):
     if (cur is not None and is_note(cur) and (cur.problem, cur.solution, cur.answer) == (p["problem"], p["solution"], None)
             and user_meta(cur) == p["meta"] and list(cur.meta.get("aliases") or ()) == p["aliases"]):
         return cur
-    entry = mem._compute_and_commit(p)
+    entry = writes.compute_and_commit(mem, p)
     mem._after_remember(entry)
     return entry
 

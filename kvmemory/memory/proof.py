@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvmemory.errors import KVMemoryError
+from kvmemory.memory import writes
 from kvmemory.memory.layout import entry_probe
 from kvmemory.store.local import EntryRecord
 
@@ -133,7 +134,7 @@ def recompute(mem, entry_ids: Sequence[str]) -> dict[str, str | None]:
                 out[eid] = (f"it was made under another execution profile ({entry.profile_id[:12]}); recompute it "
                             "with that profile, or remember it again under this one")
                 continue
-            ids, blocks, attestation = mem._compute_kv(entry.problem, entry.solution, entry.answer)
+            ids, blocks, attestation = writes.compute_kv(mem, entry.problem, entry.solution, entry.answer)
             if tuple(ids) != tuple(entry.token_ids):
                 out[eid] = "its texts no longer render to its token ids under this tokenizer"
                 continue
