@@ -37,20 +37,9 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def tiny_folder(tmp_path_factory) -> Path:
     """A 1-layer random Llama with SmolLM2's tokenizer, saved as a Hugging Face folder."""
-    import torch
-    import transformers as T
+    from tiny_models import save_tiny_llama
 
-    from kvmemory.models.loading import resolve_model_path
-
-    root = tmp_path_factory.mktemp("open-fast") / "model"
-    tok = T.AutoTokenizer.from_pretrained(resolve_model_path())
-    torch.manual_seed(0)
-    cfg = T.LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048, head_dim=16,
-                        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
-    T.AutoModelForCausalLM.from_config(cfg).save_pretrained(root)
-    tok.save_pretrained(root)
-    return root
+    return Path(save_tiny_llama(tmp_path_factory.mktemp("open-fast")))
 
 
 @pytest.fixture

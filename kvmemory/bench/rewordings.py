@@ -1,4 +1,4 @@
-"""`kvmemory bench rewordings` (or `python -m kvmemory.bench.rewordings`): does `answer` find natural rewordings?
+"""`kvmemory bench rewordings` (kvmemory/cli.py parses its options): does `answer` find natural rewordings?
 
 Two hand-written sets, by different authors (bench/rewordings_calibration.py, bench/rewordings_heldout.py):
 40 stored problems each, every problem with three rewordings of the same problem and numbers
@@ -31,8 +31,6 @@ for unrelated questions, whose route alone is scored).
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import re
 import time
@@ -298,40 +296,3 @@ def format_table(r: dict) -> str:
                         f"answered right {c['routed']['answered_right']} / {c['alone']['answered_right']} "
                         f"of {c['questions']}"]
     return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m kvmemory.bench.rewordings", description=__doc__.split("\n")[0])
-    ap.add_argument("--set", dest="which", choices=SETS, default="report", help="which set (default: %(default)s)")
-    ap.add_argument("--calibrate", action="store_true", help="embedding scores only (no model): the calibration "
-                    "figures and the number threshold the set gives")
-    ap.add_argument("--problems", type=int, default=None, help="only the first N problems")
-    ap.add_argument("--unrelated", type=int, default=None, help="only the first N unrelated questions")
-    ap.add_argument("--budget", type=int, default=12, help="tokens decoded when no entry routes (default: %(default)s)")
-    ap.add_argument("--prior", type=float, default=None, help="answer's prior on a verified answer, in nats "
-                    "(default: answer's own; 0: the model's choice alone)")
-    ap.add_argument("--chat-siblings", type=int, default=0, metavar="TOKENS", help="also answer each sibling by "
-                    "chat with TOKENS tokens, routed and not (default: off)")
-    ap.add_argument("--store", default=None, help="a store to use (entries already there are reused; default: a "
-                    "temporary one)")
-    ap.add_argument("--namespace", default=None, help="namespace in --store (default: bench-rewordings-SET)")
-    ap.add_argument("--json", action="store_true", help="print the full result as JSON")
-    ap.add_argument("--no-progress", action="store_true")
-    args = ap.parse_args(argv)
-    if args.calibrate:
-        r = calibrate(args.which, progress=not args.no_progress)
-        print(json.dumps(r, indent=2))
-        return 0
-    mem = None
-    if args.store:
-        from kvmemory.memory.facade import KVMemory
-
-        mem = KVMemory(store=args.store, namespace=args.namespace or f"bench-rewordings-{args.which}")
-    r = run_rewordings_bench(mem, which=args.which, problems=args.problems, unrelated=args.unrelated, budget=args.budget,
-                             prior=args.prior, chat_siblings=args.chat_siblings, progress=not args.no_progress)
-    print(json.dumps(r, indent=2, default=str) if args.json else format_table(r))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

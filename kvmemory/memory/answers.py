@@ -75,14 +75,16 @@ def choose(mem, prompt: Layout, offered: list[str], end: str, answer_prefix: str
     entries = [h.entry for h in hits]
     best, scores, report = eng.choose(prompt.ids, tokenized, entries_used=[e.id for e in entries],
                                       cuts=prompt.cuts)
+    adjusted = False
     if entries and contrast:
         _, base, rep = eng.choose(mem.question_ids(query, (), answer_prefix), tokenized, graft=False)
         scores = [s - contrast * b for s, b in zip(scores, base)]
-        best = max(range(len(scores)), key=lambda i: (scores[i], -i))
-        report.tokens_decoded = len(tokenized[best])
         report.tokens_scored += rep.tokens_computed + rep.tokens_scored
+        adjusted = True
     if prior and (known := choices.verified_answers(entries)):
         scores = [s + prior * choices.is_known(c, known) for s, c in zip(scores, offered)]
+        adjusted = True
+    if adjusted:  # the best of the adjusted scores (the first on a tie, as eng.choose)
         best = max(range(len(scores)), key=lambda i: (scores[i], -i))
         report.tokens_decoded = len(tokenized[best])
     text = f"{(answer_prefix or '').strip()}{sep}{offered[best]}{end}".strip()

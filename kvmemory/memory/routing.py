@@ -124,7 +124,7 @@ def _prepared(mem, query: str, k: int, namespace: str | None, threshold: float |
               number_threshold: float | None, where: dict | None, number_check: object = False):
     """A recall's checked inputs, its namespace made current in the router, and the question embedded
     once (None when the namespace has no index): (query, where, namespace, vector)."""
-    if number_check not in (True, False, LIFT) or not isinstance(number_check, (bool, str)):
+    if not (isinstance(number_check, bool) or number_check == LIFT):
         raise InvalidInput(f"number_check must be True, False or {LIFT!r}, got {number_check!r}")
     query = check_text("query", query)
     check_count("k", k, maximum=MAX_K)
