@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from kvmemory.models import cache_files
+from kvmemory.models import cache_files, loading
 
 # Loads the embedded model (the default linears) and prints the SHA-256 of a forward pass's logits bytes.
 LOAD = """
@@ -74,17 +74,17 @@ def test_a_first_load_killed_mid_conversion_does_not_block_the_next(tmp_path):
     assert time.monotonic() - started < 600
     assert not list(models.glob(".convert-*")), "the killed conversion's folder was not cleared"
     (target,) = [p for p in models.iterdir() if p.is_dir()]
-    assert (target / "config.json").exists() and (target / "gguf_panels.safetensors").exists()
+    assert (target / "config.json").exists() and (target / loading.GGUF_PANELS).exists()
     # Loaded correctly: the same logits, byte for byte, as a load from the default cache (not killed).
     reference = _load(None)
     assert got == reference
 
     # A panels write killed midway leaves a temporary file: the next load that writes them removes it.
-    leftover = target / ".gguf_panels.safetensors.tmp-999999"
+    leftover = target / f".{loading.GGUF_PANELS}.tmp-999999"
     leftover.write_bytes(b"half a file")
-    (target / "gguf_panels.safetensors").unlink()
+    (target / loading.GGUF_PANELS).unlink()
     assert _load(cache) == reference
-    assert not leftover.exists() and (target / "gguf_panels.safetensors").exists()
+    assert not leftover.exists() and (target / loading.GGUF_PANELS).exists()
     # Nothing rewritten once made: a further load leaves every cached file as it was.
     before = {p: p.stat().st_mtime_ns for p in cache.rglob("*") if p.is_file()}
     assert _load(cache) == reference

@@ -1,13 +1,17 @@
 """The GGUF-block linear kernel (csrc/quantized_linear.cpp): y = x @ W.T with W kept as a GGUF file's
-own Q4_1 / Q8_0 blocks, re-laid out in panels of 16 output rows, expanded to float32 in cache while it
-multiplies (models/gguf_linear.py makes model layers of it).
+own quantized blocks, re-laid out in panels of 16 output rows (models/gguf_blocks.py does that per block
+type), expanded to float32 in cache while it multiplies (models/gguf_linear.py makes model layers of it).
 
-Layout (the contract with the C code): for N output rows and K inputs, `q` [N/16, K/2, 16] uint8 (Q4_1:
-weights 2t and 2t + 1 of a row in one byte, low nibble first) or [N/16, K, 16] int8 (Q8_0), `d` and
-`m` [N/16, K/32, 16] float32 (the blocks' scales and, Q4_1 only, minimums). Every weight is expanded to
-gguf-py's `d * q + m` exactly: d holds float16 values, as the GGUF's blocks do (checked here), so `d * q`
-is exact and the kernel's one FMA rounds as gguf-py's product-then-sum does. Each output is one fixed
-sum (k ascending, one FMA each), so a row's bytes depend on nothing else: not the rows beside it, the
+Formats (the contract with the C code; `kind` = format | 8 if sub-blocks of 16 | bias << 4):
+- NIB: q [N/16, K/2, 16] uint8 nibble pairs (weights 2t and 2t + 1 of a row in one byte, low nibble
+  first), w = (q - bias) * d. NIBMIN: the same q, w = q * d + m.
+- BYTE: q [N/16, K, 16] int8, w = q * d. BYTEMIN: w = q * d + m.
+- F32: q [N/16, K, 16] float32, the weights themselves (F32, F16 and BF16 tensors, expanded exactly).
+d and m are [N/16, K/sub, 16] float32: a scale (and minimum) per sub-block of `sub` (16 or 32) weights
+of a row. Every weight is expanded to exactly gguf-py's `dequantize` value: d * q is rounded once as
+gguf-py rounds it, and where a minimum follows, d * q is exact (d has at most 17 significant bits,
+checked here) so the kernel's one FMA equals gguf-py's product-then-sum. Each output is one fixed sum
+(k ascending, one FMA each), so a row's bytes depend on nothing else: not the rows beside it, the
 thread count, nor AVX-512 vs AVX2.
 
 A plain C library built into the package at install time (build.py: AVX-512 and AVX2 builds), picked
@@ -24,10 +28,41 @@ from kvmemory.kernels import native
 
 KERNEL = "qlinear"
 PANEL = 16  # output rows per panel (the kernel's kPanel)
-BLOCK = 32  # weights per Q4_1 / Q8_0 block
-KINDS = {"Q4_1": 0, "Q8_0": 1}  # GGUF block type -> the kernel's `kind`
-_KIND_NAMES = {v: k for k, v in KINDS.items()}
-_Q_DTYPES = {0: torch.uint8, 1: torch.int8}
+BLOCK = 32  # K is a multiple of this
+NIB, NIBMIN, BYTE, BYTEMIN, F32 = range(5)  # the kernel's formats
+_FORMAT_NAMES = ("nib", "nibmin", "byte", "bytemin", "f32")
+
+
+def kind_code(fmt: int, sub: int = 32, bias: int = 0) -> int:
+    """The kernel's `kind` for a format, sub-block size (16 or 32) and nibble bias (NIB only)."""
+    return fmt | (8 if sub == 16 else 0) | bias << 4
+
+
+# GGUF block type -> (format, sub-block, bias): how gguf_blocks.py lays each out for the kernel.
+FORMATS = {
+    "Q4_0": (NIB, 32, 8), "Q4_1": (NIBMIN, 32, 0), "Q5_0": (BYTE, 32, 0), "Q5_1": (BYTEMIN, 32, 0),
+    "Q8_0": (BYTE, 32, 0), "Q2_K": (NIBMIN, 16, 0), "Q3_K": (NIB, 16, 4), "Q4_K": (NIBMIN, 32, 0),
+    "Q5_K": (BYTEMIN, 32, 0), "Q6_K": (BYTE, 16, 0), "F32": (F32, 32, 0), "F16": (F32, 32, 0),
+    "BF16": (F32, 32, 0),
+}
+KINDS = {name: kind_code(*f) for name, f in FORMATS.items()}  # GGUF block type -> the kernel's `kind`
+
+
+def decode_kind(kind: int) -> tuple[int, int, int]:
+    """(format, sub-block, bias) of a kind code; ValueError for one the kernel does not take."""
+    fmt, sub, bias = kind & 7, 16 if kind & 8 else 32, kind >> 4
+    if fmt > F32 or bias > 15 or (bias and fmt != NIB) or kind < 0:
+        raise ValueError(f"kind {kind} is not one the GGUF-block kernel takes")
+    return fmt, sub, bias
+
+
+def has_min(kind: int) -> bool:
+    return decode_kind(kind)[0] in (NIBMIN, BYTEMIN)
+
+
+def describe(kind: int) -> str:
+    fmt, sub, bias = decode_kind(kind)
+    return f"{_FORMAT_NAMES[fmt]}/{sub}" + (f"-{bias}" if bias else "")
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -42,28 +77,35 @@ KERNEL_LIB = native.Kernel(KERNEL, _declare)
 load, load_variant = KERNEL_LIB.load, KERNEL_LIB.load_variant  # the library (None: see why_unavailable)
 why_unavailable, build_info = KERNEL_LIB.why_unavailable, KERNEL_LIB.build_info
 
+_Q_DTYPES = {NIB: torch.uint8, NIBMIN: torch.uint8, BYTE: torch.int8, BYTEMIN: torch.int8, F32: torch.float32}
+
+
+def _on_cpu(t: torch.Tensor) -> bool:
+    return t.is_contiguous() and t.device.type == "cpu"
+
 
 def in_features(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, kind: int) -> int:
     """K, after checking the panels against the kernel's layout (csrc/quantized_linear.cpp); raises
     ValueError saying what is wrong."""
-    if kind not in _Q_DTYPES:
-        raise ValueError("kind must be 0 (Q4_1) or 1 (Q8_0)")
-    if q.dim() != 3 or q.shape[2] != PANEL or not q.is_contiguous() or q.device.type != "cpu":
+    fmt, sub, _ = decode_kind(kind)
+    if q.dim() != 3 or q.shape[2] != PANEL or not _on_cpu(q):
         raise ValueError("q must be [N/16, K/2 or K, 16] contiguous on the CPU")
-    if q.dtype != _Q_DTYPES[kind]:
-        raise ValueError("q has the wrong dtype for its kind")
-    K = q.shape[1] * 2 if kind == KINDS["Q4_1"] else q.shape[1]
+    if q.dtype != _Q_DTYPES[fmt]:
+        raise ValueError(f"q must be {_Q_DTYPES[fmt]} for a {describe(kind)} kind, not {q.dtype}")
+    K = q.shape[1] * 2 if fmt in (NIB, NIBMIN) else q.shape[1]
     if K % BLOCK:
         raise ValueError("K must be a multiple of 32")
-    if (d.dtype != torch.float32 or not d.is_contiguous() or d.dim() != 3 or d.device.type != "cpu"
-            or tuple(d.shape) != (q.shape[0], K // BLOCK, PANEL)):
-        raise ValueError("d must be [N/16, K/32, 16] float32 contiguous")
-    if not torch.equal(d.to(torch.float16).to(torch.float32), d):  # csrc/quantized_linear.cpp: exact weights
-        raise ValueError("d must hold float16 values (as GGUF blocks store them): the kernel expands d * q exactly "
-                         "only for those")
-    if kind == KINDS["Q4_1"] and (m.shape != d.shape or m.dtype != torch.float32 or not m.is_contiguous()
-                                  or m.device.type != "cpu"):
-        raise ValueError("m must be shaped and typed as d")
+    if fmt == F32:
+        return K
+    if d.dtype != torch.float32 or not _on_cpu(d) or tuple(d.shape) != (q.shape[0], K // sub, PANEL):
+        raise ValueError(f"d must be [N/16, K/{sub}, 16] float32 contiguous")
+    if fmt in (NIBMIN, BYTEMIN):
+        if m.shape != d.shape or m.dtype != torch.float32 or not _on_cpu(m):
+            raise ValueError("m must be shaped and typed as d")
+        # csrc/quantized_linear.cpp: the one FMA rounds as gguf-py's product-then-sum only where d * q is exact
+        if bool((d.view(torch.int32) & 0x7F).any()):
+            raise ValueError("d must hold values of at most 17 significant bits (a float16 scale times a 6-bit "
+                             "one, as GGUF blocks store them): the kernel expands d * q + m exactly only for those")
     return K
 
 
@@ -74,15 +116,19 @@ def check_rc(rc: int) -> None:
         raise ValueError(f"the GGUF-block linear kernel refused its arguments ({rc})")
 
 
+def _ptrs(d: torch.Tensor, m: torch.Tensor, kind: int) -> tuple[int | None, int | None]:
+    fmt = decode_kind(kind)[0]
+    return (None if fmt == F32 else d.data_ptr()), (m.data_ptr() if fmt in (NIBMIN, BYTEMIN) else None)
+
+
 def dequantize(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, kind: int,
                lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """The float32 weight [N, K] the panels hold, expanded by the kernel's own code (`lib`: another build)."""
     lib = lib if lib is not None else load()
     K = in_features(q, d, m, kind)
     out = torch.empty((q.shape[0] * PANEL, K), dtype=torch.float32)
-    m_ptr = m.data_ptr() if kind == KINDS["Q4_1"] else None
-    check_rc(lib.kvm_qlinear_dequantize(kind, q.data_ptr(), d.data_ptr(), m_ptr, q.shape[0], K, out.data_ptr(),
-                                     torch.get_num_threads()))
+    check_rc(lib.kvm_qlinear_dequantize(kind, q.data_ptr(), *_ptrs(d, m, kind), q.shape[0], K, out.data_ptr(),
+                                        torch.get_num_threads()))
     return out
 
 
@@ -91,10 +137,10 @@ def linear(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, k
     """y [M, N] = x [M, K] @ W.T with W held as panels (`lib`: another build than the CPU's own)."""
     lib = lib if lib is not None else load()
     K = in_features(q, d, m, kind)
-    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != K or not x.is_contiguous() or x.device.type != "cpu":
+    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != K or not _on_cpu(x):
         raise ValueError("x must be [M, K] float32 contiguous on the CPU")
     y = torch.empty((x.shape[0], q.shape[0] * PANEL), dtype=torch.float32)
-    m_ptr = m.data_ptr() if kind == KINDS["Q4_1"] else None
-    check_rc(lib.kvm_qlinear_linear(kind, x.data_ptr(), x.shape[0], q.data_ptr(), d.data_ptr(), m_ptr, q.shape[0], K,
-                                 y.data_ptr(), torch.get_num_threads()))
+    dp, mp = _ptrs(d, m, kind)
+    check_rc(lib.kvm_qlinear_linear(kind, x.data_ptr(), x.shape[0], q.data_ptr(), dp, mp, q.shape[0], K,
+                                    y.data_ptr(), torch.get_num_threads()))
     return y

@@ -37,24 +37,25 @@ import torch
 
 from kvmemory.errors import KVMemoryError
 from kvmemory.kernels import quantized_linear as qlinear
-from kvmemory.kernels.quantized_linear import BLOCK, KINDS, PANEL
+from kvmemory.kernels.quantized_linear import KINDS, PANEL
 from kvmemory.models import cache_files
+from kvmemory.models import gguf_blocks
 
 log = logging.getLogger(__name__)
 
 NAME = "gguf-blocks"
-_KIND_NAMES = {v: k for k, v in KINDS.items()}
 
 
 class GGUFLinear(torch.nn.Linear):
     """An `nn.Linear` (no bias) computing with its weight's GGUF blocks; `weight` stays as it was."""
 
-    def __init__(self, linear: torch.nn.Linear, kind: str, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor):
+    def __init__(self, linear: torch.nn.Linear, kind: str | int, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor):
         torch.nn.Module.__init__(self)
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight  # the same Parameter: ties (lm_head = embeddings) stay tied
         self.bias = None
-        self.kind, self.q, self.d, self.m = KINDS[kind], q, d, m
+        # kind: a GGUF block type's name, or the kernel's kind code (kernels/quantized_linear.py)
+        self.kind, self.q, self.d, self.m = (KINDS[kind] if isinstance(kind, str) else int(kind)), q, d, m
         # The panels are checked once here, not per call (a decode step calls 211 of these for one row
         # each, where ~10 us of checks per call would be a tenth of the step); they are never changed.
         k = qlinear.in_features(q, d, m, self.kind)
@@ -69,12 +70,17 @@ class GGUFLinear(torch.nn.Linear):
             return qlinear.linear(rows, self.q, self.d, self.m, self.kind).view(*x.shape[:-1], self.out_features)
         M = rows.shape[0]
         y = torch.empty((M, self.out_features), dtype=torch.float32)
-        rc = self._fn(self.kind, rows.data_ptr(), M, self.q.data_ptr(), self.d.data_ptr(),
-                      self.m.data_ptr() if self.kind == 0 else None, self.q.shape[0], self.in_features, y.data_ptr(),
-                      torch.get_num_threads())
+        rc = self._fn(self.kind, rows.data_ptr(), M, self.q.data_ptr(), *self.pointers(), self.q.shape[0],
+                      self.in_features, y.data_ptr(), torch.get_num_threads())
         if rc:
             qlinear.check_rc(rc)
         return y.view(*x.shape[:-1], self.out_features)
+
+    def pointers(self) -> tuple[int | None, int | None]:
+        """The addresses of d and m the kernel takes (None where the format has none)."""
+        if not hasattr(self, "_pointers"):
+            self._pointers = qlinear._ptrs(self.d, self.m, self.kind)
+        return self._pointers
 
     def dequantized(self) -> torch.Tensor:
         """The float32 weight the blocks hold, expanded by the kernel's own code."""
@@ -89,46 +95,32 @@ def fuse(layers: list[GGUFLinear]) -> GGUFLinear:
     first = layers[0]
     if any(not isinstance(l, GGUFLinear) or l.kind != first.kind or l.in_features != first.in_features
            for l in layers):
-        raise ValueError("only GGUF-block linears of one block type and one input size fuse")
+        raise ValueError("only GGUF-block linears of one block format and one input size fuse")
+    fmt = qlinear.decode_kind(first.kind)[0]
+    empty = torch.empty(0, dtype=torch.float32)
     q = torch.cat([l.q for l in layers])
-    d = torch.cat([l.d for l in layers])
-    m = torch.cat([l.m for l in layers]) if first.kind == KINDS["Q4_1"] else torch.empty(0, dtype=torch.float32)
+    d = torch.cat([l.d for l in layers]) if fmt != qlinear.F32 else empty
+    m = torch.cat([l.m for l in layers]) if qlinear.has_min(first.kind) else empty
     shell = torch.nn.Linear(first.in_features, q.shape[0] * PANEL, bias=False, device="meta")
-    fused = GGUFLinear(shell, _KIND_NAMES[first.kind], q, d, m)
+    fused = GGUFLinear(shell, first.kind, q, d, m)
     p = 0
     for l in layers:
         n = l.q.shape[0]
-        l.q, l.d = q[p:p + n], d[p:p + n]
-        if first.kind == KINDS["Q4_1"]:
+        l.q = q[p:p + n]
+        if fmt != qlinear.F32:
+            l.d = d[p:p + n]
+        if qlinear.has_min(first.kind):
             l.m = m[p:p + n]
+        if hasattr(l, "_pointers"):
+            del l._pointers
         p += n
     return fused
 
 
 def panels(kind: str, raw: np.ndarray, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A GGUF tensor's raw blocks ([n, bytes per row] uint8, one row per output feature) in the
-    kernel's panel layout (csrc/quantized_linear.cpp): q, d, m (m empty for Q8_0)."""
-    if n % PANEL or k % BLOCK:
-        raise KVMemoryError(f"a {n} x {k} weight does not fill whole panels of {PANEL} rows and blocks of {BLOCK}")
-    nb = k // BLOCK
-
-    def by_panel(a: np.ndarray) -> torch.Tensor:  # [n, c] -> [n/16, c, 16]
-        return torch.from_numpy(np.ascontiguousarray(a.reshape(n // PANEL, PANEL, -1).transpose(0, 2, 1)))
-
-    if kind == "Q4_1":
-        blocks = raw.reshape(n, nb, 20)
-        d = blocks[..., 0:2].copy().view(np.float16).astype(np.float32).reshape(n, nb)
-        m = blocks[..., 2:4].copy().view(np.float16).astype(np.float32).reshape(n, nb)
-        qs = blocks[..., 4:]  # byte j: weight j in the low nibble, weight j + 16 in the high one
-        q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(n, k)
-        pairs = q[:, 0::2] | (q[:, 1::2] << 4)  # the kernel's order: weights 2t and 2t + 1 in one byte
-        return by_panel(pairs), by_panel(d), by_panel(m)
-    if kind == "Q8_0":
-        blocks = raw.reshape(n, nb, 34)
-        d = blocks[..., 0:2].copy().view(np.float16).astype(np.float32).reshape(n, nb)
-        q = blocks[..., 2:].copy().view(np.int8).reshape(n, k)
-        return by_panel(q), by_panel(d), torch.empty(0, dtype=torch.float32)
-    raise KVMemoryError(f"GGUF block type {kind} is not one the kernel computes with ({', '.join(KINDS)})")
+    kernel's panel layout: q, d, m (gguf_blocks.panels, which also gives the kernel's kind code)."""
+    return gguf_blocks.panels(kind, raw, n, k)[:3]
 
 
 def _llama_sources(model: torch.nn.Module) -> dict[str, tuple[str, int | None]]:
@@ -174,9 +166,8 @@ def _panels_from_gguf(model: torch.nn.Module, gguf_path: Path) -> dict[str, torc
             raise KVMemoryError(f"{source} has {raw.shape[0]} rows, {name} {module.out_features}")
         if heads is not None:
             raw = _unpermute_rows(raw, heads)
-        kind = tensor.tensor_type.name
-        q, d, m = panels(kind, raw, module.out_features, module.in_features)
-        out.update({f"{name}.q": q, f"{name}.d": d, f"{name}.m": m, f"{name}.kind": torch.tensor([KINDS[kind]])})
+        q, d, m, kind = gguf_blocks.panels(tensor.tensor_type.name, raw, module.out_features, module.in_features)
+        out.update({f"{name}.q": q, f"{name}.d": d, f"{name}.m": m, f"{name}.kind": torch.tensor([kind])})
     return out
 
 
@@ -186,7 +177,7 @@ def _checked(model: torch.nn.Module, stored: dict[str, torch.Tensor], origin: Pa
     for name in _llama_sources(model):
         module = model.get_submodule(name)
         try:
-            kind = _KIND_NAMES[int(stored[f"{name}.kind"])]
+            kind = int(stored[f"{name}.kind"])
             new = GGUFLinear(module, kind, stored[f"{name}.q"], stored[f"{name}.d"], stored[f"{name}.m"])
             same = torch.equal(new.dequantized(), module.weight.detach())
         except (KeyError, ValueError, RuntimeError) as exc:  # missing or misshapen: the checks say how

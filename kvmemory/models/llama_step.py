@@ -118,8 +118,8 @@ class LlamaLeanStep:
         def linear(l) -> decode_ops.Linear | None:
             if not isinstance(l, gguf_linear.GGUFLinear) or l._fn is None:
                 return None
-            m = l.m.data_ptr() if l.kind == quantized_linear.KINDS["Q4_1"] else None
-            return decode_ops.Linear(l.kind, l.q.data_ptr(), l.d.data_ptr(), m, l.q.shape[0], l.in_features)
+            d, m = l.pointers()
+            return decode_ops.Linear(l.kind, l.q.data_ptr(), d, m, l.q.shape[0], l.in_features)
 
         out = []
         for i, layer in enumerate(self.layers):

@@ -180,7 +180,7 @@ def _unknown_model_message(name: str) -> str:
 # panels of the converted embedded model: checked byte for byte against the weights whenever they are used).
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth")
 _INDEX_SUFFIXES = (".safetensors.index.json", ".bin.index.json")
-GGUF_PANELS = "gguf_panels.safetensors"
+GGUF_PANELS = "gguf_panels-v2.safetensors"  # v2: the kernel's kind codes of every block type
 _DERIVED_FILES = (GGUF_PANELS,)
 # How a profile's `model_sha256` names a model identified by its files (files_model_sha256), never equal to
 # an in-memory weights hash (64 hex digits, nothing before them).

@@ -1,18 +1,17 @@
-// Linear layers computed straight from a GGUF file's quantized blocks (Q4_1, Q8_0), float32 math.
+// Linear layers computed straight from a GGUF file's quantized blocks, float32 math: every block type of
+// the Q4_K_M / Q5_K_M / Q6_K / Q8_0 files people run (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K ... Q6_K) and
+// F32 / F16 / BF16 weights, each re-laid out once (models/gguf_blocks.py) into one of five formats below.
 //
 // A graft's step is 16 new tokens (1 while decoding): every linear weight is read once per step for
-// few rows, so the step streams the weights. Read as float32 they are 540 MB for SmolLM2-135M; read
-// as the GGUF's own blocks (what llama.cpp computes from) they are ~110 MB in this layout. Here the
-// panels of a tile (32 output features on AVX-512, 16 on AVX2) are expanded to float32 a slice of
-// 256 k at a time into an L1-resident scratch, which every row tile then multiplies.
+// few rows, so the step streams the weights. Read as float32 they are 4 bytes a weight; here they are
+// read as nibbles or bytes plus a float32 scale (and minimum) per sub-block of 16 or 32 weights, and the
+// panels of a tile (32 output features on AVX-512, 16 on AVX2) are expanded to float32 a slice of 256 k
+// at a time into an L1-resident scratch, which every row tile then multiplies.
 //
-// Exact weights: a weight is expanded exactly as gguf-py expands it for transformers (the float32
-// weights the model holds): Q4_1 `float32(d) * q` then `+ float32(m)`, Q8_0 `float32(d) * q`. d is a
-// float16 value (11 significant bits; gguf_linear.py refuses other d) and q has at most 8 bits, so
-// d * q is exact in float32: Q8_0's product has nothing to round, and Q4_1's two roundings are one,
-// the add's, which is what one FMA `fma(q, d, m)` computes (one instruction instead of two; the build
-// has -ffp-contract=off, so only these explicit FMAs fuse). `dequantize` returns the weights, and
-// the loader checks they equal the model's weights byte for byte before using a layer.
+// Exact weights: a weight is expanded exactly as gguf-py's `dequantize` expands it (the float32
+// weights transformers' loader holds): `d * q`, or `d * q` then `+ m` (a K-quant's `- dmin * min` is
+// `+ m` with m = -(dmin * min), the same value). The build has -ffp-contract=off, so only the explicit
+// FMAs below fuse, and those are exact where they stand (see Format).
 //
 // Fixed order of sums: output (m, n) is `fma(x[m][k], w[n][k], acc)` for k = 0, 1, ..., K-1 from
 // acc = 0, one SIMD lane per n. The order depends on nothing else: not on the number of rows, the
@@ -21,13 +20,14 @@
 //
 // Layouts (N output features, K input features; N % 16 == 0, K % 32 == 0; 16 = one panel):
 //   x     [M, K] float32, contiguous                 y [M, N] float32, contiguous (returned)
-//   Q4_1  q [N/16, K/2, 16] uint8: byte (p, t, j) = q(16p+j, 2t) | q(16p+j, 2t+1) << 4
-//         d, m [N/16, K/32, 16] float32: block scale and minimum of row 16p+j, k-block b
-//   Q8_0  q [N/16, K, 16] int8: q(16p+j, k);  d [N/16, K/32, 16] float32;  m: an empty tensor
+//   nibble formats  q [N/16, K/2, 16] uint8: byte (p, t, j) = q(16p+j, 2t) | q(16p+j, 2t+1) << 4
+//   byte formats    q [N/16, K, 16] int8: q(16p+j, k)
+//   F32             q [N/16, K, 16] float32: w(16p+j, k)
+//   d, m  [N/16, K/sub, 16] float32: scale and minimum of row 16p+j, sub-block b (sub = 16 or 32)
 //
 // Plain C entry points over raw pointers (no torch headers: the library does not depend on torch's
-// C++ ABI); gguf_linear.py checks the tensors against these layouts, allocates the outputs and passes
-// pointers, sizes and torch's thread count. Threads are OpenMP's, torch's own libgomp (parallel.h).
+// C++ ABI); quantized_linear.py checks the tensors against these layouts, allocates the outputs and
+// passes pointers, sizes and torch's thread count. Threads are OpenMP's, torch's own libgomp (parallel.h).
 
 #include <immintrin.h>
 
@@ -45,11 +45,10 @@ namespace {
 using namespace kvm;  // vec, kLanes, vload ... (simd.h); parallel_for (parallel.h)
 
 constexpr int kPanel = 16;    // output features per panel
-constexpr int kBlock = 32;    // weights per GGUF block (Q4_1, Q8_0)
+constexpr int kBlock = 32;    // K is a multiple of this (the slices and sub-blocks of every format divide it)
 constexpr int64_t kTilesPerItem = 16;  // row tiles per work item of a long prefill: their rows stay in L2
-constexpr int64_t kSliceBlocks = 8;    // k per slice / 32: a slice of a tile's panels (<= 32 KB) stays in L1
+constexpr int64_t kSliceK = 256;      // k per slice: a slice of a tile's panels (<= 32 KB) stays in L1
 
-enum Kind { kQ4_1 = 0, kQ8_0 = 1 };
 
 #ifdef KVM_AVX2
 // ---- AVX2 + FMA: 8 lanes, 16 registers; a panel is two vectors ----
@@ -74,49 +73,109 @@ constexpr int kVecs = kPanel / kLanes;  // vectors per panel row
 constexpr int kTileVecs = 2;              // vectors of output features per tile ...
 constexpr int kTilePanels = kTileVecs * kLanes / kPanel;  // ... which is this many panels (AVX-512: 2, AVX2: 1)
 
-// Expand blocks [b0, b1) of one panel (16 output features) into w[(b1 - b0) * 32][16] float32.
-void expand_panel(int kind, const uint8_t* q, const float* d, const float* m, int64_t b0, int64_t b1, float* w) {
-    w -= b0 * kBlock * kPanel;  // w[k] for k in the blocks' own range
-    for (int64_t b = b0; b < b1; ++b) {
-        // the block's scales (and minima) for the panel's 16 rows, then its 32 k: a k's 16 weights are
-        // one 64-byte row of w, written whole
-        vec dv[kVecs], mv[kVecs];
+// A kind (the C entry points' `kind`) packs a format, a sub-block size and a bias:
+//   kind = format | (sub == 16 ? 8 : 0) | bias << 4
+// format  q holds                 a weight is            GGUF types it carries
+//   0 NIB     nibble pairs (u4)   (q - bias) * d         Q4_0 (bias 8), Q3_K (bias 4)
+//   1 NIBMIN  nibble pairs (u4)   fma(q, d, m)           Q4_1, Q4_K, Q2_K
+//   2 BYTE    int8                q * d                  Q8_0, Q5_0, Q6_K
+//   3 BYTEMIN int8                fma(q, d, m)           Q5_1, Q5_K
+//   4 F32     float32 weights     w                      F32, F16, BF16 (expanded exactly)
+// d and m hold one float32 per sub-block of 16 or 32 weights and output row (a K-quant's d * scale and
+// -(dmin * min), computed by gguf-py's rule in Python). With a min, gguf-py rounds d * q and then the sum;
+// one FMA rounds once, which is the same value because d * q is exact there (d has at most 17
+// significant bits, q at most 5: quantized_linear.py checks d before a call).
+enum Format { kNib = 0, kNibMin = 1, kByte = 2, kByteMin = 3, kF32 = 4 };
+constexpr bool has_min(int F) { return F == kNibMin || F == kByteMin; }
+constexpr bool nibbles(int F) { return F == kNib || F == kNibMin; }
+
+struct Kind {
+    int format, sub_shift, bias;
+    int64_t q_panel(int64_t K) const {  // bytes of q per panel
+        return format == kF32 ? K * kPanel * 4 : nibbles(format) ? K / 2 * kPanel : K * kPanel;
+    }
+    int64_t s_panel(int64_t K) const { return format == kF32 ? 0 : (K >> sub_shift) * kPanel; }  // floats of d per panel
+};
+
+bool decode_kind(int code, int64_t K, Kind* out) {
+    const int format = code & 7, sub_shift = (code & 8) ? 4 : 5, bias = code >> 4;
+    if (format > kF32 || bias > 15 || (bias && format != kNib) || K % kBlock || K < 0) return false;
+    *out = Kind{format, sub_shift, bias};
+    return true;
+}
+
+#ifdef KVM_AVX2
+using ivec = __m256i;
+inline ivec iset1(int x) { return _mm256_set1_epi32(x); }
+inline vec nib_lo(ivec b, ivec bias) { return _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x0F)), bias)); }
+inline vec nib_hi(ivec b, ivec bias) { return _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(b, 4), bias)); }
+inline ivec load_u8(const uint8_t* p) { return u8x8(p); }
+inline vec load_i8(const uint8_t* p) { return to_float(i8x8(reinterpret_cast<const int8_t*>(p))); }
+#else
+using ivec = __m512i;
+inline ivec iset1(int x) { return _mm512_set1_epi32(x); }
+inline vec nib_lo(ivec b, ivec bias) { return _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x0F)), bias)); }
+inline vec nib_hi(ivec b, ivec bias) { return _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(b, 4), bias)); }
+inline ivec load_u8(const uint8_t* p) { return u8x16(p); }
+inline vec load_i8(const uint8_t* p) { return to_float(i8x16(reinterpret_cast<const int8_t*>(p))); }
+#endif
+
+// The weights of k and k + 1 (k even) for the lanes [v * kLanes, (v + 1) * kLanes) of one panel, whose
+// q, d, m start at q, d, m. Every path (expand_panel, row_panels) expands a weight with this code.
+template <int F>
+inline void weights2(const uint8_t* q, const float* d, const float* m, int64_t k, int v, int sub_shift, ivec bias,
+                     vec& w0, vec& w1) {
+    if constexpr (F == kF32) {
+        const float* f = reinterpret_cast<const float*>(q);
+        w0 = vload(f + k * kPanel + v * kLanes);
+        w1 = vload(f + (k + 1) * kPanel + v * kLanes);
+    } else {
+        const int64_t s = (k >> sub_shift) * kPanel + v * kLanes;
+        const vec dv = vload(d + s);
+        vec q0, q1;
+        if constexpr (nibbles(F)) {
+            const ivec b = load_u8(q + (k / 2) * kPanel + v * kLanes);
+            q0 = nib_lo(b, bias);
+            q1 = nib_hi(b, bias);
+        } else {
+            q0 = load_i8(q + k * kPanel + v * kLanes);
+            q1 = load_i8(q + (k + 1) * kPanel + v * kLanes);
+        }
+        if constexpr (has_min(F)) {
+            const vec mv = vload(m + s);
+            w0 = vfmadd(q0, dv, mv);
+            w1 = vfmadd(q1, dv, mv);
+        } else {
+            w0 = vmul(q0, dv);
+            w1 = vmul(q1, dv);
+        }
+    }
+}
+
+// Expand k in [k0, k1) of one panel (16 output features) into w[(k1 - k0)][16] float32.
+template <int F>
+void expand_panel_t(const Kind& kd, const uint8_t* q, const float* d, const float* m, int64_t k0, int64_t k1, float* w) {
+    const ivec bias = iset1(kd.bias);
+    w -= k0 * kPanel;  // w[k] for k in the slice's own range
+#pragma GCC unroll 4
+    for (int64_t k = k0; k < k1; k += 2) {
 #pragma GCC unroll 2
         for (int v = 0; v < kVecs; ++v) {
-            dv[v] = vload(d + b * kPanel + v * kLanes);
-            mv[v] = kind == kQ4_1 ? vload(m + b * kPanel + v * kLanes) : vzero();
+            vec w0, w1;
+            weights2<F>(q, d, m, k, v, kd.sub_shift, bias, w0, w1);
+            vstore(w + k * kPanel + v * kLanes, w0);
+            vstore(w + (k + 1) * kPanel + v * kLanes, w1);
         }
-        if (kind == kQ4_1) {
-#pragma GCC unroll 4
-            for (int t = 0; t < kBlock / 2; ++t) {
-                const int64_t k = b * kBlock + 2 * t;
-#pragma GCC unroll 2
-                for (int v = 0; v < kVecs; ++v) {
-#ifdef KVM_AVX2
-                    const auto bytes = u8x8(q + (b * (kBlock / 2) + t) * kPanel + v * kLanes);
-#else
-                    const auto bytes = u8x16(q + (b * (kBlock / 2) + t) * kPanel);
-#endif
-                    vstore(w + k * kPanel + v * kLanes, vfmadd(low_nibbles(bytes), dv[v], mv[v]));
-                    vstore(w + (k + 1) * kPanel + v * kLanes, vfmadd(high_nibbles(bytes), dv[v], mv[v]));
-                }
-            }
-        } else {
-            const int8_t* qs = reinterpret_cast<const int8_t*>(q);
-#pragma GCC unroll 4
-            for (int t = 0; t < kBlock; ++t) {
-                const int64_t k = b * kBlock + t;
-#pragma GCC unroll 2
-                for (int v = 0; v < kVecs; ++v) {
-#ifdef KVM_AVX2
-                    const auto vals = i8x8(qs + k * kPanel + v * kLanes);
-#else
-                    const auto vals = i8x16(qs + k * kPanel);
-#endif
-                    vstore(w + k * kPanel + v * kLanes, vmul(to_float(vals), dv[v]));
-                }
-            }
-        }
+    }
+}
+
+void expand_panel(const Kind& kd, const uint8_t* q, const float* d, const float* m, int64_t k0, int64_t k1, float* w) {
+    switch (kd.format) {
+        case kNib: return expand_panel_t<kNib>(kd, q, d, m, k0, k1, w);
+        case kNibMin: return expand_panel_t<kNibMin>(kd, q, d, m, k0, k1, w);
+        case kByte: return expand_panel_t<kByte>(kd, q, d, m, k0, k1, w);
+        case kByteMin: return expand_panel_t<kByteMin>(kd, q, d, m, k0, k1, w);
+        default: return expand_panel_t<kF32>(kd, q, d, m, k0, k1, w);
     }
 }
 
@@ -161,13 +220,13 @@ constexpr std::array<TileFn, sizeof...(I)> make_tiles(std::index_sequence<I...>)
 constexpr auto kTiles = make_tiles(std::make_index_sequence<kMaxRows>{});  // kTiles[r - 1] = tile<r>
 
 // The float32 weight [N, K] (N = P * 16) the blocks hold, expanded by the same code as `linear` uses.
-bool dequantize(int kind, const uint8_t* qp, const float* dp, const float* mp, int64_t P, int64_t K, float* op,
+bool dequantize(const Kind& kd, const uint8_t* qp, const float* dp, const float* mp, int64_t P, int64_t K, float* op,
                 int threads) {
-    const int64_t q_panel = (kind == kQ4_1 ? K / 2 : K) * kPanel, s_panel = (K / kBlock) * kPanel;
+    const int64_t q_panel = kd.q_panel(K), s_panel = kd.s_panel(K);
     return parallel_for(threads, 0, P, 1, [&](int64_t p0, int64_t p1) {
         std::vector<float> w(K * kPanel);
         for (int64_t p = p0; p < p1; ++p) {
-            expand_panel(kind, qp + p * q_panel, dp + p * s_panel, mp ? mp + p * s_panel : nullptr, 0, K / kBlock,
+            expand_panel(kd, qp + p * q_panel, dp ? dp + p * s_panel : nullptr, mp ? mp + p * s_panel : nullptr, 0, K,
                          w.data());
             for (int64_t j = 0; j < kPanel; ++j)
                 for (int64_t k = 0; k < K; ++k) op[(p * kPanel + j) * K + k] = w[k * kPanel + j];
@@ -177,63 +236,38 @@ bool dequantize(int kind, const uint8_t* qp, const float* dp, const float* mp, i
 
 // One row (a decode step): y [N] = x [K] . W.T. The tiled path below expands a slice of weights into
 // scratch and reads it back for one FMA each, and with one row its single chain per vector waits on
-// the FMA latency; here each weight is expanded in registers and used at once, and G panels
-// (G * kVecs independent accumulators) are in flight together. Every output is the same sum as the
-// tiled path's (acc = 0, then fma(x[k], w[n][k], acc) for k ascending; w expanded by the same
-// operations as expand_panel), so a row has the same bits whichever path computes it.
+// the FMA latency; here each weight is expanded in registers (weights2, the code the tiled path
+// expands with) and used at once, and G panels (G * kVecs independent accumulators) are in flight
+// together. Every output is the same sum as the tiled path's (acc = 0, then fma(x[k], w[n][k], acc)
+// for k ascending), so a row has the same bits whichever path computes it.
 #ifdef KVM_AVX2
 constexpr int kRowPanels = 4;  // panels per group: 8 accumulators of 16 registers
 #else
 constexpr int kRowPanels = 8;  // panels per group: 8 accumulators of 32 registers
 #endif
 
-template <int G>
-void row_panels(int kind, const float* x, const uint8_t* q, const float* d, const float* m, int64_t K,
+template <int F, int G>
+void row_panels(const Kind& kd, const float* x, const uint8_t* q, const float* d, const float* m, int64_t K,
                 int64_t q_panel, int64_t s_panel, float* y) {
+    const ivec bias = iset1(kd.bias);
     vec acc[G][kVecs];
 #pragma GCC unroll 16
     for (int g = 0; g < G; ++g)
 #pragma GCC unroll 2
         for (int v = 0; v < kVecs; ++v) acc[g][v] = vzero();
-    for (int64_t b = 0; b < K / kBlock; ++b) {
-        if (kind == kQ4_1) {
-            for (int t = 0; t < kBlock / 2; ++t) {
-                const int64_t k = b * kBlock + 2 * t;
-                const vec x0 = vset1(x[k]), x1 = vset1(x[k + 1]);
-#pragma GCC unroll 16
-                for (int g = 0; g < G; ++g)
 #pragma GCC unroll 2
-                    for (int v = 0; v < kVecs; ++v) {
-                        const vec dv = vload(d + g * s_panel + b * kPanel + v * kLanes);
-                        const vec mv = vload(m + g * s_panel + b * kPanel + v * kLanes);
-#ifdef KVM_AVX2
-                        const auto bytes = u8x8(q + g * q_panel + (k / 2) * kPanel + v * kLanes);
-#else
-                        const auto bytes = u8x16(q + g * q_panel + (k / 2) * kPanel);
-#endif
-                        acc[g][v] = vfmadd(x0, vfmadd(low_nibbles(bytes), dv, mv), acc[g][v]);
-                        acc[g][v] = vfmadd(x1, vfmadd(high_nibbles(bytes), dv, mv), acc[g][v]);
-                    }
-            }
-        } else {
-            const int8_t* qs = reinterpret_cast<const int8_t*>(q);
-            for (int t = 0; t < kBlock; ++t) {
-                const int64_t k = b * kBlock + t;
-                const vec xk = vset1(x[k]);
+    for (int64_t k = 0; k < K; k += 2) {
+        const vec x0 = vset1(x[k]), x1 = vset1(x[k + 1]);
 #pragma GCC unroll 16
-                for (int g = 0; g < G; ++g)
+        for (int g = 0; g < G; ++g)
 #pragma GCC unroll 2
-                    for (int v = 0; v < kVecs; ++v) {
-                        const vec dv = vload(d + g * s_panel + b * kPanel + v * kLanes);
-#ifdef KVM_AVX2
-                        const auto vals = i8x8(qs + g * q_panel + k * kPanel + v * kLanes);
-#else
-                        const auto vals = i8x16(qs + g * q_panel + k * kPanel);
-#endif
-                        acc[g][v] = vfmadd(xk, vmul(to_float(vals), dv), acc[g][v]);
-                    }
+            for (int v = 0; v < kVecs; ++v) {
+                vec w0, w1;
+                weights2<F>(q + g * q_panel, d ? d + g * s_panel : nullptr, m ? m + g * s_panel : nullptr, k, v,
+                            kd.sub_shift, bias, w0, w1);
+                acc[g][v] = vfmadd(x0, w0, acc[g][v]);
+                acc[g][v] = vfmadd(x1, w1, acc[g][v]);
             }
-        }
     }
 #pragma GCC unroll 16
     for (int g = 0; g < G; ++g)
@@ -241,33 +275,45 @@ void row_panels(int kind, const float* x, const uint8_t* q, const float* d, cons
         for (int v = 0; v < kVecs; ++v) vstore(y + g * kPanel + v * kLanes, acc[g][v]);
 }
 
-bool row_linear(int kind, const float* xp, const uint8_t* qp, const float* dp, const float* mp, int64_t P, int64_t K,
-                float* yp, int threads) {
-    const int64_t q_panel = (kind == kQ4_1 ? K / 2 : K) * kPanel, s_panel = (K / kBlock) * kPanel;
+template <int F>
+bool row_linear_t(const Kind& kd, const float* xp, const uint8_t* qp, const float* dp, const float* mp, int64_t P,
+                  int64_t K, float* yp, int threads) {
+    const int64_t q_panel = kd.q_panel(K), s_panel = kd.s_panel(K);
     // Threads take consecutive panels (torch's split); each runs its panels in groups of kRowPanels.
     return parallel_for(threads, 0, P, 1, [&](int64_t p0, int64_t p1) {
         for (int64_t p = p0; p < p1;) {
             const int64_t left = p1 - p;
             const int G = left >= kRowPanels ? kRowPanels : left >= 2 ? 2 : 1;
             const uint8_t* q = qp + p * q_panel;
-            const float* d = dp + p * s_panel;
+            const float* d = dp ? dp + p * s_panel : nullptr;
             const float* m = mp ? mp + p * s_panel : nullptr;
             float* y = yp + p * kPanel;
-            if (G == kRowPanels) row_panels<kRowPanels>(kind, xp, q, d, m, K, q_panel, s_panel, y);
-            else if (G == 2) row_panels<2>(kind, xp, q, d, m, K, q_panel, s_panel, y);
-            else row_panels<1>(kind, xp, q, d, m, K, q_panel, s_panel, y);
+            if (G == kRowPanels) row_panels<F, kRowPanels>(kd, xp, q, d, m, K, q_panel, s_panel, y);
+            else if (G == 2) row_panels<F, 2>(kd, xp, q, d, m, K, q_panel, s_panel, y);
+            else row_panels<F, 1>(kd, xp, q, d, m, K, q_panel, s_panel, y);
             p += G;
         }
     });
 }
 
+bool row_linear(const Kind& kd, const float* xp, const uint8_t* qp, const float* dp, const float* mp, int64_t P,
+                int64_t K, float* yp, int threads) {
+    switch (kd.format) {
+        case kNib: return row_linear_t<kNib>(kd, xp, qp, dp, mp, P, K, yp, threads);
+        case kNibMin: return row_linear_t<kNibMin>(kd, xp, qp, dp, mp, P, K, yp, threads);
+        case kByte: return row_linear_t<kByte>(kd, xp, qp, dp, mp, P, K, yp, threads);
+        case kByteMin: return row_linear_t<kByteMin>(kd, xp, qp, dp, mp, P, K, yp, threads);
+        default: return row_linear_t<kF32>(kd, xp, qp, dp, mp, P, K, yp, threads);
+    }
+}
+
 // y [M, N] = x [M, K] . W.T, W held as the blocks (N = P * 16).
-bool linear(int kind, const float* xp, int64_t M, const uint8_t* qp, const float* dp, const float* mp, int64_t P,
+bool linear(const Kind& kd, const float* xp, int64_t M, const uint8_t* qp, const float* dp, const float* mp, int64_t P,
             int64_t K, float* yp, int threads) {
     const int64_t N = P * kPanel;
     if (M == 0) return true;
-    if (M == 1) return row_linear(kind, xp, qp, dp, mp, P, K, yp, threads);
-    const int64_t q_panel = (kind == kQ4_1 ? K / 2 : K) * kPanel, s_panel = (K / kBlock) * kPanel;
+    if (M == 1) return row_linear(kd, xp, qp, dp, mp, P, K, yp, threads);
+    const int64_t q_panel = kd.q_panel(K), s_panel = kd.s_panel(K);
     // Rows in tiles of at most kMaxRows, as even as possible (16 rows: 8 + 8 on AVX-512), each tile
     // transposed once so that its broadcasts stream. Tiling moves no bit: each output's sum is fixed.
     const int64_t n_tiles = (M + kMaxRows - 1) / kMaxRows;
@@ -288,18 +334,18 @@ bool linear(int kind, const float* xp, int64_t M, const uint8_t* qp, const float
     const int64_t groups = (P + kTilePanels - 1) / kTilePanels;
     const int64_t tile_groups = (n_tiles + kTilesPerItem - 1) / kTilesPerItem;
     return parallel_for(threads, 0, tile_groups * groups, 1, [&](int64_t i0, int64_t i1) {
-        std::vector<float> w(kTilePanels * kSliceBlocks * kBlock * kPanel, 0.0f);
+        std::vector<float> w(kTilePanels * kSliceK * kPanel, 0.0f);
         std::vector<float> part(kTilesPerItem * kMaxRows * kTileVecs * kLanes);  // an odd last panel's tiles
         for (int64_t i = i0; i < i1; ++i) {
             const int64_t tg = i / groups, g = i % groups, p0 = g * kTilePanels;
             const int64_t panels = std::min<int64_t>(kTilePanels, P - p0);
             const int64_t t0 = tg * kTilesPerItem, t1 = std::min(n_tiles, (tg + 1) * kTilesPerItem);
             // k in slices: a slice of the panels is expanded into L1 and used by every tile of the group
-            for (int64_t b0 = 0; b0 < K / kBlock; b0 += kSliceBlocks) {
-                const int64_t b1 = std::min(K / kBlock, b0 + kSliceBlocks), k0 = b0 * kBlock, kc = (b1 - b0) * kBlock;
+            for (int64_t k0 = 0; k0 < K; k0 += kSliceK) {
+                const int64_t k1 = std::min(K, k0 + kSliceK), kc = k1 - k0;
                 for (int64_t j = 0; j < panels; ++j)
-                    expand_panel(kind, qp + (p0 + j) * q_panel, dp + (p0 + j) * s_panel,
-                                 mp ? mp + (p0 + j) * s_panel : nullptr, b0, b1, w.data() + j * kc * kPanel);
+                    expand_panel(kd, qp + (p0 + j) * q_panel, dp ? dp + (p0 + j) * s_panel : nullptr,
+                                 mp ? mp + (p0 + j) * s_panel : nullptr, k0, k1, w.data() + j * kc * kPanel);
                 for (int64_t t = t0; t < t1; ++t) {
                     const int64_t r0 = start[t], R = start[t + 1] - r0;
                     const float* xs = xt.data() + r0 * K + k0 * R;
@@ -325,19 +371,27 @@ bool linear(int kind, const float* xp, int64_t M, const uint8_t* qp, const float
 #pragma GCC visibility push(default)
 extern "C" {
 
-// The version of the calling convention below; gguf_linear.py refuses a library of another.
-int kvm_qlinear_abi_version() { return 1; }
+// The version of the calling convention below; quantized_linear.py refuses a library of another.
+int kvm_qlinear_abi_version() { return 2; }
 
-// Returns 0 when done, -2 for sizes that are not whole panels and blocks or a kind that is neither
-// Q4_1 (0) nor Q8_0 (1), -1 when a thread failed (out of memory). Python checks the tensors: q
-// [P, K/2 (Q4_1) or K (Q8_0), 16] uint8 / int8, d and m [P, K/32, 16] float32 (m null for Q8_0),
-// x [M, K] and the outputs float32, all contiguous.
+// Returns 0 when done, -2 for sizes that are not whole panels and blocks, a kind that is not one of
+// the formats above or misses its d or m, -1 when a thread failed (out of memory). Python checks the
+// tensors against the layouts (quantized_linear.py): q [P, K/2 | K | K * 4 bytes, 16], d and m
+// [P, K/sub, 16] float32 (m null without a minimum, d null for F32), x [M, K] and the outputs float32,
+// all contiguous.
+static bool args_ok(int kind, const void* q, const float* d, const float* m, int64_t P, int64_t K, Kind* kd) {
+    if (!decode_kind(kind, K, kd) || P < 0 || q == nullptr) return false;
+    if (kd->format != kF32 && d == nullptr) return false;
+    return !(has_min(kd->format) && m == nullptr);
+}
+
 int kvm_qlinear_dequantize(int kind, const void* q, const float* d, const float* m, int64_t P, int64_t K, float* out,
                            int threads) {
-    if ((kind != kQ4_1 && kind != kQ8_0) || K % kBlock || P < 0 || (kind == kQ4_1 && m == nullptr)) return -2;
+    Kind kd;
+    if (!args_ok(kind, q, d, m, P, K, &kd)) return -2;
     try {
-        return dequantize(kind, static_cast<const uint8_t*>(q), d, kind == kQ4_1 ? m : nullptr, P, K, out, threads)
-                   ? 0 : -1;
+        return dequantize(kd, static_cast<const uint8_t*>(q), kd.format == kF32 ? nullptr : d,
+                          has_min(kd.format) ? m : nullptr, P, K, out, threads) ? 0 : -1;
     } catch (...) {
         return -1;
     }
@@ -345,11 +399,11 @@ int kvm_qlinear_dequantize(int kind, const void* q, const float* d, const float*
 
 int kvm_qlinear_linear(int kind, const float* x, int64_t M, const void* q, const float* d, const float* m, int64_t P,
                        int64_t K, float* y, int threads) {
-    if ((kind != kQ4_1 && kind != kQ8_0) || K % kBlock || P < 0 || M < 0 || (kind == kQ4_1 && m == nullptr))
-        return -2;
+    Kind kd;
+    if (!args_ok(kind, q, d, m, P, K, &kd) || M < 0) return -2;
     try {
-        return linear(kind, x, M, static_cast<const uint8_t*>(q), d, kind == kQ4_1 ? m : nullptr, P, K, y, threads)
-                   ? 0 : -1;
+        return linear(kd, x, M, static_cast<const uint8_t*>(q), kd.format == kF32 ? nullptr : d,
+                      has_min(kd.format) ? m : nullptr, P, K, y, threads) ? 0 : -1;
     } catch (...) {
         return -1;
     }
