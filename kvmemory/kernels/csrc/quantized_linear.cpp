@@ -123,7 +123,7 @@ inline vec load_i8(const uint8_t* p) { return to_float(i8x16(reinterpret_cast<co
 // The weights of k and k + 1 (k even) for the lanes [v * kLanes, (v + 1) * kLanes) of one panel, whose
 // q, d, m start at q, d, m. Every path (expand_panel, row_panels) expands a weight with this code.
 template <int F>
-inline void weights2(const uint8_t* q, const float* d, const float* m, int64_t k, int v, int sub_shift, ivec bias,
+__attribute__((always_inline)) inline void weights2(const uint8_t* q, const float* d, const float* m, int64_t k, int v, int sub_shift, ivec bias,
                      vec& w0, vec& w1) {
     if constexpr (F == kF32) {
         const float* f = reinterpret_cast<const float*>(q);
@@ -135,8 +135,13 @@ inline void weights2(const uint8_t* q, const float* d, const float* m, int64_t k
         vec q0, q1;
         if constexpr (nibbles(F)) {
             const ivec b = load_u8(q + (k / 2) * kPanel + v * kLanes);
-            q0 = nib_lo(b, bias);
-            q1 = nib_hi(b, bias);
+            if constexpr (F == kNib) {
+                q0 = nib_lo(b, bias);
+                q1 = nib_hi(b, bias);
+            } else {  // no bias: one integer operation less per weight
+                q0 = low_nibbles(b);
+                q1 = high_nibbles(b);
+            }
         } else {
             q0 = load_i8(q + k * kPanel + v * kLanes);
             q1 = load_i8(q + (k + 1) * kPanel + v * kLanes);
@@ -250,12 +255,12 @@ template <int F, int G>
 void row_panels(const Kind& kd, const float* x, const uint8_t* q, const float* d, const float* m, int64_t K,
                 int64_t q_panel, int64_t s_panel, float* y) {
     const ivec bias = iset1(kd.bias);
+    const int sub_shift = kd.sub_shift;
     vec acc[G][kVecs];
 #pragma GCC unroll 16
     for (int g = 0; g < G; ++g)
 #pragma GCC unroll 2
         for (int v = 0; v < kVecs; ++v) acc[g][v] = vzero();
-#pragma GCC unroll 2
     for (int64_t k = 0; k < K; k += 2) {
         const vec x0 = vset1(x[k]), x1 = vset1(x[k + 1]);
 #pragma GCC unroll 16
@@ -263,8 +268,9 @@ void row_panels(const Kind& kd, const float* x, const uint8_t* q, const float* d
 #pragma GCC unroll 2
             for (int v = 0; v < kVecs; ++v) {
                 vec w0, w1;
-                weights2<F>(q + g * q_panel, d ? d + g * s_panel : nullptr, m ? m + g * s_panel : nullptr, k, v,
-                            kd.sub_shift, bias, w0, w1);
+                // (d and m are null where the format has none: never offset then)
+                weights2<F>(q + g * q_panel, F == kF32 ? d : d + g * s_panel, has_min(F) ? m + g * s_panel : m, k, v,
+                            sub_shift, bias, w0, w1);
                 acc[g][v] = vfmadd(x0, w0, acc[g][v]);
                 acc[g][v] = vfmadd(x1, w1, acc[g][v]);
             }
