@@ -154,6 +154,7 @@ _EXPORTS = {
     "IntegrityError": "kvmemory.errors",
     "BundleError": "kvmemory.errors",
     "UnsupportedArchitecture": "kvmemory.errors",
+    "UnsupportedModel": "kvmemory.errors",
     "StoreError": "kvmemory.errors",
     "StoreFormatError": "kvmemory.errors",
     "StoreReadOnly": "kvmemory.errors",
@@ -199,7 +200,8 @@ if TYPE_CHECKING:  # what type checkers and IDEs see (py.typed): the same names,
     from kvmemory.errors import (BundleError, DeviceUnavailable, GraphCaptureError, IntegrityError, InvalidInput,
                                  KVMemoryError, NotOnGrid, ProfileMismatch,
                                  RouterMismatch, StoreError, StoreFormatError, StoreFull, StoreReadOnly,
-                                 UnknownEntry, UnsupportedArchitecture, VerificationFailed)
+                                 UnknownEntry, UnsupportedArchitecture, UnsupportedModel,
+                                 VerificationFailed)
     from kvmemory.memory.background import PendingWrite
     from kvmemory.memory.filters import check_where, matches
     from kvmemory.memory.listing import EntryPage, EntryVersion

@@ -61,6 +61,11 @@ class StoreFull(StoreError):
     """The disk (or the store's size budget) has no room; nothing was written."""
 
 
+class UnsupportedModel(InvalidInput):
+    """A model file kvmemory cannot compute exactly (an architecture or a GGUF block type it lacks): refused
+    by name before anything loads."""
+
+
 class UnknownModel(KVMemoryError, OSError):
     """A model that is neither the embedded one, a local folder, nor in the local Hugging Face cache
     (kvmemory downloads nothing at run time). An OSError too: transformers raised one before."""

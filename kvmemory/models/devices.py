@@ -26,7 +26,7 @@ import re
 import torch
 
 from kvmemory.errors import DeviceUnavailable, InvalidInput
-from kvmemory.models.loading import is_embedded
+from kvmemory.models.loading import is_embedded, is_gguf
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ def resolve_device(requested: str | torch.device | None = "auto", *, model: str 
         raise InvalidInput(f"device must be one of {', '.join(DEVICE_CHOICES)}, not {requested!r}")
     text = requested.strip().lower()
     if text == "auto":
-        if model is not None and is_embedded(model):
+        if model is not None and (is_embedded(model) or is_gguf(model)):  # computed on the CPU
             return "cpu"
         impl, _ = graft_kernel()
         return _cuda(None) if impl == "cuda" and torch.cuda.is_available() else "cpu"

@@ -47,13 +47,15 @@ NAME = "gguf-blocks"
 
 
 class GGUFLinear(torch.nn.Linear):
-    """An `nn.Linear` (no bias) computing with its weight's GGUF blocks; `weight` stays as it was."""
+    """An `nn.Linear` computing with its weight's GGUF blocks; `weight` stays as it was (a float32 copy
+    for the embedded model's checked layers, an unallocated meta tensor for a GGUF file's: gguf_model.py).
+    A bias (Qwen2's q/k/v) is added to each output after its sum: still one fixed order per row."""
 
     def __init__(self, linear: torch.nn.Linear, kind: str | int, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor):
         torch.nn.Module.__init__(self)
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight  # the same Parameter: ties (lm_head = embeddings) stay tied
-        self.bias = None
+        self.bias = linear.bias
         # kind: a GGUF block type's name, or the kernel's kind code (kernels/quantized_linear.py)
         self.kind, self.q, self.d, self.m = (KINDS[kind] if isinstance(kind, str) else int(kind)), q, d, m
         # The panels are checked once here, not per call (a decode step calls 211 of these for one row
@@ -67,13 +69,18 @@ class GGUFLinear(torch.nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).contiguous()
         if rows.dtype is not torch.float32 or not rows.is_cpu or self._fn is None:  # says what is wrong
-            return qlinear.linear(rows, self.q, self.d, self.m, self.kind).view(*x.shape[:-1], self.out_features)
+            y = qlinear.linear(rows, self.q, self.d, self.m, self.kind)
+            if self.bias is not None:
+                y.add_(self.bias)
+            return y.view(*x.shape[:-1], self.out_features)
         M = rows.shape[0]
         y = torch.empty((M, self.out_features), dtype=torch.float32)
         rc = self._fn(self.kind, rows.data_ptr(), M, self.q.data_ptr(), *self.pointers(), self.q.shape[0],
                       self.in_features, y.data_ptr(), torch.get_num_threads())
         if rc:
             qlinear.check_rc(rc)
+        if self.bias is not None:
+            y.add_(self.bias)
         return y.view(*x.shape[:-1], self.out_features)
 
     def pointers(self) -> tuple[int | None, int | None]:
@@ -94,8 +101,8 @@ def fuse(layers: list[GGUFLinear]) -> GGUFLinear:
     model's submodule: state_dict and the weights fingerprint do not see it."""
     first = layers[0]
     if any(not isinstance(l, GGUFLinear) or l.kind != first.kind or l.in_features != first.in_features
-           for l in layers):
-        raise ValueError("only GGUF-block linears of one block format and one input size fuse")
+           or l.bias is not None for l in layers):
+        raise ValueError("only bias-free GGUF-block linears of one block format and one input size fuse")
     fmt = qlinear.decode_kind(first.kind)[0]
     empty = torch.empty(0, dtype=torch.float32)
     q = torch.cat([l.q for l in layers])

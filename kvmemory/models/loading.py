@@ -29,6 +29,7 @@ from kvmemory.models import attention
 from kvmemory.models import cache_files
 from kvmemory.models import embedded
 from kvmemory.models import file_hashes
+from kvmemory.models import gguf_file
 from kvmemory.models import gguf_linear
 from kvmemory.models import packed_linear
 from kvmemory.errors import InvalidInput, KVMemoryError, UnknownModel
@@ -116,9 +117,20 @@ def _write_converted(gguf: Path, target: Path) -> None:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+def is_gguf(name: str) -> bool:
+    """Whether `name` names a GGUF file (or split set, or a folder holding one): gguf_file.find."""
+    return gguf_file.find(name) is not None
+
+
 def resolve_model_path(name_or_path: str = DEFAULT_MODEL) -> str:
-    """Turn a model name into something `from_pretrained` can read, converting the default once."""
+    """Turn a model name into something `from_pretrained` can read, converting the default once (a GGUF
+    file: the cache folder of its config and tokenizer, gguf_model.prepare)."""
     em = embedded.find(name_or_path)
+    gf = gguf_file.find(name_or_path) if em is None else None
+    if gf is not None:
+        from kvmemory.models import gguf_model
+
+        return str(gguf_model.prepare(gf))
     if em is not None:
         # Key the conversion on the GGUF file's identity (size + name), cheap and stable.
         target = cache_dir() / "models" / f"{em.cache_stem}-{embedded.conversion_key(em)}"
@@ -166,13 +178,14 @@ def _unknown_model_message(name: str) -> str:
     from huggingface_hub import constants
 
     path = Path(name).expanduser()
-    what = ("a folder without config.json" if path.is_dir() else "a file, not a model folder" if path.exists()
-            else "not a folder")
+    what = ("a folder without config.json or a .gguf file" if path.is_dir()
+            else "a file, neither a model folder nor a .gguf file" if path.exists() else "not a folder")
     here = _local_models()
     listing = ", ".join(here[:20]) + (f" and {len(here) - 20} more" if len(here) > 20 else "") if here else "none"
     return (f"unknown model {name!r}: {what}, and not in the local Hugging Face cache ({constants.HF_HUB_CACHE}); "
-            f"kvmemory downloads nothing at run time. Models available here: {listing}. Give a folder with "
-            "config.json and the weights, or a hub id downloaded beforehand (huggingface-cli download ID)")
+            f"kvmemory downloads nothing at run time. Models available here: {listing}. Give a GGUF file "
+            "(PATH.gguf, split files, or a folder holding one), a folder with config.json and the weights, or a hub "
+            "id downloaded beforehand (huggingface-cli download ID)")
 
 
 # The weights files a model folder's identity covers (model_identity, weights_files): its config and every
@@ -234,6 +247,16 @@ def model_identity(source: str, path: str) -> dict | None:
       (`json.dumps(files, sort_keys=True, separators=(",", ":"))`).
     """
     em = embedded.find(source)
+    gf = gguf_file.find(source) if em is None else None
+    if gf is not None:
+        from kvmemory.models import gguf_model
+
+        files = gguf_model.file_digests(gf)
+        if len(gf.parts) == 1:
+            return {"format": "gguf", "source": source, "file": gf.name, "size": gf.size, "sha256": files[gf.name]}
+        listing = json.dumps(files, sort_keys=True, separators=(",", ":"))
+        return {"format": "gguf-split", "source": source, "files": files, "parts": [p.name for p in gf.parts],
+                "size": gf.size, "sha256": hashlib.sha256(listing.encode()).hexdigest()}
     if em is not None:
         paths = embedded.part_paths(em)
         dists = []
@@ -292,6 +315,10 @@ def load_model(
     if linears not in LINEARS:
         raise InvalidInput(f"linears must be one of {', '.join(LINEARS)}, not {linears!r}")
     em = embedded.find(name_or_path)
+    gf = gguf_file.find(name_or_path) if em is None else None
+    if gf is not None:
+        return _load_gguf(gf, name_or_path, dtype=dtype, attn_implementation=attn_implementation, device=device,
+                          linears=linears, profile=profile)
     if linears == "gguf" and em is None:
         raise InvalidInput("linears='gguf' computes the embedded model from its GGUF file; "
                            f"{name_or_path!r} is not read from one")
@@ -329,6 +356,40 @@ def load_model(
         own_memory(model)
     tokenizer = AutoTokenizer.from_pretrained(path)
     return LoadedModel(model=model, tokenizer=tokenizer, source=name_or_path, path=path, weights_files=files)
+
+
+def _load_gguf(gf: gguf_file.GGUFFile, source: str, *, dtype, attn_implementation: str, device: str, linears: str,
+               profile: str) -> LoadedModel:
+    """A GGUF file: computed from its blocks ("auto" / "gguf": gguf_model.py), or, for the stock profile and
+    `linears` "plain" / "packed", dequantized to float32 by transformers' own GGUF loader (single files)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from kvmemory.models import gguf_model
+
+    if torch.device(device).type != "cpu":
+        raise InvalidInput(f"a GGUF file computes on the CPU, not {device!r}; for a GPU give a Hugging Face folder")
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, dtype)
+    if dtype not in (None, torch.float32):
+        raise InvalidInput(f"a GGUF file computes in float32 (from its blocks), not {dtype}")
+    folder = gguf_model.prepare(gf)  # refuses an architecture or a block type kvmemory lacks, before loading
+    files = gguf_model.file_digests(gf)
+    if linears in ("auto", "gguf"):
+        model = gguf_model.build(gf, folder, attention.for_device(attn_implementation, device))
+    else:
+        if len(gf.parts) > 1:
+            raise InvalidInput(f"linears={linears!r} / the stock profile dequantize with transformers' GGUF loader, "
+                               "which reads single files; merge the split files first (llama-gguf-split --merge)")
+        attn = attn_implementation if profile == "stock" else attention.for_device(attn_implementation, device)
+        model = AutoModelForCausalLM.from_pretrained(str(gf.path.parent), gguf_file=gf.name, attn_implementation=attn,
+                                                     dtype=torch.float32)
+        model.eval().requires_grad_(False)
+        if linears == "packed":
+            packed_linear.pack_linears(model)
+        else:
+            own_memory(model)
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    return LoadedModel(model=model, tokenizer=tokenizer, source=source, path=str(folder), weights_files=files)
 
 
 def _file_keys(folder: Path) -> dict[str, tuple] | None:
