@@ -54,7 +54,9 @@ class GGUFLinear(torch.nn.Linear):
     def __init__(self, linear: torch.nn.Linear, kind: str | int, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor):
         torch.nn.Module.__init__(self)
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight = linear.weight  # the same Parameter: ties (lm_head = embeddings) stay tied
+        # The same Parameter: ties (lm_head = embeddings) stay tied. A GGUF file's layer has none (its meta
+        # placeholder is dropped, so that parameters() lists only real tensors: gguf_model.py).
+        self.weight = None if linear.weight is None or linear.weight.is_meta else linear.weight
         self.bias = linear.bias
         # kind: a GGUF block type's name, or the kernel's kind code (kernels/quantized_linear.py)
         self.kind, self.q, self.d, self.m = (KINDS[kind] if isinstance(kind, str) else int(kind)), q, d, m

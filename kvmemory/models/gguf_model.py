@@ -8,9 +8,9 @@ file is placed by transformers' own GGUF name map and tensor processors (`get_gg
 - a linear layer's weight (the output layer included, tied to the embedding or not) becomes a
   `GGUFLinear` over the tensor's blocks re-laid out for the kernel (gguf_blocks.py); its float32
   `weight` stays an empty (meta) tensor, never allocated;
-- everything else (the token embedding, norms, biases) is dequantized by gguf-py, as transformers does.
-The token embedding is the one float32 tensor of size (vocabulary x hidden): 545 MB for a Qwen2.5 0.5B,
-2.1 GB for a Llama-3 8B (a lookup from its blocks is not built yet).
+- everything else (norms, biases) is dequantized by gguf-py, as transformers does;
+- the token embedding is looked up from its blocks (gguf_embedding.py; the tied output layer shares its
+  panels).
 
 Before a layer is used, its first panel (16 rows) is expanded by the kernel and compared, byte for byte,
 with gguf-py's `dequantize` of the same rows: a layout mistake cannot pass unseen. The whole-tensor
@@ -32,6 +32,7 @@ import torch
 from kvmemory.errors import KVMemoryError, UnsupportedModel
 from kvmemory.kernels import quantized_linear as qlinear
 from kvmemory.models import cache_files, file_hashes, gguf_blocks
+from kvmemory.models.gguf_embedding import GGUFEmbedding
 from kvmemory.models.gguf_file import GGUFFile, inspect
 from kvmemory.models.gguf_linear import GGUFLinear
 from kvmemory.paths import cache_dir
@@ -67,7 +68,7 @@ def prepare(model: GGUFFile) -> Path:
         cache_files.remove_leftovers(target.parent, _TMP)
         tmp = Path(tempfile.mkdtemp(prefix=_TMP, dir=target.parent))
         try:
-            _write_meta(model, info.tensors, tmp)
+            _write_meta(model, info, tmp)
             if target.exists():
                 shutil.rmtree(target)
             os.replace(tmp, target)
@@ -77,7 +78,7 @@ def prepare(model: GGUFFile) -> Path:
     return target
 
 
-def _write_meta(model: GGUFFile, tensors: dict, folder: Path) -> None:
+def _write_meta(model: GGUFFile, info, folder: Path) -> None:
     from transformers import AutoConfig, AutoTokenizer
 
     parent, name = str(model.path.parent), model.path.name
@@ -86,7 +87,12 @@ def _write_meta(model: GGUFFile, tensors: dict, folder: Path) -> None:
         if hasattr(config, attr):
             delattr(config, attr)
     # transformers reads the tie from the first file's tensors; a split file's output layer may be in another
-    config.tie_word_embeddings = "output.weight" not in tensors
+    config.tie_word_embeddings = "output.weight" not in info.tensors
+    # transformers' GGUF config map reads no head size for qwen2 / qwen3 / phi3 (the class default, 128,
+    # stands): the file says it
+    key_length = info.metadata.get(f"{info.architecture}.attention.key_length")
+    if key_length and getattr(config, "head_dim", None) not in (None, key_length):
+        config.head_dim = int(key_length)
     config.save_pretrained(folder)
     AutoTokenizer.from_pretrained(parent, gguf_file=name).save_pretrained(folder)
     (folder / "kvmemory_source.json").write_text(json.dumps({"gguf": [p.name for p in model.parts],
@@ -153,6 +159,8 @@ def build(model: GGUFFile, folder: Path, attn_implementation: str) -> torch.nn.M
                                f"{qlinear.why_unavailable()}")
     info = inspect(model)
     config = AutoConfig.from_pretrained(str(folder))
+    if getattr(config, "attn_logit_softcapping", None):  # Gemma 2: only transformers' eager attention softcaps
+        attn_implementation = "eager"
     with init_empty_weights(include_buffers=False):  # parameters on the meta device; RoPE tables computed
         hf = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=torch.float32)
     cfg = config.to_dict()
@@ -164,13 +172,19 @@ def build(model: GGUFFile, folder: Path, attn_implementation: str) -> torch.nn.M
         return processor.process(weights=values, name=name, tensor_key_mapping=names,
                                  parsed_parameters={"config": cfg}).weights
 
-    def linear_of(module: torch.nn.Linear, tensor) -> GGUFLinear:
+    def linear_of(module: torch.nn.Linear, tensor, panels=None) -> GGUFLinear:
         raw = processed(tensor.data(), tensor.name)
-        q, d, m, code = gguf_blocks.panels(tensor.type, raw, module.out_features, module.in_features)
+        q, d, m, code = panels or gguf_blocks.panels(tensor.type, raw, module.out_features, module.in_features)
         lin = GGUFLinear(module, code, q, d, m)
         _check_first_panel(lin, raw, tensor.type, tensor.name)
         return lin
 
+    def replace(owner: str, new: torch.nn.Module) -> None:
+        parent, _, child = owner.rpartition(".")
+        setattr(modules[parent] if parent else hf, child, new)
+        modules[owner] = new
+
+    embedding_panels = None
     for tensor in info.tensors.values():
         target = names.get(tensor.name)
         if target is None:
@@ -178,10 +192,16 @@ def build(model: GGUFFile, folder: Path, attn_implementation: str) -> torch.nn.M
         owner, _, attr = target.rpartition(".")
         module = modules.get(owner)
         if isinstance(module, torch.nn.Linear) and attr == "weight" and not isinstance(module, GGUFLinear):
-            lin = linear_of(module, tensor)
-            parent, _, child = owner.rpartition(".")
-            setattr(modules[parent] if parent else hf, child, lin)
-            modules[owner] = lin
+            replace(owner, linear_of(module, tensor))
+        elif isinstance(module, torch.nn.Embedding) and attr == "weight" and module.num_embeddings % qlinear.PANEL == 0:
+            raw = tensor.data()
+            embedding_panels = gguf_blocks.panels(tensor.type, raw, module.num_embeddings, module.embedding_dim)
+            emb = GGUFEmbedding(module, *embedding_panels)
+            ref = dequantize(np.asarray(raw[: 2 * qlinear.PANEL + 1]), GGMLQuantizationType[tensor.type])
+            got = emb.rows(torch.arange(2 * qlinear.PANEL + 1))
+            if not torch.equal(got.view(torch.int32), torch.from_numpy(np.array(ref, dtype=np.float32)).view(torch.int32)):
+                raise KVMemoryError(f"the lookup of {tensor.name} ({tensor.type}) differs from gguf-py's: not used")
+            replace(owner, emb)
         else:
             values = dequantize(tensor.data(), GGMLQuantizationType[tensor.type])
             setattr(module, attr, _param(processed(values, tensor.name), getattr(module, attr)))
@@ -190,12 +210,12 @@ def build(model: GGUFFile, folder: Path, attn_implementation: str) -> torch.nn.M
         embedding = info.tensors.get("token_embd.weight")
         if embedding is None:
             raise KVMemoryError(f"{model.name} has neither an output layer nor a token embedding")
-        lin = linear_of(head, embedding)
-        lin.weight = hf.get_input_embeddings().weight  # tied, as transformers ties them
+        lin = linear_of(head, embedding, embedding_panels)  # the embedding's own panels: one copy for both
+        if not isinstance(hf.get_input_embeddings(), GGUFEmbedding):
+            lin.weight = hf.get_input_embeddings().weight  # tied, as transformers ties them
         hf.set_output_embeddings(lin)
         modules[next(n for n, mod in hf.named_modules() if mod is lin)] = lin
-    missing = [n for n, p in hf.named_parameters() if p.is_meta and not isinstance(
-        modules.get(n.rpartition(".")[0]), GGUFLinear)]
+    missing = [n for n, p in hf.named_parameters() if p.is_meta]
     if missing:
         raise KVMemoryError(f"{model.name} holds no tensor for {', '.join(missing[:5])}"
                             + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
