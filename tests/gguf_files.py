@@ -43,12 +43,11 @@ def _byte_tokens() -> list[str]:
 
 
 def _k_blocks(kind: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    assert k % 256 == 0, f"a {kind} row holds whole blocks of 256, not {k}"
     raw = rng.integers(0, 256, size=(n * (k // 256), _BYTES[kind]), dtype=np.uint8)
     for off, count in _K_SCALES[kind]:
         scales = (rng.random((raw.shape[0], count)) * 2e-3 + 1e-3).astype(np.float16)
         raw[:, off:off + 2 * count] = scales.view(np.uint8).reshape(raw.shape[0], 2 * count)
-    if kind in ("Q2_K", "Q4_K", "Q5_K"):  # 6- or 4-bit scales: keep them small so activations stay finite
-        pass
     return raw.reshape(n, -1)
 
 
@@ -85,12 +84,15 @@ def write_tiny_gguf(path: str | Path, arch: str, linear_type: str = "Q8_0", embe
     tokens = _byte_tokens()
     cfg.vocab_size = len(tokens)
     cfg.tie_word_embeddings = tied
+    if linear_type in _BYTES or embedding_type in _BYTES:  # K-quant rows are whole super-blocks of 256
+        cfg.hidden_size, cfg.intermediate_size, cfg.head_dim = 256, 512, 64
     cfg.bos_token_id, cfg.eos_token_id = 256, 260
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     g_arch = ARCH_NAMES[arch]
     names = {hf: g for g, hf in _hf_names(model, g_arch).items()}
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     w = gguf.GGUFWriter(str(path), g_arch, split_max_tensors=0 if split == 1 else -(-len(names) // split))
     pre = g_arch
     w.add_context_length(cfg.max_position_embeddings)

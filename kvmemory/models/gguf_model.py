@@ -108,7 +108,7 @@ def _check_first_panel(lin: GGUFLinear, raw: np.ndarray, kind: str, gguf_name: s
     d = lin.d[:1] if lin.d.numel() else lin.d
     m = lin.m[:1] if lin.m.numel() else lin.m
     got = qlinear.dequantize(lin.q[:1], d, m, lin.kind)
-    if not torch.equal(got.view(torch.int32), torch.from_numpy(np.ascontiguousarray(ref, dtype=np.float32)).view(torch.int32)):
+    if not torch.equal(got.view(torch.int32), torch.from_numpy(np.array(ref, dtype=np.float32)).view(torch.int32)):
         raise KVMemoryError(f"the kernel's expansion of {gguf_name} ({kind}) differs from gguf-py's: not used")
 
 
