@@ -151,3 +151,26 @@ def test_the_cli_remembers_and_answers_with_a_gguf_file(tmp_path):
                        capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     assert json.loads(r.stdout)["bit_identical"] >= 1
+
+
+def test_serve_answers_the_openai_api_with_a_gguf_file_and_caches_turn_one(tmp_path):
+    """`kvmemory serve --model FILE.gguf`: turn 2 of a chat reads turn 1's prompt from the store."""
+    from server_process import start_server
+
+    path = write_tiny_gguf(tmp_path / "m.gguf", "qwen2")[0]
+    srv = start_server(tmp_path / "serve", "--model", str(path), keys={"admin": "k-admin"})
+    try:
+        first = {"role": "user", "content": "The sea is deep and the world is wide. " * 8 + "Where is the sea?"}
+        with srv.client("k-admin") as c:
+            models = [m["id"] for m in c.get("/v1/models").json()["data"]]
+            assert str(path) in models
+            r1 = c.post("/v1/chat/completions", json={"model": "kvmemory", "messages": [first], "max_tokens": 4})
+            assert r1.status_code == 200, r1.text
+            n1 = r1.json()["usage"]["prompt_tokens"]
+            turn2 = [first, {"role": "assistant", "content": r1.json()["choices"][0]["message"]["content"]},
+                     {"role": "user", "content": "And the world?"}]
+            r2 = c.post("/v1/chat/completions", json={"model": "kvmemory", "messages": turn2, "max_tokens": 4})
+            assert r2.status_code == 200, r2.text
+            assert r2.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == n1
+    finally:
+        srv.stop()

