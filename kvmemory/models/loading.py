@@ -140,7 +140,7 @@ def embedded_gguf_file(em: embedded.Embedded) -> gguf_file.GGUFFile:
     return gguf_file.GGUFFile((target,))
 
 
-def _gguf_of(name: str) -> gguf_file.GGUFFile | None:
+def gguf_of(name: str) -> gguf_file.GGUFFile | None:
     """The GGUF file `name` loads from: a user's file, or an embedded model loaded from its blocks."""
     em = embedded.find(name)
     if em is not None:
@@ -152,7 +152,7 @@ def resolve_model_path(name_or_path: str = DEFAULT_MODEL) -> str:
     """Turn a model name into something `from_pretrained` can read, converting the default once (a GGUF
     file: the cache folder of its config and tokenizer, gguf_model.prepare)."""
     em = embedded.find(name_or_path)
-    gf = _gguf_of(name_or_path)
+    gf = gguf_of(name_or_path)
     if gf is not None:
         from kvmemory.models import gguf_model
 
@@ -341,7 +341,7 @@ def load_model(
     if linears not in LINEARS:
         raise InvalidInput(f"linears must be one of {', '.join(LINEARS)}, not {linears!r}")
     em = embedded.find(name_or_path)
-    gf = _gguf_of(name_or_path)
+    gf = gguf_of(name_or_path)
     if gf is not None:
         return _load_gguf(gf, name_or_path, dtype=dtype, attn_implementation=attn_implementation, device=device,
                           linears=linears, profile=profile)
