@@ -199,6 +199,34 @@ def test_a_cache_without_room_takes_the_cache_update_path():
     assert all(torch.equal(a.keys, b.keys) for a, b in zip(caches[0].layers, caches[1].layers))
 
 
+def test_a_qwen2_model_from_gguf_blocks_decodes_transformers_bits(tmp_path, monkeypatch):
+    """Qwen2 (biases on q/k/v, fused with their biases) from a GGUF file's blocks: the lean step's logits
+    and K/V are transformers' forward's, byte for byte; its biased linears keep the Python loop."""
+    from gguf_files import write_tiny_gguf
+
+    from kvmemory.models.loading import load_model
+
+    if native_qlinear() is None:
+        pytest.skip("the GGUF-block kernel does not run here")
+    monkeypatch.setenv("KVMEMORY_CACHE", str(tmp_path / "cache"))
+    path = write_tiny_gguf(tmp_path / "q.gguf", "qwen2", linear_type="Q8_0")[0]
+    model = load_model(str(path)).model
+    model.config.layer_types = ["full_attention"] * model.config.num_hidden_layers
+    runner = CanonicalRunner(model, chunk=16)
+    assert runner._lean_step is not None and all(f is not None and f.bias is not None for f in runner._lean_step.qkv)
+    assert runner._lean_step.c_layers is None
+    prompt = torch.randint(0, 272, (37,), generator=torch.Generator().manual_seed(1)).tolist()
+    _decode_both_ways(runner, prompt, steps=5)
+    for chunk in (16, 7):
+        _prefill_both_ways(runner, prompt, chunk)
+
+
+def native_qlinear():
+    from kvmemory.kernels import quantized_linear
+
+    return quantized_linear.load()
+
+
 def test_one_step_per_model():
     model = tiny_model("llama")
     assert CanonicalRunner(model)._lean_step is CanonicalRunner(model)._lean_step

@@ -103,8 +103,9 @@ def fuse(layers: list[GGUFLinear]) -> GGUFLinear:
     model's submodule: state_dict and the weights fingerprint do not see it."""
     first = layers[0]
     if any(not isinstance(l, GGUFLinear) or l.kind != first.kind or l.in_features != first.in_features
-           or l.bias is not None for l in layers):
-        raise ValueError("only bias-free GGUF-block linears of one block format and one input size fuse")
+           or (l.bias is None) != (first.bias is None) for l in layers):
+        raise ValueError("only GGUF-block linears of one block format, one input size and all with or all without "
+                         "a bias fuse")
     fmt = qlinear.decode_kind(first.kind)[0]
     empty = torch.empty(0, dtype=torch.float32)
     q = torch.cat([l.q for l in layers])
@@ -112,6 +113,8 @@ def fuse(layers: list[GGUFLinear]) -> GGUFLinear:
     m = torch.cat([l.m for l in layers]) if qlinear.has_min(first.kind) else empty
     shell = torch.nn.Linear(first.in_features, q.shape[0] * PANEL, bias=False, device="meta")
     fused = GGUFLinear(shell, first.kind, q, d, m)
+    if first.bias is not None:  # each output's bias added after its sum, as each layer adds its own
+        fused.bias = torch.nn.Parameter(torch.cat([l.bias.detach() for l in layers]), requires_grad=False)
     p = 0
     for l in layers:
         n = l.q.shape[0]

@@ -20,9 +20,11 @@ whatever the tensor's shape; `tests/test_llama_step.py` asserts the logits and t
 transformers' with `torch.equal`, for one token and for chunks of several). So it changes no result
 and no stored byte; it is on the compute path (the profile's `code_sha256`) all the same.
 
-Taken only where it is transformers' own `LlamaForCausalLM` (not a subclass), with the plain llama
-layout (no biases, SiLU MLP, full attention) and kvmemory's CPU attention (models/attention.py);
-everything else runs transformers' forward.
+Taken only where it is transformers' own `LlamaForCausalLM` or `Qwen2ForCausalLM` (not a subclass: Qwen2's
+layer is llama's with biases on q/k/v, which the projections' own forwards add, and an RMS norm whose
+forward is llama's, same source), with a SiLU MLP without bias, full attention in every layer and
+kvmemory's CPU attention (models/attention.py); everything else runs transformers' forward. A step whose
+linears carry a bias stays in the Python loop (the C layer loop adds none).
 """
 
 from __future__ import annotations
@@ -45,19 +47,23 @@ _ATTENTIONS = (attention.NAME, attention.FEWQ)
 def why_not(model: torch.nn.Module) -> str | None:
     """None where `LlamaLeanStep` computes `model`'s forward steps, else why not."""
     from transformers.models.llama.modeling_llama import LlamaForCausalLM, LlamaRMSNorm
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2ForCausalLM, Qwen2RMSNorm
 
     cfg = model.config
-    if type(model) is not LlamaForCausalLM:
-        return f"{type(model).__name__} is not transformers' LlamaForCausalLM"
+    if type(model) not in (LlamaForCausalLM, Qwen2ForCausalLM):
+        return f"{type(model).__name__} is not transformers' LlamaForCausalLM or Qwen2ForCausalLM"
     if cfg._attn_implementation not in _ATTENTIONS:
         return f"attention {cfg._attn_implementation!r} is not kvmemory's CPU attention"
-    if getattr(cfg, "attention_bias", False) or getattr(cfg, "mlp_bias", False) or cfg.hidden_act != "silu":
-        return "not the plain llama layout (biases, or an activation other than SiLU)"
+    if getattr(cfg, "mlp_bias", False) or cfg.hidden_act != "silu":
+        return "not the llama MLP (a bias, or an activation other than SiLU)"
     if any(t != "full_attention" for t in (getattr(cfg, "layer_types", None) or ["full_attention"])):
         return "sliding-window layers"
+    norms = (LlamaRMSNorm, Qwen2RMSNorm)  # the same forward (source), which decode_ops.norm_into computes
     for layer in model.model.layers:
-        if type(layer.input_layernorm) is not LlamaRMSNorm or type(layer.post_attention_layernorm) is not LlamaRMSNorm:
+        if type(layer.input_layernorm) not in norms or type(layer.post_attention_layernorm) not in norms:
             return "a norm other than LlamaRMSNorm"
+    if type(model.model.norm) not in norms:
+        return "a final norm other than LlamaRMSNorm"
     return None
 
 
@@ -68,6 +74,15 @@ def for_model(model: torch.nn.Module) -> LlamaLeanStep | None:
     if step is None and why_not(model) is None:
         step = model.__dict__["_kvmemory_lean_step"] = LlamaLeanStep(model)
     return step
+
+
+def _fused(layers: list) -> gguf_linear.GGUFLinear | None:
+    """The layers in one kernel call (gguf_linear.fuse), or None where they do not fuse (other kinds of
+    linears, other block formats: each then computes in its own call)."""
+    try:
+        return gguf_linear.fuse(layers)
+    except ValueError:
+        return None
 
 
 class LlamaLeanStep:
@@ -92,12 +107,8 @@ class LlamaLeanStep:
         self.qkv, self.gate_up = [], []
         for layer in self.layers:
             a, mlp = layer.self_attn, layer.mlp
-            try:
-                self.qkv.append(gguf_linear.fuse([a.q_proj, a.k_proj, a.v_proj]))
-                self.gate_up.append(gguf_linear.fuse([mlp.gate_proj, mlp.up_proj]))
-            except ValueError:
-                self.qkv.append(None)
-                self.gate_up.append(None)
+            self.qkv.append(_fused([a.q_proj, a.k_proj, a.v_proj]))
+            self.gate_up.append(_fused([mlp.gate_proj, mlp.up_proj]))
         self.kernel, self.width = self._decode_kernel()
         self.c_layers = self._c_layers()
 
@@ -116,8 +127,8 @@ class LlamaLeanStep:
             return None
 
         def linear(l) -> decode_ops.Linear | None:
-            if not isinstance(l, gguf_linear.GGUFLinear) or l._fn is None:
-                return None
+            if not isinstance(l, gguf_linear.GGUFLinear) or l._fn is None or l.bias is not None:
+                return None  # the C loop adds no bias
             d, m = l.pointers()
             return decode_ops.Linear(l.kind, l.q.data_ptr(), d, m, l.q.shape[0], l.in_features)
 
