@@ -325,8 +325,20 @@ def bench_gguf(args) -> int:
     _quiet_transformers()
     from kvmemory.bench.gguf import DEFAULT_LENGTHS, format_table, run_gguf_bench
 
-    r = run_gguf_bench(args.model, lengths=args.lengths or DEFAULT_LENGTHS, repeats=args.repeats, threads=args.threads,
-                       llama=not args.no_llamacpp, progress=_progress(args))
+    if args.synthetic is None:
+        r = run_gguf_bench(args.model, lengths=args.lengths or DEFAULT_LENGTHS, repeats=args.repeats,
+                           threads=args.threads, llama=not args.no_llamacpp, progress=_progress(args))
+    else:  # a random-weight file of a real model's shape, written for this run and removed after it
+        import tempfile
+
+        from kvmemory.bench import synthetic_gguf
+
+        with tempfile.TemporaryDirectory(prefix="kvmemory-synthetic-") as tmp:
+            _note(args, f"writing a random {args.synthetic} Q4_K_M file")
+            path = synthetic_gguf.write(Path(tmp) / f"random-{args.synthetic}-q4_k_m.gguf", args.synthetic)
+            r = run_gguf_bench(str(path), lengths=args.lengths or DEFAULT_LENGTHS, repeats=args.repeats,
+                               threads=args.threads, llama=not args.no_llamacpp, progress=_progress(args))
+            r["synthetic"] = args.synthetic
     _emit(args, r, format_table(r))
     return 0
 
@@ -1207,6 +1219,9 @@ def _bench_parsers(bench: argparse.ArgumentParser) -> None:
     gg.add_argument("--repeats", type=_count(), default=3, help="interleaved runs of every side (default: %(default)s)")
     gg.add_argument("--threads", type=_count(), default=2, help="threads, both sides (default: %(default)s)")
     gg.add_argument("--no-llamacpp", action="store_true", help="leave out llama.cpp")
+    gg.add_argument("--synthetic", choices=["llama-3.1-8b", "llama-3.2-1b", "tiny"], default=None,
+                    help="instead of --model: a random-weight Q4_K_M file of this shape, written for the run "
+                         "(bench/synthetic_gguf.py; 4.9 GB for llama-3.1-8b)")
     gg.set_defaults(func=bench_gguf)
 
     gp = _command(sub, "gpu", "time to first token on a GPU: the graft vs transformers' single pass, the recompute, "

@@ -17,38 +17,22 @@ import numpy as np
 import torch
 from tiny_models import tiny_config
 
+from kvmemory.bench import synthetic_gguf
+
 ARCH_NAMES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
               "gemma3": "gemma3", "phi3": "phi3"}  # llama.cpp writes Mistral models as its llama architecture
-_K_SCALES = {"Q2_K": [(80, 2)], "Q3_K": [(108, 1)], "Q4_K": [(0, 2)], "Q5_K": [(0, 2)], "Q6_K": [(208, 1)]}
-_BYTES = {"Q2_K": 84, "Q3_K": 110, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+_K_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")  # random blocks (gguf-py cannot quantize them)
 MERGES = ["Ġ t", "h e", "Ġ a"]
 TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
             "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
 
 def _byte_tokens() -> list[str]:
-    """GPT-2's byte-level alphabet (256 symbols), then specials: 272 tokens, whole panels of 16."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs, n = bs[:], 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    by_byte = dict(zip(bs, cs))
+    """GPT-2's byte-level alphabet, then specials and merged tokens: 272 tokens, whole panels of 16."""
     specials = ["<|endoftext|>", "<|user|>", "<|assistant|>", "<|system|>", "<|end|>"]
     merged = ["".join(m.split(" ")) for m in MERGES]
-    return [chr(by_byte[b]) for b in range(256)] + specials + merged + [
+    return synthetic_gguf.byte_alphabet() + specials + merged + [
         f"<|x{i}|>" for i in range(16 - len(specials) - len(merged))]
-
-
-def _k_blocks(kind: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
-    assert k % 256 == 0, f"a {kind} row holds whole blocks of 256, not {k}"
-    raw = rng.integers(0, 256, size=(n * (k // 256), _BYTES[kind]), dtype=np.uint8)
-    for off, count in _K_SCALES[kind]:
-        scales = (rng.random((raw.shape[0], count)) * 2e-3 + 1e-3).astype(np.float16)
-        raw[:, off:off + 2 * count] = scales.view(np.uint8).reshape(raw.shape[0], 2 * count)
-    return raw.reshape(n, -1)
 
 
 def _encode(kind: str, w: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, object]:
@@ -60,8 +44,8 @@ def _encode(kind: str, w: np.ndarray, rng: np.random.Generator) -> tuple[np.ndar
         return w, None
     if kind == "F16":
         return w.astype(np.float16), None
-    if kind in _BYTES:
-        return _k_blocks(kind, w.shape[0], w.shape[1], rng), qtype
+    if kind in _K_TYPES:
+        return synthetic_gguf.random_k_blocks(kind, w.shape[0], w.shape[1], rng), qtype
     return quants.quantize(w, qtype), qtype
 
 
@@ -84,7 +68,7 @@ def write_tiny_gguf(path: str | Path, arch: str, linear_type: str = "Q8_0", embe
     tokens = _byte_tokens()
     cfg.vocab_size = len(tokens)
     cfg.tie_word_embeddings = tied
-    if linear_type in _BYTES or embedding_type in _BYTES:  # K-quant rows are whole super-blocks of 256
+    if linear_type in _K_TYPES or embedding_type in _K_TYPES:  # K-quant rows are whole super-blocks of 256
         cfg.hidden_size, cfg.intermediate_size, cfg.head_dim = 256, 512, 64
     cfg.bos_token_id, cfg.eos_token_id = 256, 260
     torch.manual_seed(seed)

@@ -174,3 +174,17 @@ def test_serve_answers_the_openai_api_with_a_gguf_file_and_caches_turn_one(tmp_p
             assert r2.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == n1
     finally:
         srv.stop()
+
+
+def test_bench_gguf_runs_on_a_synthetic_file(tmp_path):
+    """`kvmemory bench gguf --synthetic tiny`: writes the file, measures every kvmemory side, says why
+    llama.cpp was left out, and reports the floor and resident memory."""
+    env = {**os.environ, "KVMEMORY_CACHE": str(tmp_path / "cache")}
+    r = subprocess.run([sys.executable, "-m", "kvmemory.cli", "bench", "gguf", "--synthetic", "tiny", "--lengths",
+                        "64", "--repeats", "1", "--no-llamacpp", "--json"], capture_output=True, text=True, env=env,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rep = json.loads(r.stdout)
+    assert rep["synthetic"] == "tiny" and rep["llamacpp_skipped"]
+    assert rep["kvmemory"]["decode_tokens_s"]["median"] > 0 and rep["kvmemory"]["64"]["graft_ttft_s"]["median"] > 0
+    assert rep["panel_bytes"] > 0 and rep["decode_floor_tokens_s"] > 0 and rep["file_bytes"] > 0
