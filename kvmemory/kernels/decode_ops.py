@@ -44,7 +44,7 @@ def _declare(lib: ctypes.CDLL) -> None:
 class Linear(ctypes.Structure):
     """csrc/decode_ops.cpp's KvmLinear: a GGUF-block linear's kernel arguments."""
     _fields_ = [("kind", ctypes.c_int64), ("q", ctypes.c_void_p), ("d", ctypes.c_void_p), ("m", ctypes.c_void_p),
-                ("panels", ctypes.c_int64), ("in_features", ctypes.c_int64)]
+                ("panels", ctypes.c_int64), ("in_features", ctypes.c_int64), ("bias", ctypes.c_void_p)]
 
 
 class Layer(ctypes.Structure):

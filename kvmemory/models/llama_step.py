@@ -23,8 +23,8 @@ and no stored byte; it is on the compute path (the profile's `code_sha256`) all 
 Taken only where it is transformers' own `LlamaForCausalLM` or `Qwen2ForCausalLM` (not a subclass: Qwen2's
 layer is llama's with biases on q/k/v, which the projections' own forwards add, and an RMS norm whose
 forward is llama's, same source), with a SiLU MLP without bias, full attention in every layer and
-kvmemory's CPU attention (models/attention.py); everything else runs transformers' forward. A step whose
-linears carry a bias stays in the Python loop (the C layer loop adds none).
+kvmemory's CPU attention (models/attention.py); everything else runs transformers' forward. The C layer
+loop adds a linear's bias as its forward does (one rounded add per output, after the sum).
 """
 
 from __future__ import annotations
@@ -127,10 +127,11 @@ class LlamaLeanStep:
             return None
 
         def linear(l) -> decode_ops.Linear | None:
-            if not isinstance(l, gguf_linear.GGUFLinear) or l._fn is None or l.bias is not None:
-                return None  # the C loop adds no bias
+            if not isinstance(l, gguf_linear.GGUFLinear) or l._fn is None:
+                return None
             d, m = l.pointers()
-            return decode_ops.Linear(l.kind, l.q.data_ptr(), d, m, l.q.shape[0], l.in_features)
+            bias = l.bias.data_ptr() if l.bias is not None else None  # added after each sum, as forward adds it
+            return decode_ops.Linear(l.kind, l.q.data_ptr(), d, m, l.q.shape[0], l.in_features, bias)
 
         out = []
         for i, layer in enumerate(self.layers):

@@ -121,10 +121,11 @@ using AttendFn = int (*)(int q_dtype, int kv_dtype, const void* q, const void* k
 struct KvmLinear {
     int64_t kind;
     const void* q;
-    const float* d;
-    const float* m;  // null for Q8_0
+    const float* d;  // null for F32 panels
+    const float* m;  // null for formats without a minimum
     int64_t panels;
     int64_t in_features;
+    const float* bias;  // [panels * 16] added to each output after its sum (Qwen2's q/k/v), or null
 };
 
 // What does not change between steps: a layer's norms and linears.
@@ -163,8 +164,14 @@ int64_t layer_scratch_floats(const KvmStep& s) {
 }
 
 int run_linear(const KvmStep& s, const KvmLinear& l, const float* x, float* y) {
-    return s.linear(static_cast<int>(l.kind), x, s.T, l.q, l.d, l.m, l.panels, l.in_features, y,
-                    static_cast<int>(s.threads));
+    const int rc = s.linear(static_cast<int>(l.kind), x, s.T, l.q, l.d, l.m, l.panels, l.in_features, y,
+                            static_cast<int>(s.threads));
+    if (rc == 0 && l.bias != nullptr) {  // torch's y.add_(bias): one rounded add per output (gguf_linear.py)
+        const int64_t N = l.panels * 16;
+        for (int64_t t = 0; t < s.T; ++t)
+            for (int64_t n = 0; n < N; ++n) y[t * N + n] = y[t * N + n] + l.bias[n];
+    }
+    return rc;
 }
 
 }  // namespace
@@ -173,7 +180,7 @@ int run_linear(const KvmStep& s, const KvmLinear& l, const float* x, float* y) {
 extern "C" {
 
 // The version of the calling convention below; decode_ops.py refuses a library of another.
-int kvm_decode_abi_version() { return 2; }
+int kvm_decode_abi_version() { return 3; }
 
 // For each of `rows` rows of n floats: h += delta where delta is not null (the residual add, in place),
 // then out = the RMS norm of h with weight w. `sq` is n floats of scratch (h * h). Returns 0, or -2 for
