@@ -196,12 +196,13 @@ def run_llamaindex(q: ToolQuestion, llm, max_calls: int) -> AgentRun:
 
 # ---------------------------------------------------------------------- the bench
 def run_bench(questions: Sequence[ToolQuestion], frameworks: Sequence[str] = FRAMEWORKS, *, max_calls: int = 6,
-              store: str | None = None, progress: bool = True) -> list[AgentRun]:
-    """Every question through every framework's agent, on one shared model and an empty store."""
+              store: str | None = None, progress: bool = True, model: str | None = None) -> list[AgentRun]:
+    """Every question through every framework's agent, on one shared model (`model`: the default's, or
+    any `--model` value, a GGUF file included) and an empty store."""
     from kvmemory.memory.facade import KVMemory
 
     store = store or tempfile.mkdtemp(prefix="kvmemory-bench-agents-")
-    mem = KVMemory(store=store)
+    mem = KVMemory(store=store, **({"model": model} if model else {}))
     runs = []
     llms = {}
     if "langchain" in frameworks:
@@ -279,14 +280,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="model calls an agent may make before it counts as looping (default 6)")
     p.add_argument("--only", type=int, nargs="*", help="1-based indices of the questions to run")
     p.add_argument("--json", action="store_true", help="print every run as JSON instead of the table")
+    p.add_argument("--model", default=None, help="the model (default: the embedded default); e.g. "
+                   "embedded:qwen2.5-coder-1.5b-instruct or a GGUF file")
     args = p.parse_args(argv)
     qs = list(SETS[args.set])
     if args.only:
         qs = [qs[i - 1] for i in args.only]
     frameworks = FRAMEWORKS if args.framework == "both" else (args.framework,)
-    runs = run_bench(qs, frameworks, max_calls=args.max_calls)
+    runs = run_bench(qs, frameworks, max_calls=args.max_calls, model=args.model)
     if args.json:
         print(json.dumps({"set": args.set, "max_calls": args.max_calls, "code": _code_version(),
+                          "model": args.model or "embedded",
                           "runs": [r.to_json() for r in runs]}, indent=1, ensure_ascii=False))
     else:
         print(format_table(runs))
