@@ -188,3 +188,15 @@ def test_bench_gguf_runs_on_a_synthetic_file(tmp_path):
     assert rep["synthetic"] == "tiny" and rep["llamacpp_skipped"]
     assert rep["kvmemory"]["decode_tokens_s"]["median"] > 0 and rep["kvmemory"]["64"]["graft_ttft_s"]["median"] > 0
     assert rep["panel_bytes"] > 0 and rep["decode_floor_tokens_s"] > 0 and rep["file_bytes"] > 0
+
+
+def test_the_langchain_chat_model_runs_a_gguf_file(tmp_path):
+    """`ChatKVGraft(model_name=FILE.gguf)`: LangChain's chat model on a user's GGUF file."""
+    pytest.importorskip("langchain_kvmemory")
+    from langchain_kvmemory import ChatKVGraft
+
+    path = write_tiny_gguf(tmp_path / "m.gguf", "llama")[0]
+    chat = ChatKVGraft(model_name=str(path), store=str(tmp_path / "store"), max_tokens=3)
+    out = chat.invoke("Hello there, the world")
+    assert isinstance(out.content, str)
+    assert out.response_metadata["kvmemory"]["tokens_decoded"] >= 1
