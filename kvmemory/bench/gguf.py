@@ -8,7 +8,10 @@ On the same file and the same threads, every side repeated (`repeats`, interleav
   restore (`llama_state_load_file` of the L tokens, then the same 16 tokens);
 - resident memory of the loaded model (the process's RSS after loading minus before), against the file's size;
 - the decode floor: the bytes of weights a decode step reads (kvmemory's panels) over the machine's
-  measured read bandwidth (the same threads), i.e. the fastest a step that streams them could be.
+  measured read bandwidth (the same threads), i.e. the fastest a step that streams them could be;
+- fidelity against llama.cpp: both sides' logits for the same 128 tokens (KL, argmax agreement). They
+  differ by design: llama.cpp quantizes activations to 8 bits for its dot products, kvmemory computes in
+  float32 from the exact weights.
 llama.cpp's sides are skipped, and say why, where llama-cpp-python is not installed.
 """
 
@@ -155,10 +158,30 @@ def run_gguf_bench(model: str, *, lengths=DEFAULT_LENGTHS, repeats: int = 3, thr
                 lrow["graft_vs_restore"] = lrow["restore_ttft_s"]["median"] / row["graft_ttft_s"]["median"]
                 report["llamacpp"][str(L)] = lrow
         bar.close()
+        if llm is not None:
+            report["fidelity_vs_llamacpp"] = fidelity(eng, str(gf.path), _prompt(tok, 128), threads)
         if l_dec:
             report["decode_vs_llamacpp"] = (report["kvmemory"]["decode_tokens_s"]["median"]
                                             / report["llamacpp"]["decode_tokens_s"]["median"])
         return report
+
+
+def fidelity(eng, gguf: str, ids: list[int], threads: int) -> dict:
+    """kvmemory's logits (canonical recompute) against llama.cpp's on the same file and tokens: KL divergence
+    per position (kvmemory's distribution as the reference), argmax agreement, max |logit difference|."""
+    from llama_cpp import Llama
+    import numpy as np
+
+    llm = Llama(model_path=gguf, n_ctx=len(ids) + 16, n_threads=threads, n_threads_batch=threads, n_batch=512,
+                verbose=False, logits_all=True)
+    llm.eval(ids)
+    theirs = torch.from_numpy(np.array(llm.scores[: len(ids)], dtype=np.float32))
+    mine = eng.recompute(ids, keep_logits=True).prefill_logits.to(torch.float32)
+    p, q = torch.log_softmax(mine, -1), torch.log_softmax(theirs, -1)
+    kl = (p.exp() * (p - q)).sum(-1)
+    return {"tokens": len(ids), "kl_mean": float(kl.mean()), "kl_max": float(kl.max()),
+            "argmax_agreement": float((mine.argmax(-1) == theirs.argmax(-1)).float().mean()),
+            "max_abs_logit_diff": float((mine - theirs).abs().max())}
 
 
 def _cpu_name() -> str:
@@ -190,6 +213,10 @@ def format_table(r: dict) -> str:
                      f"{x['restore_ttft_s']['median'] * 1e3:.0f} ms; graft {x['graft_vs_prefill']:.0f}x its prefill, "
                      f"{x['graft_vs_restore']:.2f}x its restore")
         lines.append(line)
+    if r.get("fidelity_vs_llamacpp"):
+        f = r["fidelity_vs_llamacpp"]
+        lines.append(f"fidelity vs llama.cpp over {f['tokens']} tokens: KL mean {f['kl_mean']:.2e}, max {f['kl_max']:.2e}; "
+                     f"argmax agreement {f['argmax_agreement'] * 100:.1f} %")
     if r.get("llamacpp_skipped"):
         lines.append(f"llama.cpp: skipped ({r['llamacpp_skipped']})")
     return "\n".join(lines)
