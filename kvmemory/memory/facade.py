@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from kvmemory.errors import IntegrityError, InvalidInput, KVMemoryError, UnknownEntry, VerificationFailed
 from kvmemory.engine.engine import Engine, VerifyReport
 from kvmemory.models.loading import DEFAULT_MODEL
-from kvmemory.memory import answers, choices as choice_list, notes, routing, writes
+from kvmemory.memory import answers, choices as choice_list, notes, router_feed, routing, writes
 from kvmemory.memory.answers import DEFAULT_CONTRAST, DEFAULT_PRIOR, Answer  # noqa: F401 - re-exported
 from kvmemory.memory.background import PendingWrite, Writer
 from kvmemory.memory.filters import check_where
@@ -169,6 +169,8 @@ class KVMemory:
         self._writer = Writer()
         self._pending: dict[str, PendingWrite] = {}
         self._warned_namespaces: set[str] = set()
+        # Where this process's router stands in the store's change feed (memory/router_feed.py)
+        self._feed = router_feed.FeedCursor()
         # Every entry an answer uses is checked against itself first (cached per entry version)
         self.checks = EntryChecks(engine)
 
@@ -772,37 +774,16 @@ class KVMemory:
         return ChatPrompt(layout.ids, hits, store_new, layout.cuts, refused)
 
     def sync_router(self, namespace: str) -> int:
-        """Route entries another process or machine remembered into this one's (local) router, and
-        drop routes to entries that are gone. The catalogue is the truth; the router is its index."""
-        stored = set(self.store.entry_ids(namespace))
-        routed = {r.entry_id for r in self.router.rows(namespace)}
-        if not self.router.writable:
-            # A read-only store is read, never written: routes to forgotten entries are skipped by
-            # recall anyway; entries the router lacks cannot be routed, and the caller is told so.
-            unrouted = sorted(stored - routed)
-            once = f"{namespace}\x00unrouted"  # its own key: a namespace never holds a NUL
-            if unrouted and once not in self._warned_namespaces:
-                self._warned_namespaces.add(once)
-                _log.warning("%d entries of namespace %r are not in the router, whose folder %s is read-only: "
-                             "recall cannot find them until `kvmemory reindex` runs where the store is writable",
-                             len(unrouted), namespace, self.router.folder)
-            return 0
-        changed = 0
-        for eid in routed - stored:
-            if eid in self._pending:
-                continue  # remembered with remember_later: routed before its KV is committed
-            if self._lost(eid):
-                continue  # recorded but missing from a damaged catalogue: `recall` names it, fsck brings it back
-            self.router.delete(eid)
-            changed += 1
-        for eid in sorted(stored - routed):
-            try:
-                e = self.store.get_entry(eid, namespace)
-            except KVMemoryError:  # refused (unsigned / forged in a shared store): never routed
-                continue
-            self.router.update(e.id, e.namespace, [e.problem, *e.meta.get("aliases", [])])
-            changed += 1
-        return changed
+        """Route entries another process or server remembered into this one's router, and drop routes to
+        entries that are gone: the records of the store's change feed newer than the last one applied
+        (memory/router_feed.py; one cheap read when nothing changed), and a full resync the first time
+        a namespace is searched or when the feed has a gap. Returns how many entries changed."""
+        return router_feed.follow(self, namespace)
+
+    def resync_router(self, namespace: str) -> int:
+        """`sync_router` by listing the namespace's entries against the router's (O(entries)): the
+        catalogue is the truth; the router is its index."""
+        return router_feed.resync(self, namespace)
 
     def _lost(self, entry_id: str) -> bool:
         """An entry the catalogue lacks while its record is still there (lost by damage, not forgotten)."""

@@ -652,6 +652,10 @@ class Router:
         """Replace the texts (and possibly the namespace) of `entry_id`; adds it when it is new."""
         self._put([(entry_id, namespace, texts)], replace=True, progress=progress)
 
+    def update_many(self, items: Iterable[tuple[str, str, Sequence[str]]], *, progress: bool | None = None) -> int:
+        """`update` of several entries with one embedding pass and one commit; returns how many."""
+        return self._put(items, replace=True, progress=progress)
+
     def _put(self, items: Iterable[tuple[str, str, Sequence[str]]], *, replace: bool, progress: bool | None) -> int:
         checked: list[tuple[str, str, list[str]]] = []
         seen: set[str] = set()
@@ -697,6 +701,19 @@ class Router:
                 return False
             self._remove(entry_id)
             return True
+
+    def delete_many(self, entry_ids: Iterable[str]) -> int:
+        """Stop routing to several entries in one commit; returns how many were routed."""
+        ids = [_check_entry_id(e) for e in entry_ids]
+        if not ids:
+            return 0
+        with self._writing():
+            n = 0
+            for entry_id in dict.fromkeys(ids):
+                if entry_id in self._entry_ns:
+                    self._remove(entry_id)
+                    n += 1
+            return n
 
     def delete_namespace(self, namespace: str) -> int:
         """Remove every entry of `namespace`; returns how many there were."""
