@@ -645,7 +645,7 @@ class KVMemory:
                on_text=None, use_memory: bool = True, answer_prefix: str | None = None,
                choices: str | Sequence[str] | None = None, choice_end: str = ".",
                contrast: float = DEFAULT_CONTRAST, prior: float = DEFAULT_PRIOR, where: dict | None = None,
-               number_threshold: float | None = None) -> Answer:
+               number_threshold: float | None = None, nothing_to_choose: str = "return") -> Answer:
         """Route `query`, put the best entries before it, graft the longest stored chain, decode.
         `where` routes only to entries whose metadata matches (as in `recall`). Routing checks the
         numbers (`number_check`): an entry whose problem writes other numbers than the question is
@@ -663,8 +663,11 @@ class KVMemory:
         is the answer. `choices="numbers"` offers every number written in the routed entries'
         verified solutions (inputs, intermediate results, answers): a small model that reads the
         solution well but strays while writing (an expression, a number copied from the question)
-        is kept to what the solution established. With no entry routed there is nothing to offer,
-        and the model decodes freely (`Answer.choices` is then empty). With entries in context each
+        is kept to what the solution established. With no entry routed (or none writing a number)
+        there is nothing to offer: `nothing_to_choose="return"` (default) returns at once, no model
+        time, `Answer.outcome` "nothing_routed" (or "no_choices") and a `reason`; "decode" lets the
+        model answer alone, capped to a sentence, flagged `outcome="model_alone"` (memory/answers.py).
+        `Answer.source` says where every answer came from: "memory", "note", "model" or "none". With entries in context each
         choice's score is contrasted: `contrast` times its log-likelihood after the question alone
         (no memory) is subtracted, so a number the model favours only because the question wrote it
         does not win (Li et al. 2023, contrastive decoding; 0.5 was chosen on one seed of `kvmemory
@@ -684,7 +687,8 @@ class KVMemory:
                           number_threshold=number_threshold, where=where, refused=refused) if use_memory else []
         ans = self.answer_from(query, hits, max_new_tokens=max_new_tokens, sampling=sampling, stop=stop,
                                on_text=on_text, answer_prefix=answer_prefix, choices=choices,
-                               choice_end=choice_end, contrast=contrast, prior=prior)
+                               choice_end=choice_end, contrast=contrast, prior=prior,
+                               nothing_to_choose=nothing_to_choose)
         ans.refused = refused + ans.refused
         return ans
 
@@ -692,12 +696,14 @@ class KVMemory:
                     sampling: Sampling = GREEDY, stop: Sequence[str] = (), on_text=None,
                     answer_prefix: str | None = None, choices: str | Sequence[str] | None = None,
                     choice_end: str = ".", contrast: float = DEFAULT_CONTRAST,
-                    prior: float = DEFAULT_PRIOR) -> Answer:
+                    prior: float = DEFAULT_PRIOR, nothing_to_choose: str = "return") -> Answer:
         """`answer` after routing: answer `query` from these routed entries (e.g. the ones a framework's
         retriever returned), the first one's KV grafted; the options are `answer`'s. An entry that does not
         check against itself is left out and named in `Answer.refused`."""
         query = _check_text("query", query)
         check_answer_options(max_new_tokens=max_new_tokens, choices=choices, contrast=contrast, prior=prior)
+        if nothing_to_choose not in answers.NOTHING_TO_CHOOSE:
+            raise InvalidInput(f"nothing_to_choose must be one of {answers.NOTHING_TO_CHOOSE}, got {nothing_to_choose!r}")
         refused: list[dict] = []
         kept = []
         for h in hits:
@@ -709,13 +715,13 @@ class KVMemory:
         hits = kept
         ans = self._answer_from(query, hits, max_new_tokens=max_new_tokens, sampling=sampling, stop=stop,
                                 on_text=on_text, answer_prefix=answer_prefix, choices=choices, choice_end=choice_end,
-                                contrast=contrast, prior=prior)
+                                contrast=contrast, prior=prior, nothing_to_choose=nothing_to_choose)
         ans.refused = refused
         return ans
 
     def _answer_from(self, query: str, hits: Sequence[Recalled], *, max_new_tokens: int, sampling: Sampling,
                      stop: Sequence[str], on_text, answer_prefix: str | None, choices, choice_end: str,
-                     contrast: float, prior: float) -> Answer:
+                     contrast: float, prior: float, nothing_to_choose: str = "return") -> Answer:
         entries = [h.entry for h in hits]
         for e in entries:
             self.engine.require_profile(e.profile_id, f"entry {e.id}'s blocks")
@@ -724,11 +730,22 @@ class KVMemory:
         offered = choice_list.offered(choices, entries)
         if offered:
             return answers.choose(self, prompt, offered, choice_end, answer_prefix, hits, query, contrast, prior)
+        capped = choices is not None  # nothing to choose among: never a silent free decode (memory/answers.py)
+        if capped and nothing_to_choose == "return":
+            return answers.nothing_to_choose(hits)
+        if capped:
+            stop = [*stop, "\n"]
+            max_new_tokens = min(max_new_tokens, answers.SENTENCE_TOKENS)
         ans = self.generate(prompt.ids, max_new_tokens=max_new_tokens, sampling=sampling, stop=stop,
                             store_new_blocks=store_new, entries=entries, scores=[h.score for h in hits],
                             on_text=on_text, cuts=prompt.cuts)
         if answer_prefix:
             ans.text = f"{answer_prefix.strip()} {ans.text}".strip()
+        if capped:
+            ans.outcome = answers.MODEL_ALONE
+            ans.reason = ("nothing to choose among (" + ("no entry routed" if not entries else "the routed entries "
+                          "write no number") + f"): the model's own answer, capped to a sentence "
+                          f"({answers.SENTENCE_TOKENS} tokens, a line end)")
         return ans
 
     def chat(self, messages: Sequence[dict], *, route: bool = True, k: int = 1, namespace: str | None = None,
