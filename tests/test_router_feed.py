@@ -113,3 +113,18 @@ def test_a_redis_outage_searches_the_router_as_it_is(smollm, tmp_path, srv, monk
     monkeypatch.setattr(other.store, "feed_head", away)
     hits = other.recall(p.rewordings[0], k=1)  # served from the router and the tier, routes kept
     assert hits and hits[0].entry.id == e.id and e.id in other.router
+
+
+def test_changes_applied_in_memory_are_written_by_the_next_commit_or_counted_lost(tmp_path):
+    """Router.apply_unsaved: following a change costs no write of the whole index; the next commit
+    writes it; a reload of the folder (another process committed) drops it and says so."""
+    a = Router(tmp_path / "router")
+    a.add("e1", "default", ["Tom has 3 boxes of 12 apples; how many apples?"])
+    assert a.apply_unsaved([("e2", "default", ["A train leaves at 3 pm and travels 2 hours."])], ["e1"]) == 2
+    assert "e2" in a and "e1" not in a and "e2" not in Router(tmp_path / "router")  # not written yet
+    a.add("e3", "default", ["Ann reads 20 pages a day for 5 days."])  # the next commit writes them
+    fresh = Router(tmp_path / "router")
+    assert "e2" in fresh and "e1" not in fresh and "e3" in fresh
+    a.apply_unsaved([("e4", "default", ["A shop sells 7 pens at 2 dollars each."])], [])
+    fresh.delete("e3")  # another process commits to the folder: a's unsaved change is dropped, and counted
+    assert "e4" not in a and a.unsaved_lost == 1

@@ -4,8 +4,10 @@ Several processes on one local store, or servers on one Redis store, each route 
 Before a search, `follow` asks the store for its feed head (store/feed.py: one read). Nothing new:
 nothing else is read, whatever the store's size. Newer records: only the entries they name are read
 and routed again (their texts changed, or they are new) or dropped (forgotten), O(changes) and in one
-router commit. An entry this process routed itself comes back as a record too; its texts are already
-the router's, so it costs one catalogue read and no embedding.
+router change, made in memory (`Router.apply_unsaved`: writing the router's folder costs as much as
+the namespace is large; this process's next router commit writes them, and a reload of the folder
+that drops them makes the namespaces resync). An entry this process routed itself comes back as a
+record too; its texts are already the router's, so it costs one catalogue read and no embedding.
 
 A namespace is resynced in full from the catalogue (`resync`: its entry ids against the router's) the
 first time this process searches it, and again whenever the feed cannot say what changed: another feed
@@ -42,6 +44,7 @@ class FeedCursor:
     synced: set[str] = field(default_factory=set)
     lock: threading.Lock = field(default_factory=threading.Lock)
     outage_logged: bool = False
+    unsaved_lost: int = 0  # the router's count of reloads that dropped records applied in memory only
 
 
 def route_texts(entry) -> list[str]:
@@ -66,7 +69,11 @@ def follow(mem, namespace: str) -> int:
     if head is None:
         return resync(mem, namespace)
     changed = 0
+    router = mem.router
     with cur.lock:
+        lost = getattr(router, "unsaved_lost", 0)
+        if lost != cur.unsaved_lost:  # records applied in memory only were dropped by a reload of the folder
+            cur.unsaved_lost, cur.synced = lost, set()
         if head.feed_id != cur.feed_id or head.seq < cur.seq:
             cur.feed_id, cur.seq, cur.synced = head.feed_id, head.seq, set()
         elif head.seq > cur.seq:
@@ -120,8 +127,9 @@ def _apply(mem, changes) -> int:
         if router.namespace_of(eid) == entry.namespace and router.texts(eid) == texts:
             continue  # routed already (by this process, or by another sharing the router's folder)
         puts.append((eid, entry.namespace, texts))
-    n = router.update_many(puts) if puts else 0
-    return n + (router.delete_many(drops) if drops else 0)
+    # In memory only: writing the router's folder costs as much as the namespace is large; the next
+    # commit of this router writes them, and a restart resyncs whatever was not written.
+    return router.apply_unsaved(puts, drops) if (puts or drops) else 0
 
 
 def resync(mem, namespace: str) -> int:
