@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["FEED_KEEP", "Change", "FeedHead", "LOCAL_FEED_SCHEMA", "local_head", "local_changes"]
+__all__ = ["FEED_KEEP", "Change", "FeedHead", "LOCAL_FEED_ID", "LOCAL_FEED_SCHEMA", "local_head", "local_changes"]
 
 # Records kept; a reader further behind than this resyncs from the catalogue (it would anyway: reading
 # 100,000 changes costs about what listing the namespace does).
@@ -56,7 +56,6 @@ CREATE TABLE IF NOT EXISTS changes(
     entry_id TEXT NOT NULL,
     namespace TEXT NOT NULL
 );
-INSERT OR IGNORE INTO meta(key, value) VALUES('feed_id', lower(hex(randomblob(16))));
 CREATE TRIGGER IF NOT EXISTS changes_put AFTER INSERT ON entries BEGIN
     INSERT INTO changes(op, entry_id, namespace) VALUES('put', NEW.id, NEW.namespace);
 END;
@@ -70,6 +69,11 @@ CREATE TRIGGER IF NOT EXISTS changes_trim AFTER INSERT ON changes WHEN NEW.seq %
     DELETE FROM changes WHERE seq <= NEW.seq - {FEED_KEEP};
 END;
 """
+
+
+# The feed's id, given when a writable store opens (apart from the schema: a damaged catalogue must still
+# open for fsck, and this is a write).
+LOCAL_FEED_ID = "INSERT OR IGNORE INTO meta(key, value) VALUES('feed_id', lower(hex(randomblob(16))))"
 
 
 def local_head(q) -> FeedHead | None:

@@ -47,7 +47,7 @@ import torch
 
 from kvmemory.store import drops
 from kvmemory.store.blocks import BlockMeta, chain_hash, encode_header, read_header
-from kvmemory.store.feed import LOCAL_FEED_SCHEMA, Change, FeedHead, local_changes, local_head
+from kvmemory.store.feed import LOCAL_FEED_ID, LOCAL_FEED_SCHEMA, Change, FeedHead, local_changes, local_head
 from kvmemory.store.entries import EntryRecord, _is_hex64, entry_from_fields  # noqa: F401 (EntryRecord: re-exported)
 from kvmemory.store.records import RecordFolder, content_sha256, holds_data
 from kvmemory.errors import (CatalogueLost, IntegrityError, StoreError, StoreFormatError, StoreFull, StoreReadOnly,
@@ -277,6 +277,10 @@ class LocalStore:
                 self._db().executescript(_SCHEMA)  # idempotent; executescript manages its own transaction
             except sqlite3.Error as exc:
                 raise self._wrap(exc) from exc
+            try:
+                self._db().execute(LOCAL_FEED_ID)  # store/feed.py
+            except sqlite3.DatabaseError:
+                pass  # a damaged catalogue still opens: `kvmemory fsck` reports it, and readers resync
         elif not (self.path / "catalogue.sqlite").exists():
             raise StoreError(f"{self.path} is read-only and holds no catalogue")
 
