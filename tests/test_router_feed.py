@@ -128,3 +128,44 @@ def test_changes_applied_in_memory_are_written_by_the_next_commit_or_counted_los
     a.apply_unsaved([("e4", "default", ["A shop sells 7 pens at 2 dollars each."])], [])
     fresh.delete("e3")  # another process commits to the folder: a's unsaved change is dropped, and counted
     assert "e4" not in a and a.unsaved_lost == 1
+
+
+_CHILD = """
+import json, sys
+from kvmemory.bench.problems import generate_problems
+from kvmemory.engine.engine import Engine
+from kvmemory.memory.facade import KVMemory
+from kvmemory.models.loading import load_model
+from kvmemory.store.redis_store import RedisStore
+
+url, name, tier, forget = sys.argv[1:5]
+mem = KVMemory(Engine(load_model(), RedisStore(url, store=name, path=tier, signer="5f" * 32)))
+p = generate_problems(1, seed=51, rewordings=1)[0]
+e = mem.remember(p.text, p.solution, answer=str(p.answer), verifier="arithmetic")
+mem.forget(forget)
+print(json.dumps({"remembered": e.id}))
+"""
+
+
+def test_another_server_process_remembers_and_forgets(smollm, tmp_path, srv):
+    """Two processes on one Redis server (each its own tier and router): what the other process remembers
+    is routed here at the next recall, and what it forgets is dropped."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    name = f"feed{uuid.uuid4().hex[:8]}"
+    here = KVMemory(Engine(smollm, RedisStore(srv.url, store=name, path=tmp_path / "tier-here", signer=KEY)))
+    q, = generate_problems(1, seed=53, rewordings=1)
+    mine = here.remember(q.text, q.solution, answer=str(q.answer), verifier="arithmetic")
+    assert here.recall(q.rewordings[0], k=1)[0].entry.id == mine.id
+    out = subprocess.run([sys.executable, "-c", _CHILD, srv.url, name, str(tmp_path / "tier-there"), mine.id],
+                         capture_output=True, text=True, timeout=600, env=os.environ.copy())
+    assert out.returncode == 0, out.stderr[-3000:]
+    theirs = json.loads(out.stdout.strip().splitlines()[-1])["remembered"]
+    p, = generate_problems(1, seed=51, rewordings=1)
+    hits = here.recall(p.rewordings[0], k=1)
+    assert hits and hits[0].entry.id == theirs
+    assert all(h.entry.id != mine.id for h in here.recall(q.rewordings[0], k=5, threshold=0.0))
+    assert mine.id not in here.router
