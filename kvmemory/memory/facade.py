@@ -666,11 +666,11 @@ class KVMemory:
         is kept to what the solution established. With no entry routed (or none writing a number)
         there is nothing to offer: `nothing_to_choose="return"` (default) returns at once, no model
         time, `Answer.outcome` "nothing_routed" (or "no_choices") and a `reason`; "decode" lets the
-        model answer alone, capped to a sentence, flagged `outcome="model_alone"` (memory/answers.py).
-        `Answer.source` says where every answer came from: "memory", "note", "model" or "none". With entries in context each
-        choice's score is contrasted: `contrast` times its log-likelihood after the question alone
-        (no memory) is subtracted, so a number the model favours only because the question wrote it
-        does not win (Li et al. 2023, contrastive decoding; 0.5 was chosen on one seed of `kvmemory
+        model answer alone, capped to a sentence, flagged `outcome="model_alone"` (memory/answers.py);
+        `Answer.source` says where every answer came from ("memory", "note", "model" or "none").
+        With entries in context each choice's score is contrasted: `contrast` times its log-likelihood
+        after the question alone (no memory) is subtracted, so a number the model favours only because
+        the question wrote it does not win (Li et al. 2023, contrastive decoding; 0.5 was chosen on one seed of `kvmemory
         bench recurring` and held on four others: BENCHMARKS.md). 0 scores by likelihood alone.
         Then `prior` nats are added to the answer a routed entry verified (not to notes' or unverified
         entries' numbers): a question routed to a verified solution (its numbers checked) most often
