@@ -61,3 +61,17 @@ def test_crossover_and_end_to_end(result):
     for d in (e, e["one_thread"]):
         assert d["total_p50_ms"] >= d["embed_p50_ms"] and d["total_p99_ms"] >= d["embed_p99_ms"]
     assert e["one_thread"]["torch_threads"] == 1
+
+
+def test_recall_scaling_bench_runs_side_by_side():
+    """`python -m kvmemory.bench.router recall` in small: both sizes measured, the routed questions found,
+    a change made by another process applied (bench/router_recall.py; the figures are BENCHMARKS.md's)."""
+    from kvmemory.bench.router_recall import run_recall_scaling
+
+    r = run_recall_scaling(sizes=(10, 300), queries=8, progress=False)
+    assert json.loads(json.dumps(r)) == r
+    for n in ("10", "300"):
+        assert r[n]["entries"] == int(n) and r[n]["routed_found"] == 4
+        for kind in ("routed", "nowhere", "nowhere_listing_per_question"):
+            assert 0 < r[n][kind]["p50_ms"] <= r[n][kind]["p99_ms"]
+    assert set(r["ratio_p50"]) == {"routed", "nowhere", "nowhere_listing_per_question"}

@@ -95,6 +95,7 @@ def run_rewordings_bench(mem=None, *, which: str = "report", problems: int | Non
 
         def ask(q: str, tokens: int = budget):
             return mem.answer(q, answer_prefix=ANSWER_PREFIX, choices="numbers", max_new_tokens=tokens, stop=["\n"],
+                              nothing_to_choose="decode",
                               prior=prior)
 
         def chat_route(q: str) -> str | None:

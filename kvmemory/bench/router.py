@@ -9,7 +9,9 @@ at the largest size, adds embedding the question with the real embedder. `measur
 against HNSW at growing sizes; it is where `router.HNSW_THRESHOLD` comes from. `calibrate_threshold`
 is where `router.DEFAULT_THRESHOLD` comes from.
 
-Run as `python -m kvmemory.bench.router [bench|tiny|crossover|calibrate [--embedder NAME]]`; each prints JSON.
+Run as `python -m kvmemory.bench.router [bench|tiny|crossover|calibrate [--embedder NAME]|recall]`; each prints
+JSON. `recall` (bench/router_recall.py) times `KVMemory.recall` itself at 10 and 100,000 entries side by
+side: what the change feed makes constant (no listing of the namespace per question).
 
 Measured with `run_router_bench()` (defaults: 1000 queries, k=10, seed 0) on the shared 2-core
 development machine (no GPU, other jobs running: p99 figures include their interference), faiss-cpu,
@@ -428,6 +430,21 @@ def _calibrate_args(args: list[str]) -> dict[str, Any]:
             "threshold": a.threshold}
 
 
+def _recall_args(args: list[str]) -> dict[str, Any]:
+    """Options of `recall` (bench/router_recall.py)."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m kvmemory.bench.router recall",
+                                description="KVMemory.recall at two store sizes, side by side")
+    p.add_argument("--sizes", default="10,100000", help="the two sizes, comma separated (default: %(default)s)")
+    p.add_argument("--queries", type=int, default=200, help="questions per size (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1, help="torch threads for the embedder (default: %(default)s)")
+    a = p.parse_args(args)
+    return {"sizes": tuple(int(x) for x in a.sizes.split(",")), "queries": a.queries, "seed": a.seed,
+            "threads": a.threads}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     what = args[0] if args else "bench"
@@ -440,6 +457,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         out = measure_crossover(progress=True)
     elif what == "calibrate":
         out = calibrate_threshold(**_calibrate_args(args[1:]))
+    elif what == "recall":  # KVMemory.recall at 10 and 100,000 entries, side by side (bench/router_recall.py)
+        from kvmemory.bench.router_recall import run_recall_scaling
+
+        out = run_recall_scaling(**_recall_args(args[1:]))
     elif what == "_one":  # internal: one measurement in a fresh process (see _run_child)
         a = json.loads(args[1])
         out = _measure_one(a["kind"], a["n"], a["dim"], a["seed"], a["queries"], a["timed"], a["out_dir"],
@@ -447,7 +468,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(out))
         return 0
     else:
-        print("usage: python -m kvmemory.bench.router [bench|tiny|crossover|calibrate]", file=sys.stderr)
+        print("usage: python -m kvmemory.bench.router [bench|tiny|crossover|calibrate|recall]", file=sys.stderr)
         return 2
     print(json.dumps(out, indent=1))
     return 0

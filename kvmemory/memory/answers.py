@@ -5,6 +5,13 @@
 prompt (one batched forward, the routed entries grafted), contrasted with its likelihood after the
 question alone (`DEFAULT_CONTRAST`), and a routed verified entry's own answer starts `DEFAULT_PRIOR`
 nats ahead (memory/choices.py says which choices those are). `KVMemory.answer`'s docstring says why.
+
+Every answer says where it came from (`Answer.source`): "memory" (a routed solution was in context),
+"note" (only notes were), "model" (nothing routed: the model alone) or "none" (nothing was answered).
+`choices="numbers"` with nothing to choose among (no entry routed, or none writes a number) is not a
+silent free decode: it returns at once with `outcome` NOTHING_ROUTED or NO_CHOICES and a `reason`
+(`nothing_to_choose="return"`, the default), or the model's own answer capped to a sentence
+(`SENTENCE_TOKENS`, stopped at a line end) and flagged `outcome` MODEL_ALONE (`nothing_to_choose="decode"`).
 """
 
 from __future__ import annotations
@@ -24,6 +31,16 @@ DEFAULT_CONTRAST = 0.5
 # 0.5) with which every routed rewording and original of the calibration set is answered right
 # (bench/rewordings.py; BENCHMARKS.md "Routing rewordings").
 DEFAULT_PRIOR = 2.5
+
+# `Answer.outcome` when `choices` had nothing to choose among (None: the answer was chosen or decoded)
+NOTHING_ROUTED = "nothing_routed"  # no entry routed: no numbers to offer
+NO_CHOICES = "no_choices"  # entries routed, but their solutions write no number
+MODEL_ALONE = "model_alone"  # nothing_to_choose="decode": the model's own answer, capped to a sentence
+NOTHING_TO_CHOOSE = ("return", "decode")  # what `answer(nothing_to_choose=...)` takes
+# Tokens the model may decode for its own answer when there was nothing to choose among: a sentence.
+SENTENCE_TOKENS = 32
+# `Answer.source`
+SOURCES = ("memory", "note", "model", "none")
 
 
 @dataclass(slots=True)
@@ -45,10 +62,24 @@ class Answer:
     # or the route to them could not be trusted (memory/entry_check.py); the answer did without them.
     refused: list[dict] = field(default_factory=list)
     kinds: list[str] = field(default_factory=list)  # each used entry's kind: "solution" or "note" (memory/notes.py)
+    outcome: str | None = None  # NOTHING_ROUTED, NO_CHOICES or MODEL_ALONE (the module docstring); None otherwise
+    reason: str | None = None  # with an outcome: what happened and what to do
+
+    @property
+    def source(self) -> str:
+        """Where the answer came from: "memory", "note", "model" or "none" (the module docstring)."""
+        if self.outcome in (NOTHING_ROUTED, NO_CHOICES):
+            return "none"
+        if any(k != "note" for k in self.kinds):
+            return "memory"
+        return "note" if self.kinds else "model"
 
     def to_json(self) -> dict:
         return {
             "text": self.text,
+            "source": self.source,
+            "outcome": self.outcome,
+            "reason": self.reason,
             "refused": self.refused,
             "kinds": self.kinds,
             "choices": self.choices,
@@ -61,6 +92,25 @@ class Answer:
             "stopped_by": self.stopped_by,
             **self.report.to_json(),
         }
+
+
+def nothing_to_choose(hits: Sequence) -> Answer:
+    """The answer of `choices="numbers"` when there is nothing to choose among: returned at once, no model
+    time, with a typed `outcome` and a `reason` that says what to do."""
+    entries = [h.entry for h in hits]
+    if not entries:
+        outcome, reason = NOTHING_ROUTED, (
+            "no entry routed to the question, so there are no numbers to choose among and nothing was answered; "
+            "remember a solution to such a question, lower the threshold, or ask without choices= (or with "
+            "nothing_to_choose=\"decode\") for the model's own answer")
+    else:
+        outcome, reason = NO_CHOICES, (
+            "the routed entries' solutions write no number to choose among, so nothing was answered; ask "
+            "without choices= (or with nothing_to_choose=\"decode\") for an answer decoded from them")
+    return Answer(text="", token_ids=[], report=GraftReport(), entries=[e.id for e in entries],
+                  scores=[h.score for h in hits], attestations=[e.attestation.get("attestation_id", "") for e in entries],
+                  verified=[e.verified for e in entries], stopped_by="nothing_to_choose",
+                  kinds=[kind_of(e) for e in entries], outcome=outcome, reason=reason)
 
 
 def choose(mem, prompt: Layout, offered: list[str], end: str, answer_prefix: str | None,

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from kvmemory.errors import IntegrityError, InvalidInput, KVMemoryError, UnknownEntry, VerificationFailed
 from kvmemory.engine.engine import Engine, VerifyReport
 from kvmemory.models.loading import DEFAULT_MODEL
-from kvmemory.memory import answers, choices as choice_list, notes, routing, writes
+from kvmemory.memory import answers, choices as choice_list, notes, router_feed, routing, writes
 from kvmemory.memory.answers import DEFAULT_CONTRAST, DEFAULT_PRIOR, Answer  # noqa: F401 - re-exported
 from kvmemory.memory.background import PendingWrite, Writer
 from kvmemory.memory.filters import check_where
@@ -169,6 +169,8 @@ class KVMemory:
         self._writer = Writer()
         self._pending: dict[str, PendingWrite] = {}
         self._warned_namespaces: set[str] = set()
+        # Where this process's router stands in the store's change feed (memory/router_feed.py)
+        self._feed = router_feed.FeedCursor()
         # Every entry an answer uses is checked against itself first (cached per entry version)
         self.checks = EntryChecks(engine)
 
@@ -643,7 +645,7 @@ class KVMemory:
                on_text=None, use_memory: bool = True, answer_prefix: str | None = None,
                choices: str | Sequence[str] | None = None, choice_end: str = ".",
                contrast: float = DEFAULT_CONTRAST, prior: float = DEFAULT_PRIOR, where: dict | None = None,
-               number_threshold: float | None = None) -> Answer:
+               number_threshold: float | None = None, nothing_to_choose: str = "return") -> Answer:
         """Route `query`, put the best entries before it, graft the longest stored chain, decode.
         `where` routes only to entries whose metadata matches (as in `recall`). Routing checks the
         numbers (`number_check`): an entry whose problem writes other numbers than the question is
@@ -661,11 +663,14 @@ class KVMemory:
         is the answer. `choices="numbers"` offers every number written in the routed entries'
         verified solutions (inputs, intermediate results, answers): a small model that reads the
         solution well but strays while writing (an expression, a number copied from the question)
-        is kept to what the solution established. With no entry routed there is nothing to offer,
-        and the model decodes freely (`Answer.choices` is then empty). With entries in context each
-        choice's score is contrasted: `contrast` times its log-likelihood after the question alone
-        (no memory) is subtracted, so a number the model favours only because the question wrote it
-        does not win (Li et al. 2023, contrastive decoding; 0.5 was chosen on one seed of `kvmemory
+        is kept to what the solution established. With no entry routed (or none writing a number)
+        there is nothing to offer: `nothing_to_choose="return"` (default) returns at once, no model
+        time, `Answer.outcome` "nothing_routed" (or "no_choices") and a `reason`; "decode" lets the
+        model answer alone, capped to a sentence, flagged `outcome="model_alone"` (memory/answers.py);
+        `Answer.source` says where every answer came from ("memory", "note", "model" or "none").
+        With entries in context each choice's score is contrasted: `contrast` times its log-likelihood
+        after the question alone (no memory) is subtracted, so a number the model favours only because
+        the question wrote it does not win (Li et al. 2023, contrastive decoding; 0.5 was chosen on one seed of `kvmemory
         bench recurring` and held on four others: BENCHMARKS.md). 0 scores by likelihood alone.
         Then `prior` nats are added to the answer a routed entry verified (not to notes' or unverified
         entries' numbers): a question routed to a verified solution (its numbers checked) most often
@@ -682,7 +687,8 @@ class KVMemory:
                           number_threshold=number_threshold, where=where, refused=refused) if use_memory else []
         ans = self.answer_from(query, hits, max_new_tokens=max_new_tokens, sampling=sampling, stop=stop,
                                on_text=on_text, answer_prefix=answer_prefix, choices=choices,
-                               choice_end=choice_end, contrast=contrast, prior=prior)
+                               choice_end=choice_end, contrast=contrast, prior=prior,
+                               nothing_to_choose=nothing_to_choose)
         ans.refused = refused + ans.refused
         return ans
 
@@ -690,12 +696,14 @@ class KVMemory:
                     sampling: Sampling = GREEDY, stop: Sequence[str] = (), on_text=None,
                     answer_prefix: str | None = None, choices: str | Sequence[str] | None = None,
                     choice_end: str = ".", contrast: float = DEFAULT_CONTRAST,
-                    prior: float = DEFAULT_PRIOR) -> Answer:
+                    prior: float = DEFAULT_PRIOR, nothing_to_choose: str = "return") -> Answer:
         """`answer` after routing: answer `query` from these routed entries (e.g. the ones a framework's
         retriever returned), the first one's KV grafted; the options are `answer`'s. An entry that does not
         check against itself is left out and named in `Answer.refused`."""
         query = _check_text("query", query)
         check_answer_options(max_new_tokens=max_new_tokens, choices=choices, contrast=contrast, prior=prior)
+        if nothing_to_choose not in answers.NOTHING_TO_CHOOSE:
+            raise InvalidInput(f"nothing_to_choose must be one of {answers.NOTHING_TO_CHOOSE}, got {nothing_to_choose!r}")
         refused: list[dict] = []
         kept = []
         for h in hits:
@@ -707,13 +715,13 @@ class KVMemory:
         hits = kept
         ans = self._answer_from(query, hits, max_new_tokens=max_new_tokens, sampling=sampling, stop=stop,
                                 on_text=on_text, answer_prefix=answer_prefix, choices=choices, choice_end=choice_end,
-                                contrast=contrast, prior=prior)
+                                contrast=contrast, prior=prior, nothing_to_choose=nothing_to_choose)
         ans.refused = refused
         return ans
 
     def _answer_from(self, query: str, hits: Sequence[Recalled], *, max_new_tokens: int, sampling: Sampling,
                      stop: Sequence[str], on_text, answer_prefix: str | None, choices, choice_end: str,
-                     contrast: float, prior: float) -> Answer:
+                     contrast: float, prior: float, nothing_to_choose: str = "return") -> Answer:
         entries = [h.entry for h in hits]
         for e in entries:
             self.engine.require_profile(e.profile_id, f"entry {e.id}'s blocks")
@@ -722,11 +730,22 @@ class KVMemory:
         offered = choice_list.offered(choices, entries)
         if offered:
             return answers.choose(self, prompt, offered, choice_end, answer_prefix, hits, query, contrast, prior)
+        capped = choices is not None  # nothing to choose among: never a silent free decode (memory/answers.py)
+        if capped and nothing_to_choose == "return":
+            return answers.nothing_to_choose(hits)
+        if capped:
+            stop = [*stop, "\n"]
+            max_new_tokens = min(max_new_tokens, answers.SENTENCE_TOKENS)
         ans = self.generate(prompt.ids, max_new_tokens=max_new_tokens, sampling=sampling, stop=stop,
                             store_new_blocks=store_new, entries=entries, scores=[h.score for h in hits],
                             on_text=on_text, cuts=prompt.cuts)
         if answer_prefix:
             ans.text = f"{answer_prefix.strip()} {ans.text}".strip()
+        if capped:
+            ans.outcome = answers.MODEL_ALONE
+            ans.reason = ("nothing to choose among (" + ("no entry routed" if not entries else "the routed entries "
+                          "write no number") + f"): the model's own answer, capped to a sentence "
+                          f"({answers.SENTENCE_TOKENS} tokens, a line end)")
         return ans
 
     def chat(self, messages: Sequence[dict], *, route: bool = True, k: int = 1, namespace: str | None = None,
@@ -772,37 +791,16 @@ class KVMemory:
         return ChatPrompt(layout.ids, hits, store_new, layout.cuts, refused)
 
     def sync_router(self, namespace: str) -> int:
-        """Route entries another process or machine remembered into this one's (local) router, and
-        drop routes to entries that are gone. The catalogue is the truth; the router is its index."""
-        stored = set(self.store.entry_ids(namespace))
-        routed = {r.entry_id for r in self.router.rows(namespace)}
-        if not self.router.writable:
-            # A read-only store is read, never written: routes to forgotten entries are skipped by
-            # recall anyway; entries the router lacks cannot be routed, and the caller is told so.
-            unrouted = sorted(stored - routed)
-            once = f"{namespace}\x00unrouted"  # its own key: a namespace never holds a NUL
-            if unrouted and once not in self._warned_namespaces:
-                self._warned_namespaces.add(once)
-                _log.warning("%d entries of namespace %r are not in the router, whose folder %s is read-only: "
-                             "recall cannot find them until `kvmemory reindex` runs where the store is writable",
-                             len(unrouted), namespace, self.router.folder)
-            return 0
-        changed = 0
-        for eid in routed - stored:
-            if eid in self._pending:
-                continue  # remembered with remember_later: routed before its KV is committed
-            if self._lost(eid):
-                continue  # recorded but missing from a damaged catalogue: `recall` names it, fsck brings it back
-            self.router.delete(eid)
-            changed += 1
-        for eid in sorted(stored - routed):
-            try:
-                e = self.store.get_entry(eid, namespace)
-            except KVMemoryError:  # refused (unsigned / forged in a shared store): never routed
-                continue
-            self.router.update(e.id, e.namespace, [e.problem, *e.meta.get("aliases", [])])
-            changed += 1
-        return changed
+        """Route entries another process or server remembered into this one's router, and drop routes to
+        entries that are gone: the records of the store's change feed newer than the last one applied
+        (memory/router_feed.py; one cheap read when nothing changed), and a full resync the first time
+        a namespace is searched or when the feed has a gap. Returns how many entries changed."""
+        return router_feed.follow(self, namespace)
+
+    def resync_router(self, namespace: str) -> int:
+        """`sync_router` by listing the namespace's entries against the router's (O(entries)): the
+        catalogue is the truth; the router is its index."""
+        return router_feed.resync(self, namespace)
 
     def _lost(self, entry_id: str) -> bool:
         """An entry the catalogue lacks while its record is still there (lost by damage, not forgotten)."""

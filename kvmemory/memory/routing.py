@@ -158,7 +158,7 @@ def _search(mem, query: str, qvec, ns: str, k: int, *, threshold: float | None, 
     below = 0
     while True:
         hits = router.search_vector(qvec, fetch, ns, search_at) if qvec is not None else []
-        if not hits and not seen and ns not in mem._warned_namespaces:
+        if qvec is None and not seen and ns not in mem._warned_namespaces:
             warn_empty(mem, ns)
         for hit in hits:
             if hit.entry_id in seen:
@@ -227,8 +227,10 @@ def _checked_route(mem, hit, entry: EntryRecord, qvec, refused: list | None) -> 
 
 def warn_empty(mem, ns: str) -> None:
     """Warn once when `ns` holds no entries while other namespaces do (a misspelt namespace)."""
-    counts = mem.namespaces()
+    counts = mem.namespaces()  # a listing, so asked only when the router holds nothing for `ns`
     others = {n: c for n, c in counts.items() if n != ns}
+    if ns in counts:  # it holds entries the router lacks (a read-only router): nothing to warn, ask once
+        mem._warned_namespaces.add(ns)
     if ns not in counts and others:
         mem._warned_namespaces.add(ns)
         _log.warning("namespace %r holds no entries, so nothing is recalled; namespaces with entries: %s",

@@ -25,7 +25,7 @@ nothing of the bundle is written before steps 1-4 pass:
    entries and `ok` is False (the CLI exits 1). The files written for the proof are left as
    orphans, as a refused `remember` leaves them (`kvmemory fsck --repair` removes them).
 6. Commit: each new entry with its chain (`Store.commit_entry`: one transaction per entry), then the
-   router learns the imported entries (`sync_router` per namespace), so `recall` / `answer` find them.
+   router learns the imported entries (`resync_router` per namespace), so `recall` / `answer` find them.
 
 Signed stores (a shared Redis store, a signed folder). A bundle carries no signatures (the HMAC keys
 are each store's secret) and its hashes prove only that it was not damaged on the way: anyone can
@@ -177,7 +177,7 @@ def import_bundle(mem, bundle: Bundle | str | os.PathLike, *, sample: int = DEFA
         store.commit_entry(e, bundle.blocks_of(e))
         report.imported.append(e.id)
     for ns in sorted({e.namespace for e in bundle.entries}):
-        mem.sync_router(ns)
+        mem.resync_router(ns)  # listed and written to the router's folder: an import is a bulk change
     return report
 
 

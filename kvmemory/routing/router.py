@@ -346,6 +346,8 @@ class Router:
         self._stored_embedder: dict[str, Any] | None = None
         self._sig: tuple[int, int, int] | None = None
         self._removed = False  # a namespace was dropped since the last commit
+        self._unsaved = False  # changes made by `apply_unsaved` not committed to the folder yet
+        self.unsaved_lost = 0  # times a reload from the folder dropped such changes (apply_unsaved)
         with self._lock:
             self._refresh(force=True)
 
@@ -424,6 +426,9 @@ class Router:
             self._load(force=force)
 
     def _load(self, *, force: bool) -> None:
+        if self._unsaved:  # what apply_unsaved changed is dropped: the caller is told by the counter
+            self._unsaved = False
+            self.unsaved_lost += 1
         sig = self._manifest_sig()
         if sig is None:
             self._spaces, self._entry_ns, self._generation = {}, {}, 0
@@ -550,6 +555,7 @@ class Router:
         self._generation, self._stored_embedder, self._mismatch = gen, identity, None
         self._sig = self._manifest_sig()
         self._removed = False
+        self._unsaved = False
         self._collect_garbage()
 
     def _collect_garbage(self) -> None:
@@ -652,6 +658,10 @@ class Router:
         """Replace the texts (and possibly the namespace) of `entry_id`; adds it when it is new."""
         self._put([(entry_id, namespace, texts)], replace=True, progress=progress)
 
+    def update_many(self, items: Iterable[tuple[str, str, Sequence[str]]], *, progress: bool | None = None) -> int:
+        """`update` of several entries with one embedding pass and one commit; returns how many."""
+        return self._put(items, replace=True, progress=progress)
+
     def _put(self, items: Iterable[tuple[str, str, Sequence[str]]], *, replace: bool, progress: bool | None) -> int:
         checked: list[tuple[str, str, list[str]]] = []
         seen: set[str] = set()
@@ -697,6 +707,49 @@ class Router:
                 return False
             self._remove(entry_id)
             return True
+
+    def apply_unsaved(self, puts: Sequence[tuple[str, str, Sequence[str]]], drops: Sequence[str]) -> int:
+        """`update_many(puts)` and `delete_many(drops)` in this process's memory only, without writing the
+        folder: writing a namespace's index costs as much as the index is large (a second for 100,000
+        vectors), too much to follow another process's change at once. The next commit of this router
+        (any `add`, `update`, `delete`) writes them with its own. A reload of the folder (another
+        process committed to it) drops them and counts it in `unsaved_lost`, so a caller that relies on
+        them (memory/router_feed.py) resyncs. Returns how many entries changed."""
+        checked = [(_check_entry_id(e), _check_namespace(ns), _check_texts(ts)) for e, ns, ts in puts]
+        drops = [_check_entry_id(e) for e in drops]
+        vecs = self.embedder.embed([t for _, _, ts in checked for t in ts]) if checked else None
+        with self._lock:
+            self._refresh()
+            self._check_usable()
+            n = 0
+            offset = 0
+            for entry_id, namespace, texts in checked:
+                v = vecs[offset:offset + len(texts)]
+                offset += len(texts)
+                if entry_id in self._entry_ns:
+                    self._remove(entry_id)
+                self._insert(self._space_for(namespace, vecs.shape[1]), entry_id, texts, v)
+                n += 1
+            for entry_id in dict.fromkeys(drops):
+                if entry_id in self._entry_ns:
+                    self._remove(entry_id)
+                    n += 1
+            if n:
+                self._unsaved = True
+            return n
+
+    def delete_many(self, entry_ids: Iterable[str]) -> int:
+        """Stop routing to several entries in one commit; returns how many were routed."""
+        ids = [_check_entry_id(e) for e in entry_ids]
+        if not ids:
+            return 0
+        with self._writing():
+            n = 0
+            for entry_id in dict.fromkeys(ids):
+                if entry_id in self._entry_ns:
+                    self._remove(entry_id)
+                    n += 1
+            return n
 
     def delete_namespace(self, namespace: str) -> int:
         """Remove every entry of `namespace`; returns how many there were."""

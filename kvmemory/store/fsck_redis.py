@@ -212,6 +212,7 @@ def _put_back(store, entry: EntryRecord, chain_sha, sig: str, record: bytes) -> 
     p.zadd(store.k_ns(entry.namespace), {entry.id: entry.created})
     p.set(store.k_record(entry.id), record)
     p.execute()
+    store.note_change("put", entry.id, entry.namespace)  # every router hears of it (store/feed.py)
 
 
 def _set_aside_record(store, eid: str) -> None:
@@ -325,6 +326,7 @@ def _reconcile(rep: FsckReport, store, repair: bool, entry_check, now: float) ->
             if repair:
                 r.zadd(store.k_entries(), {eid: entry.created})
                 r.zadd(store.k_ns(entry.namespace), {eid: entry.created})
+                store.note_change("put", eid, entry.namespace)
             rep.problem("index_drift", eid, "entry missing from its indexes", fixed=repair)
     return out
 
@@ -372,6 +374,7 @@ def _set_aside_redis(store, eid: str, raw: dict, reason: str) -> None:
     r.zrem(store.k_entries(), eid)
     if ns:
         r.zrem(store.k_ns(ns), eid)
+        store.note_change("del", eid, ns)  # routers stop routing to it (store/feed.py)
 
 
 __all__ = ["fsck_redis"]

@@ -47,6 +47,7 @@ import torch
 
 from kvmemory.store import drops
 from kvmemory.store.blocks import BlockMeta, chain_hash, encode_header, read_header
+from kvmemory.store.feed import LOCAL_FEED_ID, LOCAL_FEED_SCHEMA, Change, FeedHead, local_changes, local_head
 from kvmemory.store.entries import EntryRecord, _is_hex64, entry_from_fields  # noqa: F401 (EntryRecord: re-exported)
 from kvmemory.store.records import RecordFolder, content_sha256, holds_data
 from kvmemory.errors import (CatalogueLost, IntegrityError, StoreError, StoreFormatError, StoreFull, StoreReadOnly,
@@ -98,7 +99,7 @@ CREATE TABLE IF NOT EXISTS entry_blocks(
 CREATE INDEX IF NOT EXISTS entry_blocks_hash ON entry_blocks(hash);
 CREATE INDEX IF NOT EXISTS entries_ns ON entries(namespace);
 CREATE TABLE IF NOT EXISTS quarantine(hash TEXT NOT NULL, reason TEXT NOT NULL, at REAL NOT NULL, path TEXT);
-"""
+""" + LOCAL_FEED_SCHEMA  # the change feed (store/feed.py): written by triggers, in the entries' own transactions
 
 
 @dataclass(slots=True, frozen=True)
@@ -276,6 +277,10 @@ class LocalStore:
                 self._db().executescript(_SCHEMA)  # idempotent; executescript manages its own transaction
             except sqlite3.Error as exc:
                 raise self._wrap(exc) from exc
+            try:
+                self._db().execute(LOCAL_FEED_ID)  # store/feed.py
+            except sqlite3.DatabaseError:
+                pass  # a damaged catalogue still opens: `kvmemory fsck` reports it, and readers resync
         elif not (self.path / "catalogue.sqlite").exists():
             raise StoreError(f"{self.path} is read-only and holds no catalogue")
 
@@ -835,6 +840,16 @@ class LocalStore:
         """Every namespace that holds entries, with how many (sorted by name)."""
         return {str(ns): int(n) for ns, n in self._q(
             "SELECT namespace, COUNT(*) FROM entries GROUP BY namespace ORDER BY namespace")}
+
+    # ----------------------------------------------------------------- the change feed (store/feed.py)
+    def feed_head(self) -> FeedHead | None:
+        """The feed's id and last sequence number (one indexed read); None for a catalogue without one."""
+        return local_head(self._q)
+
+    def changes_since(self, seq: int, limit: int = 10_000) -> list[Change] | None:
+        """Entries committed or deleted after `seq`, oldest first (at most `limit`); None when some of
+        them were trimmed from the feed (the reader resyncs from the catalogue)."""
+        return local_changes(self._q, seq, limit)
 
     def entry_ids(self, namespace: str | None = None) -> list[str]:
         if namespace is None:

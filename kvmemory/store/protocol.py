@@ -52,6 +52,10 @@ class Store(Protocol):
     def update_attestation(self, entry_id: str, attestation: dict, verified: bool) -> None: ...
     def delete_entries(self, entry_ids: Sequence[str]) -> int: ...
 
+    # The change feed (store/feed.py), what routers follow instead of listing the store per question; every
+    # store here has it (a store without it is resynced by listing, as before):
+    #   feed_head() -> FeedHead | None               the feed's id and last sequence number (one cheap read)
+    #   changes_since(seq, limit) -> list[Change] | None   newer records, None when some were trimmed
     # Optional: has_record(entry_id) -> bool: the entry has a record beside its blocks (store/records.py),
     # so one the catalogue lacks was lost by damage, not forgotten (recall names it, fsck puts it back).
     # Optional fast paths the graft uses when a store has them (LocalStore does):

@@ -27,6 +27,9 @@ hash tag, so keys with the same tag live in the same slot):
                                        second copy `kvmemory fsck --repair` puts a damaged or lost entry
                                        back from
     kvm:{<s>}:qr:<id>           string a damaged record set aside by fsck
+    kvm:{<s>}:seq               string the change feed's last sequence number (INCR'd by the scripts)
+    kvm:{<s>}:feed              stream the change feed (store/feed.py): id `<seq>-0`, fields op, id, ns;
+                                       written in the commit and delete scripts, the last FEED_KEEP kept
     kvm:<s>:p:{<hash>}          string a block file (blocks.py format: header + raw payload bytes)
     kvm:<s>:qp:{<hash>}         string a quarantined block file (same slot as its payload key)
     kvm:<s>:op:{<hash>}         string an orphan payload set aside by fsck (removed on request only)
@@ -60,6 +63,7 @@ import logging
 import re
 import threading
 import time
+import uuid
 from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
@@ -70,6 +74,7 @@ import torch
 
 from kvmemory.store import drops
 from kvmemory.store.blocks import BlockMeta, encode_header, parse_header
+from kvmemory.store.feed import FEED_KEEP, Change, FeedHead
 from kvmemory.errors import IntegrityError, InvalidInput, StoreError, StoreFull, StoreReadOnly, UnknownEntry
 from kvmemory.store.signing import ENV_KEY, SignatureError, Signer, SigningKeyError
 from kvmemory.store.local import BlockRow, EntryRecord, LocalStore, StoreStats, block_row_from, check_meta, entry_from_fields
@@ -122,10 +127,25 @@ local function upsert(k, zblocks, now, a)
 end
 """
 
-# KEYS: entry, entries zset, ns zset, blocks zset, nb block rows, nc chain rows, no old-chain rows, record
+# One change feed record (store/feed.py), in the script that makes the change.
+_LUA_FEED = """
+local function feed(kseq, kfeed, op, id, ns)
+  local seq = redis.call('INCR', kseq)
+  redis.call('XADD', kfeed, 'MAXLEN', '~', '""" + str(FEED_KEEP) + """', seq .. '-0', 'op', op, 'id', id, 'ns', ns)
+end
+"""
+
+# KEYS: feed seq, feed stream; ARGV: op, id, namespace. A change made outside the scripts (fsck's repairs).
+_LUA_NOTE = "#!lua\n" + _LUA_FEED + """
+feed(KEYS[1], KEYS[2], ARGV[1], ARGV[2], ARGV[3])
+return 'ok'
+"""
+
+# KEYS: entry, entries zset, ns zset, blocks zset, nb block rows, nc chain rows, no old-chain rows, record,
+#       feed seq, feed stream
 # ARGV: now, id, namespace, created, expected old chain ('-' = absent), nb, nc, no, nf, nf field/value
 #       pairs, then nb x 12 block values, then the record
-_LUA_COMMIT = "#!lua\n" + _LUA_UPSERT + """
+_LUA_COMMIT = "#!lua\n" + _LUA_UPSERT + _LUA_FEED + """
 local now, id, ns, created, expect = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
 local nb, nc, no, nf = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9])
 local old_ns = redis.call('HGET', KEYS[1], 'namespace')
@@ -149,7 +169,8 @@ redis.call('DEL', KEYS[1])
 redis.call('HSET', KEYS[1], unpack(fields))
 redis.call('ZADD', KEYS[2], created, id)
 redis.call('ZADD', KEYS[3], created, id)
-redis.call('SET', KEYS[#KEYS], ARGV[#ARGV])
+redis.call('SET', KEYS[#KEYS - 2], ARGV[#ARGV])
+feed(KEYS[#KEYS - 1], KEYS[#KEYS], 'put', id, ns)
 return 'ok'
 """
 
@@ -160,10 +181,11 @@ for i = 1, #KEYS - 1 do a = upsert(KEYS[1 + i], KEYS[1], ARGV[1], a) end
 return 'ok'
 """
 
-# KEYS: entries zset, blocks zset, damaged hash, then per entry (entry key, ns zset, record), then chain rows
-# ARGV: ne, then per entry (id, expected chain ('-' = absent)), then per chain row (hash, decrement)
+# KEYS: entries zset, blocks zset, damaged hash, then per entry (entry key, ns zset, record), then chain rows,
+#       then feed seq, feed stream
+# ARGV: ne, then per entry (id, expected chain ('-' = absent), namespace), then per chain row (hash, decrement)
 # Returns the hashes whose rows were removed (their payloads are deleted by the caller: other slots).
-_LUA_DELETE = """#!lua
+_LUA_DELETE = "#!lua\n" + _LUA_FEED + """
 local ne = tonumber(ARGV[1])
 local a = 2
 for i = 1, ne do
@@ -171,20 +193,21 @@ for i = 1, ne do
   local chain = '-'
   if redis.call('EXISTS', k) == 1 then chain = redis.call('HGET', k, 'chain') or '' end
   if chain ~= ARGV[a + 1] then return {'retry'} end
-  a = a + 2
+  a = a + 3
 end
 a = 2
 for i = 1, ne do
   local id = ARGV[a]
-  redis.call('DEL', KEYS[3 + 3 * i - 2])
+  local existed = redis.call('DEL', KEYS[3 + 3 * i - 2])
   redis.call('ZREM', KEYS[1], id)
   redis.call('ZREM', KEYS[3 + 3 * i - 1], id)
   redis.call('DEL', KEYS[3 + 3 * i])
   redis.call('HDEL', KEYS[3], id)
-  a = a + 2
+  if existed == 1 then feed(KEYS[#KEYS - 1], KEYS[#KEYS], 'del', id, ARGV[a + 2]) end
+  a = a + 3
 end
 local gone = {'ok'}
-for i = 3 + 3 * ne + 1, #KEYS do
+for i = 3 + 3 * ne + 1, #KEYS - 2 do
   local k = KEYS[i]
   local h, dec = ARGV[a], tonumber(ARGV[a + 1])
   a = a + 2
@@ -329,7 +352,7 @@ class RedisStore:
         self._ppre = f"kvm:{self.name}:"
         self._scripts = {n: client.register_script(src) for n, src in (
             ("commit", _LUA_COMMIT), ("put", _LUA_PUT_BLOCKS), ("delete", _LUA_DELETE), ("evict", _LUA_EVICT),
-            ("quarantine", _LUA_QUARANTINE), ("attest", _LUA_ATTEST))}
+            ("quarantine", _LUA_QUARANTINE), ("attest", _LUA_ATTEST), ("note", _LUA_NOTE))}
         if path is None and ours.get("tier"):
             path = ours["tier"]  # ?tier=PATH in the URL (documented above; it was parsed, never used)
         self.path = Path(path).expanduser() if path is not None else self._default_tier()
@@ -375,6 +398,12 @@ class RedisStore:
 
     def k_qrecord(self, eid: str) -> str:
         return f"{self._pre}qr:{eid}"
+
+    def k_seq(self) -> str:
+        return self._pre + "seq"
+
+    def k_feed(self) -> str:
+        return self._pre + "feed"
 
     def k_orphan(self, h: str) -> str:
         return f"{self._ppre}op:{{{h}}}"
@@ -470,6 +499,8 @@ class RedisStore:
             log.warning("Redis at %s is unreachable at open; serving the local tier %s", self.url, self.path)
             return
         fmt = got[0]
+        if not self.readonly:  # the change feed's id: new with every store (a server that lost its data too)
+            self._write(lambda: self._r.hsetnx(self.k_meta(), "feed_id", uuid.uuid4().hex), "naming the change feed")
         if fmt is None:
             if not self.readonly:
                 self._write(lambda: self._r.hsetnx(self.k_meta(), "format", REDIS_FORMAT), "creating the store")
@@ -847,7 +878,7 @@ class RedisStore:
             old_chain = [h for h in expect.split(",") if h] if old[0] is not None else []
             keys = ([self.k_entry(entry.id), self.k_entries(), self.k_ns(ns), self.k_blocks()]
                     + [self.k_block(m.hash) for m, _ in blocks] + [self.k_block(h) for h in entry.chain]
-                    + [self.k_block(h) for h in old_chain] + [self.k_record(entry.id)])
+                    + [self.k_block(h) for h in old_chain] + [self.k_record(entry.id), self.k_seq(), self.k_feed()])
             args = [repr(time.time()), entry.id, ns, repr(float(entry.created)), expect, len(blocks),
                     len(entry.chain), len(old_chain), len(fields) // 2, *fields, *block_args, record]
             res = self._write(lambda: self._scripts["commit"](keys=keys, args=args), f"committing entry {entry.id}")
@@ -979,6 +1010,49 @@ class RedisStore:
                 counts[ns.decode()] = counts.get(ns.decode(), 0) + 1
         return dict(sorted(counts.items()))
 
+    # ------------------------------------------------------------------ the change feed (store/feed.py)
+    def feed_head(self) -> FeedHead:
+        """The feed's id and last sequence number: one round trip. StoreUnavailable while Redis is away."""
+        def read():
+            p = self._r.pipeline(transaction=False)
+            p.hget(self.k_meta(), "feed_id")
+            p.get(self.k_seq())
+            return p.execute()
+
+        feed_id, seq = self._fetch(read, "reading the change feed")
+        try:
+            return FeedHead(_s(feed_id), int(seq or 0))
+        except ValueError as exc:
+            raise IntegrityError(f"the change feed's counter {self.k_seq()} is damaged ({exc}); "
+                                 "run `kvmemory fsck`") from exc
+
+    def note_change(self, op: str, entry_id: str, namespace: str) -> None:
+        """Record a change made outside the commit and delete scripts (fsck putting an entry back), so
+        every router hears of it."""
+        self._write(lambda: self._scripts["note"](keys=[self.k_seq(), self.k_feed()], args=[op, entry_id, namespace]),
+                    "recording a change in the feed")
+
+    def changes_since(self, seq: int, limit: int = 10_000) -> list[Change] | None:
+        """Entries committed or deleted after `seq`, oldest first (at most `limit`); None when some were
+        trimmed from the feed (the reader resyncs from the catalogue)."""
+        seq = int(seq)
+        rows = self._fetch(lambda: self._r.xrange(self.k_feed(), f"{seq + 1}-0", "+", count=int(limit)),
+                           "reading the change feed")
+        out = []
+        for rid, fields in rows:
+            try:
+                n = int(_s(rid).split("-")[0])
+                out.append(Change(n, _s(fields[b"op"]), _s(fields[b"id"]), _s(fields[b"ns"])))
+            except (KeyError, ValueError, UnicodeDecodeError) as exc:
+                raise IntegrityError(f"a record of the change feed {self.k_feed()} is damaged ({exc}); "
+                                     "run `kvmemory fsck`") from exc
+        if not out:
+            head = self.feed_head().seq
+            return None if head > seq else []
+        if out[0].seq != seq + 1:
+            return None
+        return out
+
     def entry_ids(self, namespace: str | None = None) -> list[str]:
         if self.signer is not None:
             return [e.id for e in self.list_entries(namespace)]
@@ -1040,7 +1114,7 @@ class RedisStore:
                     raise UnknownEntry(f"no entry {eid!r} in namespace {self.namespace!r}")
                 keys += [self.k_entry(eid), self.k_ns(ns_s), self.k_record(eid)]
                 expect = "-" if ns is None else (chain or b"").decode()
-                args += [eid, expect]
+                args += [eid, expect, ns_s]
                 if ns is not None:
                     for h in expect.split(","):
                         if h:
@@ -1048,6 +1122,7 @@ class RedisStore:
             for h, n in dec.items():
                 keys.append(self.k_block(h))
                 args += [h, n]
+            keys += [self.k_seq(), self.k_feed()]
             res = self._write(lambda: self._scripts["delete"](keys=keys, args=args), "deleting entries")
             res = [x.decode() if isinstance(x, bytes) else x for x in res]
             if res and res[0] == "ok":
