@@ -173,7 +173,7 @@ def run_graft_bench(lengths=DEFAULT_LENGTHS, *, new_tokens: int = 16, repeats: i
     from kvmemory.engine.engine import Engine
     from kvmemory.errors import InvalidInput
     from kvmemory.engine.graft import _READ_THREADS
-    from kvmemory.models.loading import DEFAULT_MODEL, embedded_gguf_path, resolve_model_path
+    from kvmemory.models.loading import DEFAULT_MODEL, embedded_gguf_path, gguf_of, resolve_model_path
     from kvmemory.engine.runner import DEFAULT_CHUNK as C  # the grid the bench's fresh store is opened with
 
     # Checked before anything is loaded: a typo should not cost a model load.
@@ -191,8 +191,14 @@ def run_graft_bench(lengths=DEFAULT_LENGTHS, *, new_tokens: int = 16, repeats: i
         # Engine.open's device="auto" would pick for a model other than the embedded one on a GPU machine.
         eng = Engine.open(model or DEFAULT_MODEL, f"{tmp.name}/store", chunk=C, dtype=dtype, kv_dtype=kv_dtype,
                           linears=linears, max_positions=lengths[-1] + new_tokens + 64, device="cpu")
-        # The single-pass baseline: the same weights as transformers loads them (its sdpa, plain linears).
-        plain = AutoModelForCausalLM.from_pretrained(resolve_model_path(model or DEFAULT_MODEL), dtype=dtype).eval()
+        # The single-pass baseline: the same weights as transformers loads them (its sdpa, plain linears); a
+        # GGUF file (a user's, or an embedded model computed from its blocks) through transformers' own
+        # GGUF loader, which dequantizes it to float32 (as a user without kvmemory would load it).
+        gf = gguf_of(model or DEFAULT_MODEL)
+        if gf is not None and len(gf.parts) == 1:
+            plain = AutoModelForCausalLM.from_pretrained(str(gf.path.parent), gguf_file=gf.name, dtype=dtype).eval()
+        else:
+            plain = AutoModelForCausalLM.from_pretrained(resolve_model_path(model or DEFAULT_MODEL), dtype=dtype).eval()
         vocab = eng.runner.vocab_size
         g = torch.Generator().manual_seed(seed)
         ids = torch.randint(100, min(vocab, 40000), (lengths[-1] + new_tokens,), generator=g).tolist()
@@ -201,11 +207,13 @@ def run_graft_bench(lengths=DEFAULT_LENGTHS, *, new_tokens: int = 16, repeats: i
         store_seconds = time.perf_counter() - t0
 
         lcpp: dict[str, _LlamaCpp] = {}
-        lcpp_note = "not requested"
-        if llamacpp and (model is None or model == DEFAULT_MODEL):
+        lcpp_note = "not requested" if not llamacpp else "llama.cpp needs a single GGUF file; this model is not one"
+        lcpp_file = (embedded_gguf_path() if model is None or model == DEFAULT_MODEL
+                     else gf.path if gf is not None and len(gf.parts) == 1 else None)
+        if llamacpp and lcpp_file is not None:  # the same GGUF file the model computes from
             try:
                 for name in LLAMACPP_CONFIGS:
-                    lcpp[name] = _LlamaCpp(str(embedded_gguf_path()), lengths[-1] + new_tokens + 64,
+                    lcpp[name] = _LlamaCpp(str(lcpp_file), lengths[-1] + new_tokens + 64,
                                            torch.get_num_threads(), name)
                 lcpp_note = f"{lcpp['default'].build}, on the same GGUF file"
             except ImportError:
