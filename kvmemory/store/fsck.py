@@ -128,8 +128,9 @@ def fsck_at(spec, *, signing_key=None, repair: bool = False, router: Callable | 
     catalogue is lost (which every other command refuses): check-only reports it without creating
     anything; `repair` rebuilds the catalogue first (store/rebuild.py). `router(store)` returns
     (router_check, router_rebuild) for the opened store; `kw` goes to `run_fsck`."""
-    from kvmemory.store.open import is_redis_url, open_store
+    from kvmemory.store.open import is_redis_url, open_store, resolve_spec
 
+    spec = resolve_spec(spec)  # once: the open, the rebuild and the report all name this store
     extra = {} if is_redis_url(spec) else {"create": False}
     rebuilt = None
     try:

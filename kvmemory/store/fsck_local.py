@@ -16,6 +16,7 @@ from kvmemory.store.fsck_common import (EntryCheck, FsckReport, check_block_byte
 from kvmemory.store.fsck_records import chunk_for, reconcile_local, self_problem
 from kvmemory.store.local import LocalStore, block_row_from
 from kvmemory.store.rebuild import check_block_file, move_aside, rebuild_catalogue
+from kvmemory.store.safe_files import read_block_file
 
 
 def note_rebuild(rep: FsckReport, rebuilt: dict, why: str) -> None:
@@ -126,7 +127,12 @@ def fsck_local(store: LocalStore, repair: bool, grace: float, purge: bool = Fals
             continue
         path = store.block_path(row.hash)
         try:
-            data = path.read_bytes()
+            data = read_block_file(path, row.file_nbytes)
+        except IntegrityError as exc:  # not a regular file, or not the size the catalogue and header say
+            if repair:
+                store.quarantine(row.hash, f"fsck: {exc}")
+            rep.problem("blocks_damaged", row.hash, str(exc), fixed=repair)
+            continue
         except FileNotFoundError:
             if repair:
                 store.quarantine(row.hash, "fsck: missing block file")
@@ -219,11 +225,13 @@ def _adopt_local(rep: FsckReport, store: LocalStore, f: Path, h: str, verified: 
     """A block file without a row that an entry's chain names: catalogued again when it checks on its
     own (header, chain hash, payload), else quarantined. True when it was catalogued."""
     try:
-        data = f.read_bytes()
+        data = read_block_file(f)
+    except IntegrityError as exc:  # not a regular file, or not the size its header says
+        data, why = None, str(exc)
     except OSError as exc:
         rep.problem("blocks_damaged", h, f"unreadable: {exc}", fixed=False)
         return False
-    meta, why = check_block_file(data, h)
+    meta, why = check_block_file(data, h) if data is not None else (None, why)
     if meta is None:
         if repair:
             move_aside(f, store.path / "quarantine")

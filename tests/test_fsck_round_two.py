@@ -1,0 +1,192 @@
+"""Issue 47, "never silently wrong, round two": fsck and repair on stores named by the environment,
+tail blocks in a rebuilt catalogue, bounded file reads (symlinks, devices, huge or deeply nested files),
+repairs that would take most of a store out of service, and the rest of the issue's list. Synthetic
+stores (tests/redis_server.py's blocks and entries): no model loads here."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from redis_server import SYNTH_PROFILE, synth_entry
+
+from kvmemory.store.blocks import BlockMeta, chain_hash
+from kvmemory.store.fsck import fsck_at, run_fsck
+from kvmemory.store.local import EntryRecord, LocalStore
+
+ROOT = Path(__file__).resolve().parents[1]
+CLI = "import sys; from kvmemory.cli import main; sys.exit(main())"
+
+
+def _filled(path: Path, n: int = 3) -> tuple[LocalStore, list]:
+    st = LocalStore(path)
+    made = [synth_entry(i, n_blocks=3, shared=1) for i in range(n)]
+    for e, b in made:
+        st.commit_entry(e, b)
+    return st, made
+
+
+def _tail_entry(seed: int = 50):
+    """An entry whose chain ends in a tail block: 16 tokens at position 0, then 5 at position 16."""
+    blocks, parent, ids = [], None, []
+    for i, n in enumerate((16, 5)):
+        toks = tuple((seed * 31 + i * 7 + j) % 500 for j in range(n))
+        h = chain_hash(SYNTH_PROFILE, parent, toks)
+        data = hashlib.shake_256(bytes.fromhex(h)).digest(2 * 2 * n * 16 * 4)
+        meta = BlockMeta(hash=h, parent=parent, profile_id=SYNTH_PROFILE, index=i, position=16 * i, token_ids=toks,
+                         dtype="float32", k_shapes=((2, n, 16),), v_shapes=((2, n, 16),), payload_nbytes=len(data),
+                         payload_sha256=hashlib.sha256(data).hexdigest())
+        blocks.append((meta, torch.frombuffer(bytearray(data), dtype=torch.uint8)))
+        ids += toks
+        parent = h
+    e = EntryRecord(id=f"tail{seed}", namespace="default", problem="p", solution="s", answer="1",
+                    verifier={"name": "exact-answer", "ok": True}, verified=True, token_ids=tuple(ids),
+                    profile_id=SYNTH_PROFILE, chain=tuple(m.hash for m, _ in blocks),
+                    attestation={"attestation_id": "0" * 64, "bit_identical": True, "kl_max": 0.0}, meta={},
+                    created=1_700_000_100.0, updated=1_700_000_100.0)
+    return e, blocks
+
+
+def _drop_catalogue(path: Path) -> None:
+    for n in ("catalogue.sqlite", "catalogue.sqlite-wal", "catalogue.sqlite-shm"):
+        (path / n).unlink(missing_ok=True)
+
+
+# ------------------------------------------------------------------ 0. the store named by the environment
+def test_repair_of_a_lost_catalogue_uses_the_store_the_environment_names(tmp_path, monkeypatch):
+    path = tmp_path / "env-store"
+    st, made = _filled(path)
+    st.close()
+    _drop_catalogue(path)
+    monkeypatch.setenv("KVMEMORY_STORE", str(path))
+    rep = fsck_at(None, repair=True)  # what `kvmemory fsck --repair` passes without --store
+    assert rep.exit_code == 1 and rep.n("catalogue_rebuilt") == 1, rep.summary()
+    assert rep.store == str(path)
+    assert fsck_at(None).exit_code == 0
+    assert not Path("None").exists()
+
+
+def test_cli_repair_without_store_option(tmp_path):
+    """The CLI path of item 0: a lost catalogue (one orphan block, so no model is needed), the store named
+    by KVMEMORY_STORE only: the repair rebuilds it (exit 1, JSON), never a traceback."""
+    path = tmp_path / "env-store"
+    st, made = _filled(path, n=1)
+    st.close()
+    for f in (path / "entries").iterdir():
+        f.unlink()
+    _drop_catalogue(path)
+    env = {**os.environ, "KVMEMORY_STORE": str(path), "PYTHONPATH": str(ROOT)}
+    env.pop("KVMEMORY_SIGNING_KEY", None)
+    out = subprocess.run([sys.executable, "-c", CLI, "fsck", "--repair", "--json"], env=env,
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert out.returncode == 1, out.stderr[-2000:]
+    j = json.loads(out.stdout)
+    assert j["catalogue_rebuilt"] == 1 and j["store"] == str(path)
+    assert "Traceback" not in out.stderr
+
+
+# ------------------------------------------------------------------ 3. tail blocks in a rebuilt catalogue
+def test_rebuild_keeps_intact_tail_blocks(tmp_path):
+    st, made = _filled(tmp_path / "s")
+    e, blocks = _tail_entry()
+    st.commit_entry(e, blocks)
+    assert run_fsck(st).exit_code == 0
+    st.close()
+    _drop_catalogue(tmp_path / "s")
+    rep = fsck_at(str(tmp_path / "s"), repair=True)
+    assert rep.n("blocks_damaged") == 0 and rep.n("entries_broken_chain") == 0, rep.summary()
+    assert rep.rebuild["counts"]["blocks_adopted"] == 9 and rep.rebuild["counts"]["entries_restored"] == 4
+    st = LocalStore(tmp_path / "s")
+    assert not st.get_block(blocks[1][0].hash).quarantined
+    assert run_fsck(st).exit_code == 0
+
+
+# ------------------------------------------------------------------ 2. bounded reads
+@pytest.mark.parametrize("target", ["/dev/zero", "regular"])
+def test_fsck_never_follows_a_symlinked_block_file(tmp_path, target):
+    st, made = _filled(tmp_path / "s")
+    h = made[0][1][2][0].hash
+    f = st.block_path(h)
+    if target == "regular":  # a symlink to an intact copy is refused too: a store holds regular files only
+        real = tmp_path / "elsewhere.kvb"
+        real.write_bytes(f.read_bytes())
+        target = str(real)
+    f.unlink()
+    f.symlink_to(target)
+    rep = run_fsck(st)
+    assert rep.exit_code == 4 and {p["key"] for p in rep.problems if p["kind"] == "blocks_damaged"} == {h}, \
+        rep.summary()
+    assert "symbolic link" in json.dumps(rep.problems)
+    rep = run_fsck(st, repair=True)
+    assert rep.exit_code in (1, 4) and st.get_block(h).quarantined
+    st.close()
+    # and a rebuild (catalogue lost) refuses it the same way
+    _drop_catalogue(tmp_path / "s")
+    f2 = LocalStore.block_path(st, made[1][1][2][0].hash)
+    f2.unlink()
+    f2.symlink_to("/dev/zero")
+    rep = fsck_at(str(tmp_path / "s"), repair=True)
+    assert any(p["key"] == made[1][1][2][0].hash and p["kind"] == "blocks_damaged" for p in rep.problems)
+
+
+def test_fsck_refuses_a_fifo_and_an_oversized_block(tmp_path):
+    st, made = _filled(tmp_path / "s")
+    h0, h1 = made[0][1][2][0].hash, made[1][1][2][0].hash
+    f0 = st.block_path(h0)
+    f0.unlink()
+    os.mkfifo(f0)  # a read would block forever
+    f1 = st.block_path(h1)
+    with open(f1, "ab") as fh:
+        fh.write(b"\0" * 10_000)  # larger than its header and row say: not read
+    rep = run_fsck(st)
+    bad = {p["key"]: p["detail"] for p in rep.problems if p["kind"] == "blocks_damaged"}
+    assert set(bad) == {h0, h1}, rep.summary()
+    assert "regular file" in bad[h0] and "bytes" in bad[h1]
+
+
+def test_record_symlink_and_oversize_refused(tmp_path):
+    from kvmemory.store import safe_files
+
+    st, made = _filled(tmp_path / "s")
+    rec = st.records.path(made[0][0].id)
+    rec.unlink()
+    rec.symlink_to("/dev/zero")
+    rep = run_fsck(st)
+    assert rep.exit_code == 4 and any(p["kind"] == "entry_records_damaged" for p in rep.problems), rep.summary()
+    with pytest.raises(safe_files.UnsafeFile):
+        safe_files.read_regular(tmp_path / "s" / "x", 10) if (tmp_path / "s" / "x").write_bytes(b"0" * 11) else None
+
+
+# ------------------------------------------------------------------ 7. deeply nested JSON
+def test_deeply_nested_record_is_damage_not_a_crash(tmp_path):
+    st, made = _filled(tmp_path / "s")
+    eid = made[0][0].id
+    st.records.path(eid).write_bytes(b"[" * 200_000)
+    rep = run_fsck(st)
+    assert rep.exit_code == 4 and any(p["kind"] == "entry_records_damaged" and p["key"] == eid
+                                      for p in rep.problems), rep.summary()
+    rep = run_fsck(st, repair=True)
+    assert rep.exit_code == 1, rep.summary()
+    assert run_fsck(st).exit_code == 0
+    st.close()
+    # the same record met by a rebuild
+    st.records.path(eid).write_bytes(b"{\"a\":" * 100_000)
+    _drop_catalogue(tmp_path / "s")
+    rep = fsck_at(str(tmp_path / "s"), repair=True)
+    assert any(p["kind"] == "entry_records_damaged" for p in rep.problems), rep.summary()
+
+
+def test_loads_bounded():
+    from kvmemory.errors import IntegrityError
+    from kvmemory.store.safe_files import loads_bounded
+
+    assert loads_bounded(b'{"a": ["[[[[", {"b": 1}]}', "x") == {"a": ["[[[[", {"b": 1}]}
+    for bad in (b"[" * 200_000, b"[" * 300 + b"]" * 300, b"\xff"):
+        with pytest.raises(IntegrityError):
+            loads_bounded(bad, "x")
