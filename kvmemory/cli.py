@@ -610,7 +610,7 @@ def cmd_fsck(args) -> int:
                      router=lambda st: (router_checker(st), router_rebuilder(st) if args.repair else None),
                      entry_check=(lambda e: memory().checks.entry(e)) if deep else None,
                      recompute=(lambda ids: memory().recompute(ids)) if args.repair else None,
-                     progress=_progress(args))
+                     progress=_progress(args), force=args.force)
     if "mem" in held:
         held["mem"].store.close()
     _emit(args, report.to_json(), report.summary())
@@ -1088,6 +1088,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "rebuild the router")
     fk.add_argument("--purge-orphans", action="store_true", help="with --repair: delete orphan blocks instead of "
                     "keeping them in quarantine/orphans (and empty that folder)")
+    fk.add_argument("--force", action="store_true", help="with --repair: repair even when it would take most of "
+                    "the store out of service (refused otherwise: a wrong signing key, profile or store is likelier "
+                    "than that much damage)")
     fk.add_argument("--texts", action="store_true", help="also re-tokenize every entry's texts and compare them with "
                     "its token ids (loads the model; --repair always does)")
     fk.set_defaults(func=cmd_fsck, namespace="default")

@@ -190,3 +190,68 @@ def test_loads_bounded():
     for bad in (b"[" * 200_000, b"[" * 300 + b"]" * 300, b"\xff"):
         with pytest.raises(IntegrityError):
             loads_bounded(bad, "x")
+
+
+# ------------------------------------------------------------------ 1. a repair that would take the lot
+KEY, OTHER = "d4" * 32, "77" * 32
+
+
+def test_repair_with_the_wrong_key_is_refused_on_redis(tmp_path):
+    import uuid
+
+    from redis_server import RedisServer
+
+    from kvmemory.errors import RepairRefused
+    from kvmemory.store.redis_store import RedisStore
+
+    with RedisServer() as srv:
+        name = f"w{uuid.uuid4().hex[:6]}"
+        st = RedisStore(srv.url, store=name, path=tmp_path / "t", signer=KEY)
+        for i in range(3):
+            st.commit_entry(*synth_entry(i))
+        st.close()
+        wrong = RedisStore(srv.url, store=name, path=tmp_path / "t2", signer=OTHER)
+        assert run_fsck(wrong).exit_code == 4  # the check names it ...
+        with pytest.raises(RepairRefused, match="signing key"):  # ... the repair refuses to act on it
+            run_fsck(wrong, repair=True)
+        wrong.close()
+        right = RedisStore(srv.url, store=name, path=tmp_path / "t", signer=KEY)
+        rep = run_fsck(right)
+        assert rep.exit_code == 0 and rep.n("entries_ok") == 3, rep.summary()  # nothing was changed
+        right.close()
+
+
+def test_repair_with_the_wrong_key_is_refused_on_a_signed_folder_unless_forced(tmp_path):
+    from kvmemory.errors import RepairRefused
+    from kvmemory.store.signing import SignedLocalStore
+
+    st = SignedLocalStore(tmp_path / "s", signer=KEY)
+    for i in range(3):
+        st.commit_entry(*synth_entry(i))
+    st.close()
+    with pytest.raises(RepairRefused, match="nothing was changed"):
+        fsck_at(str(tmp_path / "s"), signing_key=OTHER, repair=True)
+    assert fsck_at(str(tmp_path / "s"), signing_key=KEY).exit_code == 0
+    # the few damaged items are still repaired without --force
+    st = SignedLocalStore(tmp_path / "s", signer=KEY)
+    e0 = synth_entry(0)[1]
+    st.block_path(e0[2][0].hash).write_bytes(b"x")
+    st.close()
+    assert fsck_at(str(tmp_path / "s"), signing_key=KEY, repair=True).exit_code in (1, 4)
+    # --force acts
+    rep = fsck_at(str(tmp_path / "s"), signing_key=OTHER, repair=True, force=True)
+    assert rep.n("blocks_unsigned") >= 2
+
+
+def test_cli_wrong_key_repair_refused_with_json(tmp_path):
+    from kvmemory.store.signing import SignedLocalStore
+
+    st = SignedLocalStore(tmp_path / "s", signer=KEY)
+    for i in range(3):
+        st.commit_entry(*synth_entry(i))
+    st.close()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "KVMEMORY_SIGNING_KEY": OTHER, "KVMEMORY_SIGNED": "1"}
+    out = subprocess.run([sys.executable, "-c", CLI, "fsck", "--repair", "--json", "--store", str(tmp_path / "s")],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert json.loads(out.stdout)["error"] == "RepairRefused"

@@ -58,10 +58,12 @@ from kvmemory.store.local import LocalStore
 def run_fsck(store, repair: bool = False, router_rebuild: Callable[[], int] | None = None, *,
              grace_seconds: float = GRACE_SECONDS, purge_orphans: bool = False, router_check: RouterCheck | None = None,
              entry_check: EntryCheck | None = None, recompute: Recompute | None = None,
-             progress: bool = False) -> FsckReport:
+             progress: bool = False, force: bool = False) -> FsckReport:
     """Check (and with `repair`, fix) `store`; see the module docstring. Never raises for damage it finds:
     damage is what it reports. Raises StoreError only when the store cannot be reached at all.
-    `progress`: a bar on stderr over the blocks read and hashed."""
+    `progress`: a bar on stderr over the blocks read and hashed. A repair first checks (the cost of one
+    more check-only pass) and raises RepairRefused, changing nothing, when it would take most of the
+    store out of service (`mass_repair_refusal`); `force` repairs anyway."""
     t0 = time.perf_counter()
     if repair and getattr(store, "readonly", False):
         from kvmemory.errors import StoreReadOnly
@@ -71,13 +73,13 @@ def run_fsck(store, repair: bool = False, router_rebuild: Callable[[], int] | No
         from kvmemory.errors import InvalidInput
 
         raise InvalidInput("fsck --repair works on the whole store: open it without a namespace, with the master key")
-    if getattr(store, "kind", "") == "redis":
-        report = fsck_redis(store, repair, grace_seconds, purge_orphans=purge_orphans, entry_check=entry_check,
-                            progress=progress)
-    elif isinstance(store, LocalStore):
-        report = fsck_local(store, repair, grace_seconds, purge_orphans, entry_check, progress)
-    else:
-        raise StoreError(f"fsck does not know stores of kind {getattr(store, 'kind', type(store).__name__)!r}")
+    if repair and not force:
+        why = mass_repair_refusal(_backend(store, False, grace_seconds, purge_orphans, entry_check, False))
+        if why is not None:
+            from kvmemory.errors import RepairRefused
+
+            raise RepairRefused(why)
+    report = _backend(store, repair, grace_seconds, purge_orphans, entry_check, progress)
     if report.catalogue == "ok" and router_check is not None:
         try:
             found = router_check()
@@ -91,6 +93,42 @@ def run_fsck(store, repair: bool = False, router_rebuild: Callable[[], int] | No
         report.router_rebuilt = int(router_rebuild())
     report.seconds = time.perf_counter() - t0
     return report
+
+
+def _backend(store, repair: bool, grace: float, purge: bool, entry_check, progress: bool) -> FsckReport:
+    if getattr(store, "kind", "") == "redis":
+        return fsck_redis(store, repair, grace, purge_orphans=purge, entry_check=entry_check, progress=progress)
+    if isinstance(store, LocalStore):
+        return fsck_local(store, repair, grace, purge, entry_check, progress)
+    raise StoreError(f"fsck does not know stores of kind {getattr(store, 'kind', type(store).__name__)!r}")
+
+
+_BLOCKS_OUT = ("blocks_damaged", "blocks_missing", "blocks_unsigned", "block_rows_damaged")
+_ENTRIES_OUT = ("entries_forged", "entry_rows_damaged", "entries_self_mismatch", "entries_inconsistent")
+
+
+def mass_repair_refusal(pre: FsckReport) -> str | None:
+    """Why a repair must not act on what the check-only pass `pre` found (None: it may): quarantine is
+    for the few damaged items, never the lot. More than half of the blocks (or entries) checked, and at
+    least two, would be quarantined (set aside): that is a wrong signing key, a wrong profile or model,
+    or a different store far more often than damage."""
+    blocks = sum(pre.n(k) for k in _BLOCKS_OUT)
+    entries = sum(pre.n(k) for k in _ENTRIES_OUT)
+    nb, ne = pre.n("blocks_checked"), pre.n("entries_checked")
+    if not ((blocks >= 2 and 2 * blocks > nb) or (entries >= 2 and 2 * entries > ne)):
+        return None
+    unsigned = pre.n("blocks_unsigned") + pre.n("entries_forged")
+    if unsigned * 2 >= blocks + entries:
+        cause = ("most signatures do not verify: the signing key (--signing-key / KVMEMORY_SIGNING_KEY) is "
+                 "probably not this store's")
+    elif pre.n("entries_self_mismatch") * 2 >= entries and entries:
+        cause = ("most entries do not re-tokenize to their own token ids: the model or profile (--model, "
+                 "--dtype, --chunk ...) is probably not the one they were stored under")
+    else:
+        cause = "most blocks or entries are missing or damaged: is this the store you meant?"
+    return (f"fsck --repair refused, nothing was changed: it would take {blocks} of {nb} blocks and {entries} of "
+            f"{ne} entries out of service; {cause}. Check with `kvmemory fsck` (no --repair); if the damage is "
+            "real, repair anyway with `kvmemory fsck --repair --force`")
 
 
 def _recompute(rep: FsckReport, store, recompute: Recompute | None) -> None:
