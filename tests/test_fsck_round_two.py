@@ -255,3 +255,27 @@ def test_cli_wrong_key_repair_refused_with_json(tmp_path):
                          env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2, out.stderr[-2000:]
     assert json.loads(out.stdout)["error"] == "RepairRefused"
+
+
+# ------------------------------------------------------------------ 8. the repair rebuilds a damaged router
+@pytest.mark.parametrize("damage", ["truncated index", "extra row"])
+def test_repair_rebuilds_a_damaged_router(tmp_path, damage):
+    from kvmemory.routing.check import router_checker
+    from kvmemory.routing.router import router_rebuilder
+
+    st, made = _filled(tmp_path / "s")
+    assert router_rebuilder(st)() == 3
+    folder = tmp_path / "s" / "router"
+    if damage == "truncated index":
+        f = next(folder.glob("*.faiss"))
+        f.write_bytes(f.read_bytes()[:100])
+    else:
+        f = next(folder.glob("ns-*.json"))
+        d = json.loads(f.read_text())
+        d["rows"].append([d["next_id"], made[0][0].id, "alias", "an extra row"])
+        f.write_text(json.dumps(d))
+    assert run_fsck(st, router_check=router_checker(st)).exit_code == 4
+    rep = run_fsck(st, repair=True, router_check=router_checker(st), router_rebuild=router_rebuilder(st))
+    assert rep.exit_code == 1 and rep.router_rebuilt == 3, rep.summary()
+    assert run_fsck(st, router_check=router_checker(st)).exit_code == 0
+    assert list((tmp_path / "s" / "quarantine").glob("router-*"))  # the damaged one is kept aside

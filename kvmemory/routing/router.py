@@ -33,6 +33,7 @@ import math
 import os
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -359,12 +360,7 @@ class Router:
     def _recorded_embedder(self) -> Embedder:
         """The embedder the manifest names (so a store keeps the one it was indexed with), else the default.
         An unreadable manifest is reported by `_load`, with its own message."""
-        try:
-            manifest = json.loads((self.folder / _MANIFEST).read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            return Embedder.default()
-        stored = manifest.get("embedder") if isinstance(manifest, dict) else None
-        return embedder_from_identity(stored if isinstance(stored, dict) else None)
+        return recorded_embedder(self.folder)
 
     # -- locking and loading ------------------------------------------------------------------------
 
@@ -919,12 +915,33 @@ def route_rows(entries: Iterable) -> list[RouteRow]:
     return rows
 
 
+def recorded_embedder(folder: Path) -> Embedder:
+    """The embedder a router folder's manifest names, else the default."""
+    try:
+        manifest = json.loads((Path(folder) / _MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return Embedder.default()
+    stored = manifest.get("embedder") if isinstance(manifest, dict) else None
+    return embedder_from_identity(stored if isinstance(stored, dict) else None)
+
+
 def router_rebuilder(store, *, progress: bool = False) -> Callable[[], int]:
     """A `router_rebuild` callback for `run_fsck`: rebuilds `<store.path>/router` from the entries the
     store serves (what `KVMemory.reindex` does, without loading the language model). Returns texts routed."""
 
     def rebuild() -> int:
-        return Router(store.path / "router", allow_mismatch=True).rebuild(route_rows(store.list_entries()),
-                                                                         progress=progress)
+        folder = store.path / "router"
+        try:
+            router = Router(folder, allow_mismatch=True)
+        except StoreFormatError:
+            # A damaged router (truncated index, rows that do not match it, an unreadable manifest): set
+            # aside whole (kept in quarantine/ for whoever wants to look) and built again from the entries,
+            # with the embedder its manifest names when that is still readable.
+            embedder = recorded_embedder(folder)
+            aside = store.path / "quarantine" / f"router-{time.time_ns()}"
+            aside.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(folder, aside)
+            router = Router(folder, embedder, allow_mismatch=True)
+        return router.rebuild(route_rows(store.list_entries()), progress=progress)
 
     return rebuild
