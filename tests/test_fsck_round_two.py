@@ -279,3 +279,31 @@ def test_repair_rebuilds_a_damaged_router(tmp_path, damage):
     assert rep.exit_code == 1 and rep.router_rebuilt == 3, rep.summary()
     assert run_fsck(st, router_check=router_checker(st)).exit_code == 0
     assert list((tmp_path / "s" / "quarantine").glob("router-*"))  # the damaged one is kept aside
+
+
+# ------------------------------------------------------------------ 9. a set-aside entry is named in answers
+def test_a_set_aside_entry_is_named_in_refused(tmp_path):
+    from kvmemory.memory.facade import KVMemory
+    from kvmemory.routing.check import router_checker
+    from kvmemory.routing.router import router_rebuilder
+    from kvmemory.store.fsck_common import set_aside_local
+
+    st, made = _filled(tmp_path / "s")
+    router_rebuilder(st)()
+    eid = made[1][0].id
+    set_aside_local(st, eid, LocalStore._ENTRY_COLS, "fsck: its texts do not re-tokenize", record_too=True)
+    rep = run_fsck(st, repair=True, router_check=router_checker(st), router_rebuild=router_rebuilder(st))
+    assert rep.exit_code == 0 and rep.router_rebuilt == 3, rep.summary()  # the set-aside entry stays routed
+    assert run_fsck(st, router_check=router_checker(st)).exit_code == 0  # its route kept: not drift
+
+    class _StoreOnly:
+        def __init__(self, store):
+            self.store = store
+
+    mem = KVMemory(_StoreOnly(st))
+    mem.checks.entry = lambda e: None  # the live entries' own checks need the model: not what is tested here
+    mem.checks.route = lambda *a: None
+    refused: list = []
+    got = mem.recall("problem 1", refused=refused)
+    assert eid not in [r.entry.id for r in got]
+    assert [r["entry"] for r in refused] == [eid] and "set this entry aside" in refused[0]["reason"], refused

@@ -915,6 +915,25 @@ def route_rows(entries: Iterable) -> list[RouteRow]:
     return rows
 
 
+def set_aside_rows(store) -> list[RouteRow]:
+    """Routes to the entries `fsck --repair` set aside (by their problem, in their namespace), so a question
+    that would have been answered from one is refused naming it, never answered as if it never was."""
+    rows = []
+    listed = getattr(store, "set_aside_entries", None)
+    for d in listed() if listed is not None else []:
+        try:
+            _check_entry_id(d["id"]), _check_namespace(d["namespace"]), _check_texts([d["problem"]])
+        except (InvalidInput, KeyError, TypeError):
+            continue  # a row too damaged to route by
+        rows.append(RouteRow(d["id"], d["namespace"], d["problem"], "problem"))
+    return rows
+
+
+def serving_rows(store) -> list[RouteRow]:
+    """What a router built for `store` routes: every entry it serves, and the entries set aside."""
+    return route_rows(store.list_entries()) + set_aside_rows(store)
+
+
 def recorded_embedder(folder: Path) -> Embedder:
     """The embedder a router folder's manifest names, else the default."""
     try:
@@ -942,6 +961,6 @@ def router_rebuilder(store, *, progress: bool = False) -> Callable[[], int]:
             aside.parent.mkdir(parents=True, exist_ok=True)
             os.replace(folder, aside)
             router = Router(folder, embedder, allow_mismatch=True)
-        return router.rebuild(route_rows(store.list_entries()), progress=progress)
+        return router.rebuild(serving_rows(store), progress=progress)
 
     return rebuild

@@ -794,6 +794,30 @@ class LocalStore:
         rf = self.records
         return rf is not None and rf.path(entry_id).exists()
 
+    def set_aside_entries(self) -> list[dict]:
+        """Entries `fsck --repair` set aside (kept in `quarantined_entries`, never served) that the catalogue
+        does not serve again: [{"id", "namespace", "problem", "reason"}], so the router keeps routing their
+        questions and an answer names them in `refused` instead of answering as if they never were."""
+        try:
+            rows = self._q("SELECT id, reason, row_json FROM quarantined_entries ORDER BY at")
+            live = {eid for (eid,) in self._q("SELECT id FROM entries")}
+        except StoreError:
+            return []  # never repaired: no such table
+        from kvmemory.store.safe_files import loads_bounded
+
+        out: dict[str, dict] = {}
+        for eid, reason, body in rows:
+            if not isinstance(eid, str) or eid in live:
+                continue
+            try:
+                d = loads_bounded(body, "set-aside row")
+            except IntegrityError:
+                d = {}
+            d = d if isinstance(d, dict) else {}
+            out[eid] = {"id": eid, "namespace": d.get("namespace"), "problem": d.get("problem"),
+                        "reason": str(reason)}
+        return list(out.values())
+
     def raw_entry(self, entry_id: str) -> EntryRecord | None:
         """The catalogue row of an entry as it is (no signature check), None when absent or unreadable."""
         try:

@@ -807,6 +807,25 @@ class RedisStore:
         got = self._read(lambda: self._r.exists(self.k_record(entry_id)), "reading a record")
         return bool(got and got[0])
 
+    def set_aside_entries(self) -> list[dict]:
+        """Entries `fsck --repair` set aside (see LocalStore.set_aside_entries): their `qe:` keys."""
+        def scan():
+            out = []
+            for k in self._r.scan_iter(match=self.k_qentry("*"), count=1000):
+                eid = k.decode("utf-8", "replace")[len(self.k_qentry("")):]
+                if self._r.zscore(self.k_entries(), eid) is not None:
+                    continue
+                f = self._r.hmget(k, "namespace", "problem", "fsck_reason")
+                dec = [x.decode("utf-8", "replace") if isinstance(x, bytes) else None for x in f]
+                out.append({"id": eid, "namespace": dec[0], "problem": dec[1], "reason": dec[2] or "set aside"})
+            return out
+
+        try:
+            got = self._read(scan, "listing set-aside entries")
+        except IntegrityError:
+            return []
+        return got[0] if got else []
+
     def record_of(self, entry: EntryRecord, chain_sha: Sequence[str], sig: str) -> bytes:
         """The entry's record (store/records.py), kept in Redis beside the entry and written with it."""
         from kvmemory.store.records import make_record, record_bytes
