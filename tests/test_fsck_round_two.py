@@ -307,3 +307,39 @@ def test_a_set_aside_entry_is_named_in_refused(tmp_path):
     got = mem.recall("problem 1", refused=refused)
     assert eid not in [r.entry.id for r in got]
     assert [r["entry"] for r in refused] == [eid] and "set this entry aside" in refused[0]["reason"], refused
+
+
+# ------------------------------------------------------------------ 4. a wiped Redis is noticed and restored
+def test_redis_flushall_is_noticed_and_restored_from_the_tier(tmp_path):
+    import uuid
+
+    from redis_server import RedisServer, check_entry_readable
+
+    from kvmemory.errors import CatalogueLost
+    from kvmemory.store.redis_store import RedisStore
+
+    with RedisServer() as srv:
+        name = f"g{uuid.uuid4().hex[:6]}"
+        tier = tmp_path / "tier"
+        spec = f"{srv.url}?store={name}&tier={tier}"
+        st = RedisStore(srv.url, store=name, path=tier, signer=KEY)
+        made = [synth_entry(i) for i in range(3)]
+        for e, b in made:
+            st.commit_entry(e, b)
+        for e, _ in made:  # read through: the tier now holds every row and block
+            check_entry_readable(st, e.id)
+        st.close()
+        RedisStore(srv.url, store=name, path=tmp_path / "other", signer=KEY).client.flushall()
+        with pytest.raises(CatalogueLost, match="fsck --repair"):  # never shown as an empty store
+            RedisStore(srv.url, store=name, path=tier, signer=KEY)
+        rep = fsck_at(spec, signing_key=KEY)
+        assert rep.exit_code == 4 and [p["kind"] for p in rep.problems] == ["redis_wiped"], rep.summary()
+        rep = fsck_at(spec, signing_key=KEY, repair=True)
+        assert rep.exit_code == 1 and rep.n("entries_restored") == 3 and not rep.n("entries_lost"), rep.summary()
+        rep = fsck_at(spec, signing_key=KEY)
+        assert rep.exit_code == 0 and rep.n("entries_ok") == 3, rep.summary()
+        st = RedisStore(srv.url, store=name, path=tmp_path / "fresh-tier", signer=KEY)  # from Redis alone
+        assert sorted(st.entry_ids()) == sorted(e.id for e, _ in made)
+        for e, _ in made:
+            check_entry_readable(st, e.id)
+        st.close()

@@ -73,6 +73,23 @@ def run_fsck(store, repair: bool = False, router_rebuild: Callable[[], int] | No
         from kvmemory.errors import InvalidInput
 
         raise InvalidInput("fsck --repair works on the whole store: open it without a namespace, with the master key")
+    if getattr(store, "wiped", None):  # Redis lost the store; its local tier still holds it
+        from kvmemory.store.fsck_wiped import report_wiped, restore_from_tier
+
+        rep = FsckReport(getattr(store, "url", ""), "redis", repair)
+        if not repair:
+            report_wiped(rep, store)
+            rep.seconds = time.perf_counter() - t0
+            return rep
+        restore_from_tier(rep, store, entry_check)
+        after = run_fsck(store, True, router_rebuild, grace_seconds=grace_seconds, purge_orphans=purge_orphans,
+                         router_check=router_check, entry_check=entry_check, recompute=recompute, progress=progress,
+                         force=True)
+        after.problems = (rep.problems + after.problems)[:MAX_LISTED]
+        for k, v in rep.counts.items():
+            after.add(k, v)
+        after.seconds = time.perf_counter() - t0
+        return after
     if repair and not force:
         why = mass_repair_refusal(_backend(store, False, grace_seconds, purge_orphans, entry_check, False))
         if why is not None:
@@ -169,7 +186,8 @@ def fsck_at(spec, *, signing_key=None, repair: bool = False, router: Callable | 
     from kvmemory.store.open import is_redis_url, open_store, resolve_spec
 
     spec = resolve_spec(spec)  # once: the open, the rebuild and the report all name this store
-    extra = {} if is_redis_url(spec) else {"create": False}
+    # a Redis store that Redis lost is opened anyway: fsck names the loss, the repair restores it
+    extra = {"allow_wiped": True} if is_redis_url(spec) else {"create": False}
     rebuilt = None
     try:
         store = open_store(spec, signing_key=signing_key, **extra)
