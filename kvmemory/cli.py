@@ -605,9 +605,11 @@ def cmd_fsck(args) -> int:
             held["mem"] = _memory(args)
         return held["mem"]
 
-    deep = args.repair or args.texts
+    # Every check an answer makes (texts re-tokenized, router vectors re-embedded) unless --quick: the
+    # model's tokenizer and the embedder load, and every entry and routed text is checked once.
+    deep = args.repair or args.texts or not args.quick
     report = fsck_at(args.store, signing_key=args.signing_key, repair=args.repair, purge_orphans=args.purge_orphans,
-                     router=lambda st: (router_checker(st), router_rebuilder(st) if args.repair else None),
+                     router=lambda st: (router_checker(st, vectors=deep), router_rebuilder(st) if args.repair else None),
                      entry_check=(lambda e: memory().checks.entry(e)) if deep else None,
                      recompute=(lambda ids: memory().recompute(ids)) if args.repair else None,
                      progress=_progress(args), force=args.force)
@@ -1091,8 +1093,11 @@ def build_parser() -> argparse.ArgumentParser:
     fk.add_argument("--force", action="store_true", help="with --repair: repair even when it would take most of "
                     "the store out of service (refused otherwise: a wrong signing key, profile or store is likelier "
                     "than that much damage)")
-    fk.add_argument("--texts", action="store_true", help="also re-tokenize every entry's texts and compare them with "
-                    "its token ids (loads the model; --repair always does)")
+    fk.add_argument("--texts", action="store_true", help="re-tokenize every entry's texts and compare them with "
+                    "its token ids (the default now; kept for scripts)")
+    fk.add_argument("--quick", action="store_true", help="skip the checks that load the model and the embedder "
+                    "(entries' texts against their token ids, router vectors against their texts): blocks, "
+                    "records, catalogue and router rows only")
     fk.set_defaults(func=cmd_fsck, namespace="default")
 
     d = _command(sub, "demo", "the model alone vs with verified solutions remembered (grafted), side by side with "

@@ -343,3 +343,61 @@ def test_redis_flushall_is_noticed_and_restored_from_the_tier(tmp_path):
         for e, _ in made:
             check_entry_readable(st, e.id)
         st.close()
+
+
+# ------------------------------------------------------------------ 5. the check-only fsck checks what answers check
+def _routed(tmp_path):
+    from kvmemory.routing.router import router_rebuilder
+
+    st, made = _filled(tmp_path / "s")
+    router_rebuilder(st)()
+    folder = tmp_path / "s" / "router"
+    return st, made, folder
+
+
+def test_check_only_fsck_finds_swapped_router_vectors(tmp_path):
+    import faiss
+    import numpy as np
+
+    from kvmemory.routing.check import router_checker
+
+    st, made, folder = _routed(tmp_path)
+    f = next(folder.glob("*.faiss"))
+    index = faiss.read_index(str(f))
+    ids = list(range(index.ntotal))
+    vecs = np.stack([index.reconstruct(i) for i in ids])
+    vecs[[0, 1]] = vecs[[1, 0]]
+    new = faiss.IndexIDMap2(faiss.IndexFlatIP(index.d))
+    new.add_with_ids(vecs, np.asarray(ids, dtype=np.int64))
+    faiss.write_index(new, str(f))
+    assert run_fsck(st, router_check=router_checker(st)).exit_code == 0  # rows alone cannot tell
+    rep = run_fsck(st, router_check=router_checker(st, vectors=True))
+    assert rep.exit_code == 4 and rep.n("router_drift") == 2 and "cosine" in json.dumps(rep.problems), rep.summary()
+
+
+def test_check_only_fsck_finds_a_manifest_dim_changed(tmp_path):
+    from kvmemory.routing.check import router_checker
+
+    st, made, folder = _routed(tmp_path)
+    m = json.loads((folder / "manifest.json").read_text())
+    m["embedder"]["dim"] = 512
+    (folder / "manifest.json").write_text(json.dumps(m))
+    rep = run_fsck(st, router_check=router_checker(st, vectors=True))
+    assert rep.exit_code == 4 and "dimensions" in json.dumps(rep.problems), rep.summary()
+
+
+def test_check_only_fsck_finds_an_edited_profile_file(tmp_path):
+    from kvmemory.store.records import canonical
+
+    st, made = _filled(tmp_path / "s")
+    prof = {"chunk": 16, "model": "synthetic"}
+    pid = hashlib.sha256(canonical(prof)).hexdigest()
+    st.put_profile(pid, prof)
+    f = tmp_path / "s" / "profiles" / f"{pid}.json"
+    assert f.exists() and run_fsck(st).exit_code == 0
+    f.write_text(json.dumps({"chunk": 32, "model": "synthetic"}))
+    rep = run_fsck(st)
+    assert rep.exit_code == 4 and rep.n("profile_files_damaged") == 1, rep.summary()
+    rep = run_fsck(st, repair=True)
+    assert rep.exit_code == 1 and json.loads(f.read_text()) == prof, rep.summary()
+    assert run_fsck(st).exit_code == 0

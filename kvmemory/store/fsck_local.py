@@ -71,6 +71,7 @@ def fsck_local(store: LocalStore, repair: bool, grace: float, purge: bool = Fals
     # No grace for records without rows: putting back an entry whose writer is about to commit it
     # writes the same row the writer writes (a check-only pass may report it meanwhile).
     named, reported = reconcile_local(rep, store, repair, entry_check)
+    _check_profile_files(rep, store, repair)
 
     # -- orphan block files and stale tmp files: adopted when an entry names them, else set aside
     catalogued = {h for (h,) in store._q("SELECT hash FROM blocks")}
@@ -219,6 +220,41 @@ def _check_entries_local(rep: FsckReport, store: LocalStore, repair: bool, usabl
             for eid in marks_ok:
                 if db.execute("DELETE FROM fsck_damaged_entries WHERE entry_id=?", (eid,)).rowcount:
                     rep.add("entries_unmarked")
+
+
+def _check_profile_files(rep: FsckReport, store: LocalStore, repair: bool) -> None:
+    """profiles/<id>.json against their names (the SHA-256 of the profile's canonical JSON): a file that is
+    not its name's profile is set aside and written again from the catalogue's copy (the one the engine
+    compares against), or only set aside when the catalogue has none."""
+    import hashlib
+    import json
+
+    from kvmemory.store.safe_files import MAX_RECORD_BYTES, loads_bounded, read_regular
+
+    folder = store.path / "profiles"
+    if not folder.is_dir():
+        return
+    for p in sorted(folder.glob("*.json")):
+        try:
+            d = loads_bounded(read_regular(p, MAX_RECORD_BYTES), "profile file")
+            body = json.dumps(d, sort_keys=True, separators=(",", ":"), ensure_ascii=True, default=str)
+            why = None if isinstance(d, dict) and hashlib.sha256(body.encode()).hexdigest() == p.stem else \
+                "its contents do not hash to its name (edited or damaged)"
+        except (OSError, IntegrityError) as exc:
+            why = str(exc)
+        if why is None:
+            continue
+        if repair:
+            move_aside(p, store.path / "quarantine" / "profiles")
+            try:
+                cat = store.get_profile(p.stem) if len(p.stem) == 64 else None
+            except IntegrityError:
+                cat = None
+            if cat is not None and store.records is not None:
+                store.records.write_profile(p.stem, cat)
+        rep.problem("profile_files_damaged", p.name, why + ("; set aside" + (" and written again from the catalogue"
+                    if repair and (store.path / "profiles" / p.name).exists() else "") if repair else ""),
+                    fixed=repair)
 
 
 def _adopt_local(rep: FsckReport, store: LocalStore, f: Path, h: str, verified: bool, repair: bool, now: float) -> bool:
