@@ -933,10 +933,22 @@ _EXIT_HELP = """exit status:
 fsck: 0 clean, 1 damage found and all of it repaired, 4 damage left"""
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, whose usage errors (exit 2) also print the usual JSON error on stdout under --json, so a
+    script reading stdout gets the shape every other error has."""
+
+    json_errors = False
+
+    def error(self, message):
+        if _Parser.json_errors:
+            print(json.dumps({"error": "UsageError", "message": f"{self.prog}: {message}"}), flush=True)
+        super().error(message)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from kvmemory.memory.inputs import MAX_K, MAX_NEW_TOKENS  # the Python API's bounds, for --k / --max-tokens
 
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="kvmemory", description="Exact KV-cache grafting memory for agents: verified solutions stored with the "
         "KV cache a frozen model computed reading them, grafted back bit-identically.",
         epilog=_examples('kvmemory remember --problem "..." --solution "... The answer is 157." --answer 157',
@@ -1362,6 +1374,7 @@ EXIT_PIPE = 128 + 13  # what a shell reports for a process ended by SIGPIPE
 def main(argv: list[str] | None = None) -> int:
     _sized_terminal()
     parser = build_parser()
+    _Parser.json_errors = "--json" in (sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     try:
         code = args.func(args)

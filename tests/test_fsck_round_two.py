@@ -401,3 +401,44 @@ def test_check_only_fsck_finds_an_edited_profile_file(tmp_path):
     rep = run_fsck(st, repair=True)
     assert rep.exit_code == 1 and json.loads(f.read_text()) == prof, rep.summary()
     assert run_fsck(st).exit_code == 0
+
+
+# ------------------------------------------------------------------ 10. the smaller ones
+def test_lost_catalogue_message_says_what_is_there(tmp_path):
+    from kvmemory.errors import CatalogueLost
+
+    st, made = _filled(tmp_path / "s")
+    st.close()
+    for f in (tmp_path / "s" / "entries").iterdir():
+        f.unlink()
+    _drop_catalogue(tmp_path / "s")
+    with pytest.raises(CatalogueLost) as err:
+        LocalStore(tmp_path / "s")
+    assert "records and blocks are there" not in str(err.value) and "no entry records" in str(err.value)
+
+
+def test_usage_errors_print_json_under_json(tmp_path):
+    out = subprocess.run([sys.executable, "-c", CLI, "fsck", "--json", "--no-such-option"], capture_output=True,
+                         text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 2
+    j = json.loads(out.stdout)
+    assert j["error"] == "UsageError" and "--no-such-option" in j["message"]
+
+
+def test_redis_check_only_does_not_count_a_forged_entry_ok(tmp_path):
+    import uuid
+
+    from redis_server import RedisServer
+
+    from kvmemory.store.redis_store import RedisStore
+
+    with RedisServer() as srv:
+        st = RedisStore(srv.url, store=f"c{uuid.uuid4().hex[:6]}", path=tmp_path / "t", signer=KEY)
+        made = [synth_entry(i) for i in range(3)]
+        for e, b in made:
+            st.commit_entry(e, b)
+        st.client.hset(st.k_entry(made[2][0].id), "solution", "a forged solution")
+        rep = run_fsck(st)
+        j = rep.to_json()
+        assert (j["entries_checked"], j["entries_forged"], j["entries_ok"]) == (3, 1, 2), rep.summary()
+        st.close()

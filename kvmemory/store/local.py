@@ -48,7 +48,7 @@ import torch
 from kvmemory.store import drops
 from kvmemory.store.blocks import BlockMeta, chain_hash, encode_header, read_header
 from kvmemory.store.entries import EntryRecord, _is_hex64, entry_from_fields  # noqa: F401 (EntryRecord: re-exported)
-from kvmemory.store.records import RecordFolder, content_sha256, holds_data
+from kvmemory.store.records import RecordFolder, content_sha256, holds_blocks, holds_data
 from kvmemory.errors import (CatalogueLost, IntegrityError, StoreError, StoreFormatError, StoreFull, StoreReadOnly,
                              UnknownEntry)
 
@@ -304,9 +304,14 @@ class LocalStore:
             return
         if holds_data(self.path):
             state = "is empty" if cat.exists() else "is missing"
+            ents = self.path / "entries"
+            has_records = ents.is_dir() and any(p.suffix == ".json" for p in ents.iterdir())
+            there = ("its entry records and blocks are there" if has_records and holds_blocks(self.path) else
+                     "its entry records are there" if has_records else
+                     "block files are there (no entry records: only the blocks can be kept, their entries are gone)")
             raise CatalogueLost(
-                f"the catalogue of the store at {self.path} {state}, but its entry records and blocks are there: "
-                "nothing is served from it. Run `kvmemory fsck --repair` to rebuild the catalogue from them")
+                f"the catalogue of the store at {self.path} {state}, but {there}: nothing is served from it. Run "
+                "`kvmemory fsck --repair` to rebuild the catalogue from what is there")
 
     def _check_format(self) -> None:
         f = self.path / "FORMAT"

@@ -285,6 +285,11 @@ def holds_data(root: Path) -> bool:
     entries = root / "entries"
     if entries.is_dir() and any(p.suffix == ".json" for p in entries.iterdir()):
         return True
+    return holds_blocks(root)
+
+
+def holds_blocks(root: Path) -> bool:
+    """Whether a store folder holds block files."""
     blocks = root / "blocks"
     if blocks.is_dir():
         for sub in blocks.iterdir():
@@ -294,4 +299,4 @@ def holds_data(root: Path) -> bool:
 
 
 __all__ = ["RecordFolder", "Record", "make_record", "parse_record", "content_sha256", "entry_json", "canonical",
-           "holds_data", "RECORD_FORMAT"]
+           "holds_data", "holds_blocks", "RECORD_FORMAT"]
