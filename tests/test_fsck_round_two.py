@@ -442,3 +442,33 @@ def test_redis_check_only_does_not_count_a_forged_entry_ok(tmp_path):
         j = rep.to_json()
         assert (j["entries_checked"], j["entries_forged"], j["entries_ok"]) == (3, 1, 2), rep.summary()
         st.close()
+
+
+def test_a_non_utf8_byte_refuses_its_line_only(tmp_path):
+    from kvmemory.memory.batch import read_jsonl
+
+    f = tmp_path / "items.jsonl"
+    good = json.dumps({"problem": "What is 2 + 2?", "solution": "2 + 2 = 4. The answer is 4.", "answer": "4"})
+    f.write_bytes(good.encode() + b"\n" + b'{"problem": "caf\xe9"}\n' + b"[" * 100_000 + b"\n" + good.encode() + b"\n")
+    rep = read_jsonl(f)
+    assert [x.status for x in rep.lines] == ["pending", "refused", "refused", "pending"]
+    assert "UTF-8" in rep.lines[1].message
+
+
+def test_a_chmod_a_w_store_is_read_only_even_for_root(tmp_path):
+    from kvmemory.errors import StoreReadOnly
+
+    st, made = _filled(tmp_path / "s", n=1)
+    st.close()
+    os.chmod(tmp_path / "s", 0o555)
+    try:
+        st = LocalStore(tmp_path / "s")
+        assert st.readonly
+        with pytest.raises(StoreReadOnly):
+            st.commit_entry(*synth_entry(7))
+        with pytest.raises(StoreReadOnly):
+            run_fsck(st, repair=True)
+        assert run_fsck(st).exit_code == 0
+        st.close()
+    finally:
+        os.chmod(tmp_path / "s", 0o755)

@@ -259,8 +259,10 @@ class LocalStore:
                 self.path.mkdir(parents=True)
             except OSError as exc:
                 raise StoreError(f"cannot create the store folder {self.path}: {exc}") from exc
-        if not readonly and not os.access(self.path, os.W_OK):
-            self.readonly = True  # a read-only folder is served read-only rather than refused
+        # A read-only folder is served read-only rather than refused. os.access says "writable" to root
+        # whatever the mode: a folder whose owner made it read-only (chmod a-w) is read-only for root too.
+        if not readonly and (not os.access(self.path, os.W_OK) or not self.path.stat().st_mode & 0o222):
+            self.readonly = True
         self._check_format()
         self._check_catalogue_present()
         self._local = threading.local()
