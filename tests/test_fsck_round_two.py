@@ -472,3 +472,37 @@ def test_a_chmod_a_w_store_is_read_only_even_for_root(tmp_path):
         st.close()
     finally:
         os.chmod(tmp_path / "s", 0o755)
+
+
+def test_a_deeply_nested_body_gets_the_usual_error_shape():
+    from fastapi import Body, FastAPI
+    from fastapi.testclient import TestClient
+
+    from kvmemory.server.app import _install_error_handlers
+
+    app = FastAPI()
+    _install_error_handlers(app, None)
+
+    @app.post("/x")
+    async def x(body: dict = Body(...)):
+        return body
+
+    r = TestClient(app).post("/x", content=b"[" * 100_000, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "detail" not in r.json()
+    assert r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_a_garbage_import_does_not_show_the_store_path(tmp_path):
+    from types import SimpleNamespace
+
+    from kvmemory.errors import BundleError
+    from kvmemory.server import memory_ops as ops
+
+    store_path = tmp_path / "secret-store-location"
+    mem = SimpleNamespace(store=SimpleNamespace(path=store_path))
+    path = ops.scratch_file(mem, ".kvmb")
+    path.write_bytes(b"not a bundle" * 10)
+    with pytest.raises(BundleError) as err:
+        ops.import_(mem, "default", path)
+    assert "secret-store-location" not in str(err.value) and "the uploaded bundle" in str(err.value)
+    assert not path.exists()
