@@ -36,7 +36,7 @@ def _model_name(args) -> str:
     return args.model or DEFAULT_MODEL
 
 
-def _memory(args, *, reading: bool = False, writes: bool = False):
+def _memory(args, *, reading: bool = False, writes: bool = False, readonly: bool = False):
     """The memory a command works on. `reading`: the store must exist already (a reading command
     never creates one at a mistyped path). `writes`: a read-only store is refused here, before the
     model loads."""
@@ -51,7 +51,8 @@ def _memory(args, *, reading: bool = False, writes: bool = False):
     requested = getattr(args, "device", "auto") or "auto"
     device = None if requested in ("auto", "cpu") else resolve_device(requested, model=_model_name(args))
     # The store first: a missing or read-only one fails before transformers is even imported.
-    store = _existing_store(args) if reading else open_store(args.store, signing_key=args.signing_key)
+    store = _existing_store(args, readonly=readonly) if reading or readonly else \
+        open_store(args.store, signing_key=args.signing_key)
     if writes and getattr(store, "readonly", False):
         from kvmemory.errors import StoreReadOnly
 
@@ -457,12 +458,13 @@ def cmd_verify(args) -> int:
     return 0 if summary.bit_identical == summary.checked else 1
 
 
-def _existing_store(args):
+def _existing_store(args, *, readonly: bool = False):
     """The store of a command that only reads or checks it: a folder that is not there is a typo, not
-    a store to create (stats, fsck, export, list)."""
+    a store to create (stats, fsck, export, list). `readonly`: opened read-only (nothing is written,
+    not even the model's profile: a check-only fsck changes nothing)."""
     from kvmemory.store.open import is_redis_url, open_store
 
-    return open_store(args.store, signing_key=args.signing_key,
+    return open_store(args.store, signing_key=args.signing_key, readonly=readonly,
                       **({} if is_redis_url(args.store) else {"create": False}))
 
 
@@ -602,7 +604,7 @@ def cmd_fsck(args) -> int:
 
     def memory():  # the model loads only when something needs it (texts to re-tokenize, blocks to recompute)
         if "mem" not in held:
-            held["mem"] = _memory(args)
+            held["mem"] = _memory(args, readonly=not args.repair)
         return held["mem"]
 
     # Every check an answer makes (texts re-tokenized, router vectors re-embedded) unless --quick: the
