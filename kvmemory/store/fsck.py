@@ -20,7 +20,13 @@ What is checked (LocalStore, SignedLocalStore and RedisStore alike):
   `entry_check` (the memory layer: its texts re-tokenize to its token ids) says, and whether its chain
   references blocks that are missing, quarantined or damaged;
 - the router, when `router_check` is given (routing/check.py: every routed row names an entry of its
-  namespace by one of that entry's own texts, and every entry is routed).
+  namespace by one of that entry's own texts, and every entry is routed; `router_checker(vectors=True)`
+  also re-embeds every routed text against its vector and the index's dimension against the manifest);
+- profile files (profiles/<id>.json) against their names;
+- a Redis store that Redis lost while its local tier still holds it (its generation: redis_store.py),
+  named `redis_wiped` (store/fsck_wiped.py);
+- every file opened bounded (store/safe_files.py): regular files only, sizes checked before reading,
+  JSON nesting limited.
 
 What `repair=True` does, never deleting what could still serve:
 - rebuilds a missing, empty or damaged local catalogue from the records and the blocks
@@ -36,7 +42,10 @@ What `repair=True` does, never deleting what could still serve:
   Redis) and, when `recompute` is given (the memory layer: `KVMemory.recompute`), recomputes and
   re-proves their blocks, clearing the mark; marks of entries found whole again are cleared;
 - recounts Redis block references, and calls `router_rebuild()` (e.g. `KVMemory.reindex`) so the
-  router matches the catalogue again.
+  router matches the catalogue again (a damaged router is kept in quarantine/router-* and built anew);
+- restores a Redis store that Redis lost from its local tier (store/fsck_wiped.py);
+- refuses to act (RepairRefused, nothing changed) when it would take most of the store out of service:
+  a wrong signing key, model or store is likelier than that much damage (`force=True` acts anyway).
 
 Exit codes (`FsckReport.exit_code`): 0 clean, 1 problems found and all repaired, 4 problems left.
 """
