@@ -12,6 +12,8 @@ named (`entries_lost`) and left out; the store then gets a new generation.
 
 from __future__ import annotations
 
+import json
+
 import torch
 
 from kvmemory.errors import KVMemoryError
@@ -36,8 +38,6 @@ def restore_from_tier(rep: FsckReport, store, entry_check: EntryCheck | None) ->
     tier = store._tier
     for pid, body in tier._q("SELECT profile_id, profile_json FROM profiles"):
         try:
-            import json
-
             store.put_profile(pid, json.loads(body))
         except (ValueError, TypeError, KVMemoryError):
             pass
