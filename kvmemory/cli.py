@@ -36,7 +36,7 @@ def _model_name(args) -> str:
     return args.model or DEFAULT_MODEL
 
 
-def _memory(args, *, reading: bool = False, writes: bool = False):
+def _memory(args, *, reading: bool = False, writes: bool = False, readonly: bool = False):
     """The memory a command works on. `reading`: the store must exist already (a reading command
     never creates one at a mistyped path). `writes`: a read-only store is refused here, before the
     model loads."""
@@ -51,7 +51,8 @@ def _memory(args, *, reading: bool = False, writes: bool = False):
     requested = getattr(args, "device", "auto") or "auto"
     device = None if requested in ("auto", "cpu") else resolve_device(requested, model=_model_name(args))
     # The store first: a missing or read-only one fails before transformers is even imported.
-    store = _existing_store(args) if reading else open_store(args.store, signing_key=args.signing_key)
+    store = _existing_store(args, readonly=readonly) if reading or readonly else \
+        open_store(args.store, signing_key=args.signing_key)
     if writes and getattr(store, "readonly", False):
         from kvmemory.errors import StoreReadOnly
 
@@ -479,12 +480,13 @@ def cmd_verify(args) -> int:
     return 0 if summary.bit_identical == summary.checked else 1
 
 
-def _existing_store(args):
+def _existing_store(args, *, readonly: bool = False):
     """The store of a command that only reads or checks it: a folder that is not there is a typo, not
-    a store to create (stats, fsck, export, list)."""
+    a store to create (stats, fsck, export, list). `readonly`: opened read-only (nothing is written,
+    not even the model's profile: a check-only fsck changes nothing)."""
     from kvmemory.store.open import is_redis_url, open_store
 
-    return open_store(args.store, signing_key=args.signing_key,
+    return open_store(args.store, signing_key=args.signing_key, readonly=readonly,
                       **({} if is_redis_url(args.store) else {"create": False}))
 
 
@@ -624,15 +626,17 @@ def cmd_fsck(args) -> int:
 
     def memory():  # the model loads only when something needs it (texts to re-tokenize, blocks to recompute)
         if "mem" not in held:
-            held["mem"] = _memory(args)
+            held["mem"] = _memory(args, readonly=not args.repair)
         return held["mem"]
 
-    deep = args.repair or args.texts
+    # Every check an answer makes (texts re-tokenized, router vectors re-embedded) unless --quick: the
+    # model's tokenizer and the embedder load, and every entry and routed text is checked once.
+    deep = args.repair or args.texts or not args.quick
     report = fsck_at(args.store, signing_key=args.signing_key, repair=args.repair, purge_orphans=args.purge_orphans,
-                     router=lambda st: (router_checker(st), router_rebuilder(st) if args.repair else None),
+                     router=lambda st: (router_checker(st, vectors=deep), router_rebuilder(st) if args.repair else None),
                      entry_check=(lambda e: memory().checks.entry(e)) if deep else None,
                      recompute=(lambda ids: memory().recompute(ids)) if args.repair else None,
-                     progress=_progress(args))
+                     progress=_progress(args), force=args.force)
     if "mem" in held:
         held["mem"].store.close()
     _emit(args, report.to_json(), report.summary())
@@ -953,10 +957,22 @@ _EXIT_HELP = """exit status:
 fsck: 0 clean, 1 damage found and all of it repaired, 4 damage left"""
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, whose usage errors (exit 2) also print the usual JSON error on stdout under --json, so a
+    script reading stdout gets the shape every other error has."""
+
+    json_errors = False
+
+    def error(self, message):
+        if _Parser.json_errors:
+            print(json.dumps({"error": "UsageError", "message": f"{self.prog}: {message}"}), flush=True)
+        super().error(message)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from kvmemory.memory.inputs import MAX_K, MAX_NEW_TOKENS  # the Python API's bounds, for --k / --max-tokens
 
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="kvmemory", description="Exact KV-cache grafting memory for agents: verified solutions stored with the "
         "KV cache a frozen model computed reading them, grafted back bit-identically.",
         epilog=_examples('kvmemory remember --problem "..." --solution "... The answer is 157." --answer 157',
@@ -1110,8 +1126,14 @@ def build_parser() -> argparse.ArgumentParser:
                     "rebuild the router")
     fk.add_argument("--purge-orphans", action="store_true", help="with --repair: delete orphan blocks instead of "
                     "keeping them in quarantine/orphans (and empty that folder)")
-    fk.add_argument("--texts", action="store_true", help="also re-tokenize every entry's texts and compare them with "
-                    "its token ids (loads the model; --repair always does)")
+    fk.add_argument("--force", action="store_true", help="with --repair: repair even when it would take most of "
+                    "the store out of service (refused otherwise: a wrong signing key, profile or store is likelier "
+                    "than that much damage)")
+    fk.add_argument("--texts", action="store_true", help="re-tokenize every entry's texts and compare them with "
+                    "its token ids (the default now; kept for scripts)")
+    fk.add_argument("--quick", action="store_true", help="skip the checks that load the model and the embedder "
+                    "(entries' texts against their token ids, router vectors against their texts): blocks, "
+                    "records, catalogue and router rows only")
     fk.set_defaults(func=cmd_fsck, namespace="default")
 
     d = _command(sub, "demo", "the model alone vs with verified solutions remembered (grafted), side by side with "
@@ -1390,6 +1412,7 @@ EXIT_PIPE = 128 + 13  # what a shell reports for a process ended by SIGPIPE
 def main(argv: list[str] | None = None) -> int:
     _sized_terminal()
     parser = build_parser()
+    _Parser.json_errors = "--json" in (sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     try:
         code = args.func(args)

@@ -91,6 +91,11 @@ class GraphCaptureError(KVMemoryError):
     step='static' (the same shapes, run eagerly) or step='dynamic'."""
 
 
+class RepairRefused(StoreError):
+    """`fsck --repair` would take most of a store out of service (wrong signing key, wrong profile, a
+    different store): it changes nothing and says why; `--force` repairs anyway."""
+
+
 class CatalogueLost(StoreError):
     """A store whose catalogue is missing, empty or damaged while its entry records and blocks are
     there: nothing is served from it (it is not an empty store); `kvmemory fsck --repair` rebuilds

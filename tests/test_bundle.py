@@ -593,3 +593,25 @@ def test_import_into_redis_in_another_process_then_verify_and_recall_there(real_
             import shutil
 
             shutil.rmtree(cli_tier, ignore_errors=True)
+
+
+def test_a_hand_edited_entry_with_its_id_and_manifest_recomputed_is_refused(source, target, tmp_path):
+    """Issue 47 item 6: a new solution text in a bundle entry, its id recomputed from the new texts and
+    the manifest rebuilt, passes every check of the file; its texts no longer re-tokenize to its token
+    ids (which hash to its chain), so the import refuses it, as an answer would, and imports nothing."""
+    src, entries, _, _ = source
+    one = src.export_bundle(tmp_path / "one.kvmb", entry_ids=[entries[2].id])
+
+    def edit(listed):
+        e = listed[0]
+        e["solution"] = e["solution"].replace("Worked", "Wrong!")
+        e["id"] = entry_id_for(e["namespace"], e["problem"], e["solution"], e["answer"], e["profile_id"])
+        return listed
+
+    edited = write_tar(tmp_path / "edited.kvmb", edit_json(members_of(Path(one.out)), PREFIX + "entries.json", edit))
+    b = read_bundle(edited)  # the file itself checks
+    assert b.entries[0].id != entries[2].id
+    ids_before = target.store.entry_ids()
+    with pytest.raises(BundleError, match="re-tokenize"):
+        target.import_bundle(edited)
+    assert target.store.entry_ids() == ids_before

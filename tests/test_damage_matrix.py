@@ -245,6 +245,46 @@ def delete_record(ctx):
     _record(ctx).unlink()
 
 
+def nest_record(ctx):  # issue 47 item 7: a record nested 200,000 deep
+    _record(ctx).write_bytes(b"[" * 200_000)
+
+
+def symlink_block(ctx):  # issue 47 item 2: a block file that is a symlink to /dev/zero
+    f = _block(ctx)
+    f.unlink()
+    f.symlink_to("/dev/zero")
+
+
+def swap_router_vectors(ctx):  # issue 47 item 5: two rows' vectors swapped, the rows left as they were
+    import faiss
+    import numpy as np
+
+    f, d = _router_rows(ctx["path"])
+    index_file = Path(f).with_suffix(".faiss") if Path(f).with_suffix(".faiss").exists() else \
+        next(Path(f).parent.glob("*.faiss"))
+    index = faiss.read_index(str(index_file))
+    vid = {r[1]: r[0] for r in d["rows"] if r[2] == "problem"}
+    ids = [r[0] for r in d["rows"]]
+    vecs = np.stack([index.reconstruct(int(i)) for i in ids])
+    a, b = ids.index(vid[ctx["ids"][0]]), ids.index(vid[ctx["ids"][1]])
+    vecs[[a, b]] = vecs[[b, a]]
+    new = faiss.IndexIDMap2(faiss.IndexFlatIP(index.d))
+    new.add_with_ids(vecs, np.asarray(ids, dtype=np.int64))
+    faiss.write_index(new, str(index_file))
+
+
+def edit_profile_file(ctx):  # issue 47 item 5: profiles/<sha>.json edited
+    f = next((ctx["path"] / "profiles").glob("*.json"))
+    d = json.loads(f.read_text())
+    d["chunk"] = 32
+    f.write_text(json.dumps(d))
+
+
+def truncate_router_index(ctx):  # issue 47 item 8: fsck --repair rebuilds the router
+    f = next((ctx["path"] / "router").glob("*.faiss"))
+    f.write_bytes(f.read_bytes()[:100])
+
+
 LOCAL = {  # name: (damage, the entry whose question is asked, kinds fsck must name)
     "router rows swapped": (swap_router_rows, 0, {"router_drift"}),
     "router row deleted": (delete_router_row, 0, {"router_drift"}),
@@ -265,6 +305,11 @@ LOCAL = {  # name: (damage, the entry whose question is asked, kinds fsck must n
     "payload hash altered": (alter_payload_hash, 0, {"blocks_damaged"}),
     "entry record damaged": (damage_record, 0, {"entry_records_damaged"}),
     "entry record deleted": (delete_record, 0, {"entry_records_missing"}),
+    "entry record nested 200,000 deep": (nest_record, 0, {"entry_records_damaged"}),
+    "block file a symlink to /dev/zero": (symlink_block, 0, {"blocks_damaged"}),
+    "router vectors swapped": (swap_router_vectors, 0, {"router_drift"}),
+    "router index truncated": (truncate_router_index, 0, {"router_drift"}),
+    "profile file edited": (edit_profile_file, 0, {"profile_files_damaged"}),
 }
 
 
@@ -367,8 +412,11 @@ def _trial(kind: str, name: str, case, engine, open_store, spec, signing_key, id
     row = {"store": kind, "damage": name}
     _count(kind, "tries")
     router = lambda st: (router_checker(st), router_rebuilder(st))  # noqa: E731
-    # 1. check only, as `kvmemory fsck` does (no model)
-    rep = fsck_at(spec, signing_key=signing_key, router=lambda st: (router_checker(st), None))
+    # 1. check only, as `kvmemory fsck` does: every check an answer makes (texts re-tokenized, router
+    # vectors re-embedded)
+    checks = EntryChecks(engine)
+    rep = fsck_at(spec, signing_key=signing_key, router=lambda st: (router_checker(st, vectors=True), None),
+                  entry_check=checks.entry)
     found = {p["kind"] for p in rep.problems}
     row["fsck"] = {"exit": rep.exit_code, "found": sorted(found)}
     detected = rep.exit_code != 0 and bool(kinds & found)
@@ -381,10 +429,10 @@ def _trial(kind: str, name: str, case, engine, open_store, spec, signing_key, id
     row["answer"] = {"outcome": outcome, **info}
     _count(kind, outcome)
     # 3. repair, with the memory layer's checks and recompute, then a clean check
-    checks = EntryChecks(engine)
     fixed = fsck_at(spec, signing_key=signing_key, repair=True, router=router, entry_check=checks.entry,
                     recompute=lambda todo: _memory(engine, open_store()).recompute(todo))
-    after = fsck_at(spec, signing_key=signing_key, router=lambda st: (router_checker(st), None))
+    after = fsck_at(spec, signing_key=signing_key, router=lambda st: (router_checker(st, vectors=True), None),
+                    entry_check=checks.entry)
     # exit 0 from the repair: the answer already healed it (recall routes an unrouted entry again)
     repaired = fixed.exit_code in (0, 1) and after.exit_code == 0
     row["repair"] = {"exit": fixed.exit_code, "after": after.exit_code, "recomputed": fixed.n("entries_recomputed"),

@@ -104,19 +104,25 @@ def read_jsonl(path: str | Path) -> BatchReport:
     if not path.is_file():
         raise InvalidInput(f"--jsonl needs a file of JSON lines: {path} is not a file")
     try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
+        data = path.read_bytes()
+    except OSError as exc:
         raise InvalidInput(f"cannot read {path}: {exc}") from exc
     report = BatchReport()
-    for i, raw in enumerate(text.splitlines(), 1):
-        if not raw.strip():
+    # decoded line by line: a byte that is not UTF-8 refuses its own line, not the file
+    for i, line in enumerate(data.splitlines(), 1):
+        if not line.strip():
             continue
         fate = LineFate(i)
         report.lines.append(fate)
         try:
+            raw = line.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            fate.refuse(InvalidInput(f"{path}:{i}: not UTF-8 ({exc})"))
+            continue
+        try:
             d = json.loads(raw)
-        except ValueError as exc:
-            fate.refuse(InvalidInput(f"{path}:{i}: not JSON ({exc})"))
+        except (ValueError, RecursionError) as exc:
+            fate.refuse(InvalidInput(f"{path}:{i}: not JSON ({type(exc).__name__}: {str(exc)[:200]})"))
             continue
         if not isinstance(d, dict):
             fate.refuse(InvalidInput(f"{path}:{i}: not a JSON object"))

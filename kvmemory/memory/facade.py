@@ -802,6 +802,14 @@ class KVMemory:
         catalogue is the truth; the router is its index."""
         return router_feed.resync(self, namespace)
 
+    def _set_aside(self, entry_id: str) -> str | None:
+        """Why `fsck --repair` set this entry aside (kept, never served), or None when it did not."""
+        listed = getattr(self.store, "set_aside_entries", None)
+        for d in listed() if listed is not None else []:
+            if d.get("id") == entry_id:
+                return str(d.get("reason") or "set aside")
+        return None
+
     def _lost(self, entry_id: str) -> bool:
         """An entry the catalogue lacks while its record is still there (lost by damage, not forgotten)."""
         has = getattr(self.store, "has_record", None)
@@ -814,14 +822,14 @@ class KVMemory:
         router's manifest records it, so later opens use it without being told. Default: this memory's
         embedder (given when opened, else the one the store recorded). Atomic: the new indexes and the
         manifest naming the new embedder replace the old ones in one commit, or nothing changes."""
-        from kvmemory.routing.router import Router, resolve_embedder, route_rows
+        from kvmemory.routing.router import Router, resolve_embedder, serving_rows
 
         if embedder is not None:
             embedder = resolve_embedder(embedder)
         # Open without the embedder check: a router built by another embedder is what reindex fixes.
         router = Router(self.store.path / "router", embedder or self._embedder, threshold=self.threshold,
                         allow_mismatch=True)
-        n = router.rebuild(route_rows(self.store.list_entries()), progress=progress)
+        n = router.rebuild(serving_rows(self.store), progress=progress)
         self._router = router
         if embedder is not None:
             self._embedder = embedder

@@ -116,8 +116,10 @@ def _apply(mem, changes) -> int:
         try:
             entry = mem.store.get_entry(eid, ns)
         except UnknownEntry:
-            if eid in mem._pending or mem._lost(eid):
-                continue  # routed before its commit (remember_later), or lost by damage (recall names it)
+            if eid in mem._pending or mem._lost(eid) or mem._set_aside(eid) is not None:
+                # routed before its commit (remember_later), lost by damage (recall names it), or set aside
+                # by fsck --repair (still routed, so that an answer names it in `refused`)
+                continue
             drops.append(eid)
             continue
         except KVMemoryError:  # refused (unsigned or forged in a shared store): never routed
@@ -148,10 +150,14 @@ def resync(mem, namespace: str) -> int:
                          "recall cannot find them until `kvmemory reindex` runs where the store is writable",
                          len(unrouted), namespace, mem.router.folder)
         return 0
-    drops = [eid for eid in routed - stored
+    gone = routed - stored
+    listed = getattr(mem.store, "set_aside_entries", None) if gone else None
+    aside = {d.get("id") for d in listed()} if listed is not None else set()
+    drops = [eid for eid in gone
              # pending: routed before its KV is committed; lost: recorded but missing from a damaged
-             # catalogue (`recall` names it, fsck brings it back)
-             if eid not in mem._pending and not mem._lost(eid)]
+             # catalogue (`recall` names it, fsck brings it back); set aside by fsck --repair: still
+             # routed, so that an answer names it (refused)
+             if eid not in mem._pending and not mem._lost(eid) and eid not in aside]
     puts = []
     for eid in sorted(stored - routed):
         try:

@@ -174,7 +174,14 @@ def _search(mem, query: str, qvec, ns: str, k: int, *, threshold: float | None, 
             try:
                 entry = mem.store.get_entry(hit.entry_id, ns)
             except UnknownEntry:
-                if mem._lost(hit.entry_id) and refused is not None:
+                # (only a route that would have been followed: a set-aside entry is named where it would
+                # have answered, not for every question near it)
+                aside = mem._set_aside(hit.entry_id) if refused is not None and hit.score >= strict else None
+                if aside is not None:
+                    dropped = True
+                    refused.append(refusal(hit.entry_id, f"`kvmemory fsck --repair` set this entry aside ({aside}): "
+                                           "it is kept, never served; remember its solution again to serve it"))
+                elif mem._lost(hit.entry_id) and refused is not None:
                     dropped = True
                     refused.append(refusal(hit.entry_id, "it is routed and recorded beside its blocks, but the "
                                            "catalogue no longer holds it (a damaged catalogue); run `kvmemory "

@@ -141,6 +141,12 @@ def import_bundle(mem, bundle: Bundle | str | os.PathLike, *, sample: int = DEFA
         if expected_id(e) != e.id:
             raise BundleError(f"entry {e.id}: its id is not the hash of its namespace, first version's texts and "
                               "profile (altered)")
+        # what an answer checks before it uses an entry: its texts re-tokenize to its token ids (which hash
+        # to its chain): a bundle whose texts were edited, with its id and manifest recomputed, is refused
+        why = mem.checks.entry(e)
+        if why is not None:
+            raise BundleError(f"entry {e.id} of the bundle does not check against itself: {why}. Nothing was "
+                              "imported")
     scope = getattr(store, "namespace", None)
     if scope is not None:
         others = sorted({e.namespace for e in bundle.entries} - {scope})

@@ -21,9 +21,12 @@ from pathlib import Path
 _MANIFEST = "manifest.json"
 
 
-def check_router(folder: Path, entries: Iterable) -> list[tuple[str, str]]:
-    """(key, detail) for each way the router folder disagrees with `entries` (EntryRecords)."""
+def check_router(folder: Path, entries: Iterable, set_aside: Iterable = ()) -> list[tuple[str, str]]:
+    """(key, detail) for each way the router folder disagrees with `entries` (EntryRecords). `set_aside`:
+    RouteRows of entries fsck set aside, routed by their problem so that answers name them (allowed, not
+    required)."""
     folder = Path(folder)
+    aside = {(r.entry_id, r.namespace, r.text) for r in set_aside}
     own: dict[str, tuple[str, set[str]]] = {}
     for e in entries:
         aliases = e.meta.get("aliases", []) if isinstance(e.meta, dict) else []
@@ -58,6 +61,8 @@ def check_router(folder: Path, entries: Iterable) -> list[tuple[str, str]]:
                 problems.append((str(ns), f"a router row of namespace {ns!r} is malformed: {row!r}"[:200]))
                 continue
             mine = own.get(eid)
+            if mine is None and (eid, ns, text) in aside:
+                continue
             if mine is None:
                 problems.append((str(eid), f"a router row names entry {eid!r}, which the store does not hold"))
             elif mine[0] != ns:
@@ -73,6 +78,57 @@ def check_router(folder: Path, entries: Iterable) -> list[tuple[str, str]]:
     return problems
 
 
+VECTOR_TOLERANCE = 0.01  # the cosine gap an answer's route check tolerates (memory/entry_check.SCORE_TOLERANCE)
+
+
+def check_vectors(folder: Path, embedder=None, *, batch: int = 256) -> list[tuple[str, str]]:
+    """(key, detail) for each router vector that is not its own row's text embedded again (vectors swapped
+    between rows, a damaged index), and each index whose dimension is not the manifest's embedder's. What
+    an answer checks per route, for every row: it loads the embedder (`embedder`, else the one the
+    manifest names) and embeds every routed text once."""
+    import faiss
+    import numpy as np
+
+    folder = Path(folder)
+    try:
+        manifest = json.loads((folder / _MANIFEST).read_text(encoding="utf-8"))
+        spaces = manifest["spaces"]
+        dim = (manifest.get("embedder") or {}).get("dim")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
+        return []  # unreadable: check_router names it
+    if embedder is None:
+        from kvmemory.routing.router import recorded_embedder
+
+        embedder = recorded_embedder(folder)
+    problems: list[tuple[str, str]] = []
+    for ns, files in sorted(spaces.items()):
+        try:
+            rows = json.loads((folder / files["rows"]).read_text(encoding="utf-8"))["rows"]
+            index = faiss.read_index(str(folder / files["index"]))
+        except Exception:  # noqa: BLE001 - unreadable: check_router names it
+            continue
+        if dim != index.d or dim != embedder.identity.get("dim"):
+            problems.append((str(ns), f"the index of namespace {ns!r} has {index.d} dimensions, its manifest "
+                                      f"says {dim} and its embedder makes {embedder.identity.get('dim')}"))
+            continue
+        good = [r for r in rows if isinstance(r, list) and len(r) == 4 and isinstance(r[3], str) and r[3].strip()]
+        for i in range(0, len(good), batch):
+            part = good[i:i + batch]
+            fresh = embedder.embed([r[3] for r in part])
+            for r, v in zip(part, fresh):
+                try:
+                    stored = np.asarray(index.reconstruct(int(r[0])), dtype=np.float32)
+                except Exception:  # noqa: BLE001 - an id the index does not hold
+                    problems.append((str(r[1]), f"router row {r[0]} of namespace {ns!r} has no vector"))
+                    continue
+                cos = float(np.dot(stored, v))
+                if abs(1.0 - cos) > VECTOR_TOLERANCE:
+                    problems.append((str(r[1]), f"the router vector of entry {r[1]}'s text {r[3][:60]!r} is not "
+                                                f"that text embedded (cosine {cos:.3f}): the index is damaged and "
+                                                "would route questions to the wrong entry"))
+    return problems
+
+
 def _index_size(path: Path) -> int | None:
     try:
         import faiss
@@ -82,14 +138,19 @@ def _index_size(path: Path) -> int | None:
         return None
 
 
-def router_checker(store) -> Callable[[], list[tuple[str, str]]]:
+def router_checker(store, *, vectors: bool = False, embedder=None) -> Callable[[], list[tuple[str, str]]]:
     """A `router_check` callback for `run_fsck`: `check_router` on `<store.path>/router` and the entries
-    the store serves."""
+    the store serves; with `vectors`, `check_vectors` too (loads the embedder)."""
 
     def check() -> list[tuple[str, str]]:
-        return check_router(store.path / "router", store.list_entries())
+        from kvmemory.routing.router import set_aside_rows
+
+        found = check_router(store.path / "router", store.list_entries(), set_aside_rows(store))
+        if vectors and not found:
+            found = check_vectors(store.path / "router", embedder)
+        return found
 
     return check
 
 
-__all__ = ["check_router", "router_checker"]
+__all__ = ["check_router", "check_vectors", "router_checker"]

@@ -33,6 +33,7 @@ import math
 import os
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -361,12 +362,7 @@ class Router:
     def _recorded_embedder(self) -> Embedder:
         """The embedder the manifest names (so a store keeps the one it was indexed with), else the default.
         An unreadable manifest is reported by `_load`, with its own message."""
-        try:
-            manifest = json.loads((self.folder / _MANIFEST).read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            return Embedder.default()
-        stored = manifest.get("embedder") if isinstance(manifest, dict) else None
-        return embedder_from_identity(stored if isinstance(stored, dict) else None)
+        return recorded_embedder(self.folder)
 
     # -- locking and loading ------------------------------------------------------------------------
 
@@ -972,12 +968,52 @@ def route_rows(entries: Iterable) -> list[RouteRow]:
     return rows
 
 
+def set_aside_rows(store) -> list[RouteRow]:
+    """Routes to the entries `fsck --repair` set aside (by their problem, in their namespace), so a question
+    that would have been answered from one is refused naming it, never answered as if it never was."""
+    rows = []
+    listed = getattr(store, "set_aside_entries", None)
+    for d in listed() if listed is not None else []:
+        try:
+            _check_entry_id(d["id"]), _check_namespace(d["namespace"]), _check_texts([d["problem"]])
+        except (InvalidInput, KeyError, TypeError):
+            continue  # a row too damaged to route by
+        rows.append(RouteRow(d["id"], d["namespace"], d["problem"], "problem"))
+    return rows
+
+
+def serving_rows(store) -> list[RouteRow]:
+    """What a router built for `store` routes: every entry it serves, and the entries set aside."""
+    return route_rows(store.list_entries()) + set_aside_rows(store)
+
+
+def recorded_embedder(folder: Path) -> Embedder:
+    """The embedder a router folder's manifest names, else the default."""
+    try:
+        manifest = json.loads((Path(folder) / _MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return Embedder.default()
+    stored = manifest.get("embedder") if isinstance(manifest, dict) else None
+    return embedder_from_identity(stored if isinstance(stored, dict) else None)
+
+
 def router_rebuilder(store, *, progress: bool = False) -> Callable[[], int]:
     """A `router_rebuild` callback for `run_fsck`: rebuilds `<store.path>/router` from the entries the
     store serves (what `KVMemory.reindex` does, without loading the language model). Returns texts routed."""
 
     def rebuild() -> int:
-        return Router(store.path / "router", allow_mismatch=True).rebuild(route_rows(store.list_entries()),
-                                                                         progress=progress)
+        folder = store.path / "router"
+        try:
+            router = Router(folder, allow_mismatch=True)
+        except StoreFormatError:
+            # A damaged router (truncated index, rows that do not match it, an unreadable manifest): set
+            # aside whole (kept in quarantine/ for whoever wants to look) and built again from the entries,
+            # with the embedder its manifest names when that is still readable.
+            embedder = recorded_embedder(folder)
+            aside = store.path / "quarantine" / f"router-{time.time_ns()}"
+            aside.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(folder, aside)
+            router = Router(folder, embedder, allow_mismatch=True)
+        return router.rebuild(serving_rows(store), progress=progress)
 
     return rebuild

@@ -26,6 +26,7 @@ import time
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvmemory.errors import KVMemoryError
 from kvmemory.memory.facade import KVMemory
@@ -149,6 +150,12 @@ def _install_error_handlers(app: FastAPI, st: ServerState) -> None:
     @app.exception_handler(Forbidden)
     async def _forbidden(_: Request, exc: Forbidden):
         return _error_response(ApiError(403, str(exc), "permission_error", code="scope_forbidden"))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException):  # e.g. a body too deeply nested to parse
+        detail = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail, default=str)[:500]
+        return _error_response(ApiError(exc.status_code, detail, "invalid_request_error" if exc.status_code < 500
+                                        else "server_error", headers=dict(exc.headers or {})))
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError):

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from kvmemory.engine.runner import Sampling
-from kvmemory.errors import InvalidInput, UnknownEntry
+from kvmemory.errors import InvalidInput, KVMemoryError, UnknownEntry
 from kvmemory.memory.facade import KEEP, KVMemory
 from kvmemory.memory.filters import check_where, matches
 from kvmemory.memory.listing import user_meta, version_of, versions
@@ -228,6 +228,15 @@ def import_(mem: KVMemory, namespace: str, path: Path, *, verify_all: bool = Fal
                                    f"{namespace!r} only (export them from that scope, import them into it)")
         report = mem.import_bundle(bundle, verify_all=verify_all)
         return {"namespace": namespace, **report.to_json()}
+    except KVMemoryError as exc:  # a tenant is told what is wrong with its bundle, never where the store is
+        msg = str(exc).replace(str(path), "the uploaded bundle").replace(str(mem.store.path), "the store")
+        if msg == str(exc):
+            raise
+        try:
+            hidden = type(exc)(msg)
+        except Exception:  # noqa: BLE001 - an error class with another constructor
+            hidden = InvalidInput(msg)
+        raise hidden from None
     finally:
         try:
             os.unlink(path)

@@ -20,7 +20,13 @@ What is checked (LocalStore, SignedLocalStore and RedisStore alike):
   `entry_check` (the memory layer: its texts re-tokenize to its token ids) says, and whether its chain
   references blocks that are missing, quarantined or damaged;
 - the router, when `router_check` is given (routing/check.py: every routed row names an entry of its
-  namespace by one of that entry's own texts, and every entry is routed).
+  namespace by one of that entry's own texts, and every entry is routed; `router_checker(vectors=True)`
+  also re-embeds every routed text against its vector and the index's dimension against the manifest);
+- profile files (profiles/<id>.json) against their names;
+- a Redis store that Redis lost while its local tier still holds it (its generation: redis_store.py),
+  named `redis_wiped` (store/fsck_wiped.py);
+- every file opened bounded (store/safe_files.py): regular files only, sizes checked before reading,
+  JSON nesting limited.
 
 What `repair=True` does, never deleting what could still serve:
 - rebuilds a missing, empty or damaged local catalogue from the records and the blocks
@@ -36,7 +42,10 @@ What `repair=True` does, never deleting what could still serve:
   Redis) and, when `recompute` is given (the memory layer: `KVMemory.recompute`), recomputes and
   re-proves their blocks, clearing the mark; marks of entries found whole again are cleared;
 - recounts Redis block references, and calls `router_rebuild()` (e.g. `KVMemory.reindex`) so the
-  router matches the catalogue again.
+  router matches the catalogue again (a damaged router is kept in quarantine/router-* and built anew);
+- restores a Redis store that Redis lost from its local tier (store/fsck_wiped.py);
+- refuses to act (RepairRefused, nothing changed) when it would take most of the store out of service:
+  a wrong signing key, model or store is likelier than that much damage (`force=True` acts anyway).
 
 Exit codes (`FsckReport.exit_code`): 0 clean, 1 problems found and all repaired, 4 problems left.
 """
@@ -58,10 +67,12 @@ from kvmemory.store.local import LocalStore
 def run_fsck(store, repair: bool = False, router_rebuild: Callable[[], int] | None = None, *,
              grace_seconds: float = GRACE_SECONDS, purge_orphans: bool = False, router_check: RouterCheck | None = None,
              entry_check: EntryCheck | None = None, recompute: Recompute | None = None,
-             progress: bool = False) -> FsckReport:
+             progress: bool = False, force: bool = False) -> FsckReport:
     """Check (and with `repair`, fix) `store`; see the module docstring. Never raises for damage it finds:
     damage is what it reports. Raises StoreError only when the store cannot be reached at all.
-    `progress`: a bar on stderr over the blocks read and hashed."""
+    `progress`: a bar on stderr over the blocks read and hashed. A repair first checks (the cost of one
+    more check-only pass) and raises RepairRefused, changing nothing, when it would take most of the
+    store out of service (`mass_repair_refusal`); `force` repairs anyway."""
     t0 = time.perf_counter()
     if repair and getattr(store, "readonly", False):
         from kvmemory.errors import StoreReadOnly
@@ -71,13 +82,30 @@ def run_fsck(store, repair: bool = False, router_rebuild: Callable[[], int] | No
         from kvmemory.errors import InvalidInput
 
         raise InvalidInput("fsck --repair works on the whole store: open it without a namespace, with the master key")
-    if getattr(store, "kind", "") == "redis":
-        report = fsck_redis(store, repair, grace_seconds, purge_orphans=purge_orphans, entry_check=entry_check,
-                            progress=progress)
-    elif isinstance(store, LocalStore):
-        report = fsck_local(store, repair, grace_seconds, purge_orphans, entry_check, progress)
-    else:
-        raise StoreError(f"fsck does not know stores of kind {getattr(store, 'kind', type(store).__name__)!r}")
+    if getattr(store, "wiped", None):  # Redis lost the store; its local tier still holds it
+        from kvmemory.store.fsck_wiped import report_wiped, restore_from_tier
+
+        rep = FsckReport(getattr(store, "url", ""), "redis", repair)
+        if not repair:
+            report_wiped(rep, store)
+            rep.seconds = time.perf_counter() - t0
+            return rep
+        restore_from_tier(rep, store, entry_check)
+        after = run_fsck(store, True, router_rebuild, grace_seconds=grace_seconds, purge_orphans=purge_orphans,
+                         router_check=router_check, entry_check=entry_check, recompute=recompute, progress=progress,
+                         force=True)
+        after.problems = (rep.problems + after.problems)[:MAX_LISTED]
+        for k, v in rep.counts.items():
+            after.add(k, v)
+        after.seconds = time.perf_counter() - t0
+        return after
+    if repair and not force:
+        why = mass_repair_refusal(_backend(store, False, grace_seconds, purge_orphans, entry_check, False))
+        if why is not None:
+            from kvmemory.errors import RepairRefused
+
+            raise RepairRefused(why)
+    report = _backend(store, repair, grace_seconds, purge_orphans, entry_check, progress)
     if report.catalogue == "ok" and router_check is not None:
         try:
             found = router_check()
@@ -91,6 +119,42 @@ def run_fsck(store, repair: bool = False, router_rebuild: Callable[[], int] | No
         report.router_rebuilt = int(router_rebuild())
     report.seconds = time.perf_counter() - t0
     return report
+
+
+def _backend(store, repair: bool, grace: float, purge: bool, entry_check, progress: bool) -> FsckReport:
+    if getattr(store, "kind", "") == "redis":
+        return fsck_redis(store, repair, grace, purge_orphans=purge, entry_check=entry_check, progress=progress)
+    if isinstance(store, LocalStore):
+        return fsck_local(store, repair, grace, purge, entry_check, progress)
+    raise StoreError(f"fsck does not know stores of kind {getattr(store, 'kind', type(store).__name__)!r}")
+
+
+_BLOCKS_OUT = ("blocks_damaged", "blocks_missing", "blocks_unsigned", "block_rows_damaged")
+_ENTRIES_OUT = ("entries_forged", "entry_rows_damaged", "entries_self_mismatch", "entries_inconsistent")
+
+
+def mass_repair_refusal(pre: FsckReport) -> str | None:
+    """Why a repair must not act on what the check-only pass `pre` found (None: it may): quarantine is
+    for the few damaged items, never the lot. More than half of the blocks (or entries) checked, and at
+    least two, would be quarantined (set aside): that is a wrong signing key, a wrong profile or model,
+    or a different store far more often than damage."""
+    blocks = sum(pre.n(k) for k in _BLOCKS_OUT)
+    entries = sum(pre.n(k) for k in _ENTRIES_OUT)
+    nb, ne = pre.n("blocks_checked"), pre.n("entries_checked")
+    if not ((blocks >= 2 and 2 * blocks > nb) or (entries >= 2 and 2 * entries > ne)):
+        return None
+    unsigned = pre.n("blocks_unsigned") + pre.n("entries_forged")
+    if unsigned * 2 >= blocks + entries:
+        cause = ("most signatures do not verify: the signing key (--signing-key / KVMEMORY_SIGNING_KEY) is "
+                 "probably not this store's")
+    elif pre.n("entries_self_mismatch") * 2 >= entries and entries:
+        cause = ("most entries do not re-tokenize to their own token ids: the model or profile (--model, "
+                 "--dtype, --chunk ...) is probably not the one they were stored under")
+    else:
+        cause = "most blocks or entries are missing or damaged: is this the store you meant?"
+    return (f"fsck --repair refused, nothing was changed: it would take {blocks} of {nb} blocks and {entries} of "
+            f"{ne} entries out of service; {cause}. Check with `kvmemory fsck` (no --repair); if the damage is "
+            "real, repair anyway with `kvmemory fsck --repair --force`")
 
 
 def _recompute(rep: FsckReport, store, recompute: Recompute | None) -> None:
@@ -128,9 +192,11 @@ def fsck_at(spec, *, signing_key=None, repair: bool = False, router: Callable | 
     catalogue is lost (which every other command refuses): check-only reports it without creating
     anything; `repair` rebuilds the catalogue first (store/rebuild.py). `router(store)` returns
     (router_check, router_rebuild) for the opened store; `kw` goes to `run_fsck`."""
-    from kvmemory.store.open import is_redis_url, open_store
+    from kvmemory.store.open import is_redis_url, open_store, resolve_spec
 
-    extra = {} if is_redis_url(spec) else {"create": False}
+    spec = resolve_spec(spec)  # once: the open, the rebuild and the report all name this store
+    # a Redis store that Redis lost is opened anyway: fsck names the loss, the repair restores it
+    extra = {"allow_wiped": True} if is_redis_url(spec) else {"create": False}
     rebuilt = None
     try:
         store = open_store(spec, signing_key=signing_key, **extra)

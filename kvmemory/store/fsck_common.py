@@ -38,7 +38,7 @@ _COUNTS = ("blocks_checked", "blocks_ok", "blocks_damaged", "blocks_missing", "b
            "entries_inconsistent", "entries_self_mismatch", "entries_missing_from_catalogue", "entries_restored",
            "entry_records_missing", "entry_records_damaged", "entry_records_stale", "entry_records_forgotten",
            "entries_marked", "entries_unmarked", "entries_recomputed", "entries_unproven", "index_drift",
-           "router_drift", "refs_fixed", "catalogue_rebuilt", "repaired", "unrepaired")
+           "router_drift", "refs_fixed", "catalogue_rebuilt", "redis_wiped", "entries_lost", "profile_files_damaged", "repaired", "unrepaired")
 
 
 @dataclass

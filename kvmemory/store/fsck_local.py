@@ -16,6 +16,7 @@ from kvmemory.store.fsck_common import (EntryCheck, FsckReport, check_block_byte
 from kvmemory.store.fsck_records import chunk_for, reconcile_local, self_problem
 from kvmemory.store.local import LocalStore, block_row_from
 from kvmemory.store.rebuild import check_block_file, move_aside, rebuild_catalogue
+from kvmemory.store.safe_files import read_block_file
 
 
 def note_rebuild(rep: FsckReport, rebuilt: dict, why: str) -> None:
@@ -70,6 +71,7 @@ def fsck_local(store: LocalStore, repair: bool, grace: float, purge: bool = Fals
     # No grace for records without rows: putting back an entry whose writer is about to commit it
     # writes the same row the writer writes (a check-only pass may report it meanwhile).
     named, reported = reconcile_local(rep, store, repair, entry_check)
+    _check_profile_files(rep, store, repair)
 
     # -- orphan block files and stale tmp files: adopted when an entry names them, else set aside
     catalogued = {h for (h,) in store._q("SELECT hash FROM blocks")}
@@ -126,7 +128,12 @@ def fsck_local(store: LocalStore, repair: bool, grace: float, purge: bool = Fals
             continue
         path = store.block_path(row.hash)
         try:
-            data = path.read_bytes()
+            data = read_block_file(path, row.file_nbytes)
+        except IntegrityError as exc:  # not a regular file, or not the size the catalogue and header say
+            if repair:
+                store.quarantine(row.hash, f"fsck: {exc}")
+            rep.problem("blocks_damaged", row.hash, str(exc), fixed=repair)
+            continue
         except FileNotFoundError:
             if repair:
                 store.quarantine(row.hash, "fsck: missing block file")
@@ -215,15 +222,52 @@ def _check_entries_local(rep: FsckReport, store: LocalStore, repair: bool, usabl
                     rep.add("entries_unmarked")
 
 
+def _check_profile_files(rep: FsckReport, store: LocalStore, repair: bool) -> None:
+    """profiles/<id>.json against their names (the SHA-256 of the profile's canonical JSON): a file that is
+    not its name's profile is set aside and written again from the catalogue's copy (the one the engine
+    compares against), or only set aside when the catalogue has none."""
+    import hashlib
+    import json
+
+    from kvmemory.store.safe_files import MAX_RECORD_BYTES, loads_bounded, read_regular
+
+    folder = store.path / "profiles"
+    if not folder.is_dir():
+        return
+    for p in sorted(folder.glob("*.json")):
+        try:
+            d = loads_bounded(read_regular(p, MAX_RECORD_BYTES), "profile file")
+            body = json.dumps(d, sort_keys=True, separators=(",", ":"), ensure_ascii=True, default=str)
+            why = None if isinstance(d, dict) and hashlib.sha256(body.encode()).hexdigest() == p.stem else \
+                "its contents do not hash to its name (edited or damaged)"
+        except (OSError, IntegrityError) as exc:
+            why = str(exc)
+        if why is None:
+            continue
+        if repair:
+            move_aside(p, store.path / "quarantine" / "profiles")
+            try:
+                cat = store.get_profile(p.stem) if len(p.stem) == 64 else None
+            except IntegrityError:
+                cat = None
+            if cat is not None and store.records is not None:
+                store.records.write_profile(p.stem, cat)
+        rep.problem("profile_files_damaged", p.name, why + ("; set aside" + (" and written again from the catalogue"
+                    if repair and (store.path / "profiles" / p.name).exists() else "") if repair else ""),
+                    fixed=repair)
+
+
 def _adopt_local(rep: FsckReport, store: LocalStore, f: Path, h: str, verified: bool, repair: bool, now: float) -> bool:
     """A block file without a row that an entry's chain names: catalogued again when it checks on its
     own (header, chain hash, payload), else quarantined. True when it was catalogued."""
     try:
-        data = f.read_bytes()
+        data = read_block_file(f)
+    except IntegrityError as exc:  # not a regular file, or not the size its header says
+        data, why = None, str(exc)
     except OSError as exc:
         rep.problem("blocks_damaged", h, f"unreadable: {exc}", fixed=False)
         return False
-    meta, why = check_block_file(data, h)
+    meta, why = check_block_file(data, h) if data is not None else (None, why)
     if meta is None:
         if repair:
             move_aside(f, store.path / "quarantine")

@@ -19,6 +19,7 @@ from kvmemory.store.fsck_common import set_aside_local
 from kvmemory.store.local import EntryRecord, LocalStore
 from kvmemory.store.records import Record, content_sha256, entry_json, parse_record
 from kvmemory.store.rebuild import chain_matches_ids, chunk_of
+from kvmemory.store.safe_files import MAX_RECORD_BYTES, read_regular
 
 
 def chunk_for(store, entry: EntryRecord) -> int | None:
@@ -126,7 +127,7 @@ def reconcile_local(rep, store: LocalStore, repair: bool, entry_check=None,
         damaged: dict[str, tuple] = {}  # entry id (or file name) -> (path, why)
         for p in rf.files():
             try:
-                rec = parse_record(p.read_bytes())
+                rec = parse_record(read_regular(p, MAX_RECORD_BYTES))
                 if rf.path(rec.entry.id) != p:
                     raise IntegrityError(f"the record file of another entry ({rec.entry.id!r})")
             except (OSError, IntegrityError) as exc:

@@ -144,6 +144,8 @@ def fsck_redis(store, repair: bool, grace: float, *, purge_orphans: bool = False
     # -- the entries' chains, their marks, and the blocks' reference counts
     refs: dict[str, int] = {}
     marked = set(_index(store, rep, repair, store.k_damaged(), lambda: [k.decode() for k in r.hkeys(store.k_damaged())]))
+    flagged = set() if repair else {p["key"] for p in rep.problems if p["kind"] in (
+        "entries_forged", "entry_rows_damaged", "entries_altered", "entries_missing_from_catalogue")}
     for eid, (entry, _) in sorted(entries.items()):
         for h in entry.chain:
             refs[h] = refs.get(h, 0) + 1
@@ -157,6 +159,8 @@ def fsck_redis(store, repair: bool, grace: float, *, purge_orphans: bool = False
                     r.hset(store.k_damaged(), eid, why)
                     rep.add("entries_marked")
                 rep.problem("entries_broken_chain", eid, why, fixed=repair)
+        elif eid in flagged:
+            pass  # check-only: reported above (forged, altered, missing: only its record holds it), not ok
         else:
             rep.add("entries_ok")
             if repair and eid in marked:

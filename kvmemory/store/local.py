@@ -49,7 +49,7 @@ from kvmemory.store import drops
 from kvmemory.store.blocks import BlockMeta, chain_hash, encode_header, read_header
 from kvmemory.store.feed import LOCAL_FEED_ID, LOCAL_FEED_SCHEMA, Change, FeedHead, local_changes, local_head
 from kvmemory.store.entries import EntryRecord, _is_hex64, entry_from_fields  # noqa: F401 (EntryRecord: re-exported)
-from kvmemory.store.records import RecordFolder, content_sha256, holds_data
+from kvmemory.store.records import RecordFolder, content_sha256, holds_blocks, holds_data
 from kvmemory.errors import (CatalogueLost, IntegrityError, StoreError, StoreFormatError, StoreFull, StoreReadOnly,
                              UnknownEntry)
 
@@ -260,8 +260,10 @@ class LocalStore:
                 self.path.mkdir(parents=True)
             except OSError as exc:
                 raise StoreError(f"cannot create the store folder {self.path}: {exc}") from exc
-        if not readonly and not os.access(self.path, os.W_OK):
-            self.readonly = True  # a read-only folder is served read-only rather than refused
+        # A read-only folder is served read-only rather than refused. os.access says "writable" to root
+        # whatever the mode: a folder whose owner made it read-only (chmod a-w) is read-only for root too.
+        if not readonly and (not os.access(self.path, os.W_OK) or not self.path.stat().st_mode & 0o222):
+            self.readonly = True
         self._check_format()
         self._check_catalogue_present()
         self._local = threading.local()
@@ -309,9 +311,14 @@ class LocalStore:
             return
         if holds_data(self.path):
             state = "is empty" if cat.exists() else "is missing"
+            ents = self.path / "entries"
+            has_records = ents.is_dir() and any(p.suffix == ".json" for p in ents.iterdir())
+            there = ("its entry records and blocks are there" if has_records and holds_blocks(self.path) else
+                     "its entry records are there" if has_records else
+                     "block files are there (no entry records: only the blocks can be kept, their entries are gone)")
             raise CatalogueLost(
-                f"the catalogue of the store at {self.path} {state}, but its entry records and blocks are there: "
-                "nothing is served from it. Run `kvmemory fsck --repair` to rebuild the catalogue from them")
+                f"the catalogue of the store at {self.path} {state}, but {there}: nothing is served from it. Run "
+                "`kvmemory fsck --repair` to rebuild the catalogue from what is there")
 
     def _check_format(self) -> None:
         f = self.path / "FORMAT"
@@ -798,6 +805,30 @@ class LocalStore:
         by the catalogue, not forgotten: `kvmemory fsck --repair` puts it back)."""
         rf = self.records
         return rf is not None and rf.path(entry_id).exists()
+
+    def set_aside_entries(self) -> list[dict]:
+        """Entries `fsck --repair` set aside (kept in `quarantined_entries`, never served) that the catalogue
+        does not serve again: [{"id", "namespace", "problem", "reason"}], so the router keeps routing their
+        questions and an answer names them in `refused` instead of answering as if they never were."""
+        try:
+            rows = self._q("SELECT id, reason, row_json FROM quarantined_entries ORDER BY at")
+            live = {eid for (eid,) in self._q("SELECT id FROM entries")}
+        except StoreError:
+            return []  # never repaired: no such table
+        from kvmemory.store.safe_files import loads_bounded
+
+        out: dict[str, dict] = {}
+        for eid, reason, body in rows:
+            if not isinstance(eid, str) or eid in live:
+                continue
+            try:
+                d = loads_bounded(body, "set-aside row")
+            except IntegrityError:
+                d = {}
+            d = d if isinstance(d, dict) else {}
+            out[eid] = {"id": eid, "namespace": d.get("namespace"), "problem": d.get("problem"),
+                        "reason": str(reason)}
+        return list(out.values())
 
     def raw_entry(self, entry_id: str) -> EntryRecord | None:
         """The catalogue row of an entry as it is (no signature check), None when absent or unreadable."""

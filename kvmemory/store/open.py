@@ -28,6 +28,21 @@ def is_redis_url(spec: object) -> bool:
     return isinstance(spec, str) and spec.strip().lower().startswith(_REDIS_SCHEMES)
 
 
+def resolve_spec(spec: str | os.PathLike | None) -> str | os.PathLike:
+    """The store a spec names, resolved once: None (or blank) is `KVMEMORY_STORE`, else the per-user
+    default folder. Every command resolves its store with this, and uses the result everywhere after."""
+    if isinstance(spec, bytes):
+        try:
+            spec = spec.decode()
+        except UnicodeDecodeError as exc:
+            raise InvalidInput(f"a store path must be text: {exc}") from exc
+    if spec is None or (isinstance(spec, str) and not spec.strip()):
+        from kvmemory.paths import default_store_path
+
+        return os.environ.get("KVMEMORY_STORE") or default_store_path()
+    return spec
+
+
 def open_store(spec: str | Path | Store | None = None, *, readonly: bool = False,
                signing_key: str | bytes | None = None, namespace: str | None = None, **kw) -> Store:
     """A store for `spec` (a folder, a redis:// / rediss:// URL, or None for `KVMEMORY_STORE` or the default).
@@ -40,15 +55,7 @@ def open_store(spec: str | Path | Store | None = None, *, readonly: bool = False
         if isinstance(spec, Store):
             return spec  # already a store
         raise InvalidInput(f"a store is a folder path or a redis:// URL, got {type(spec).__name__}")
-    if isinstance(spec, bytes):
-        try:
-            spec = spec.decode()
-        except UnicodeDecodeError as exc:
-            raise InvalidInput(f"a store path must be text: {exc}") from exc
-    if spec is None or (isinstance(spec, str) and not spec.strip()):
-        from kvmemory.paths import default_store_path
-
-        spec = os.environ.get("KVMEMORY_STORE") or default_store_path()
+    spec = resolve_spec(spec)
     if is_redis_url(spec):
         from kvmemory.store.redis_store import RedisStore
 

@@ -37,6 +37,7 @@ from kvmemory.errors import IntegrityError
 from kvmemory.store.blocks import BlockMeta, chain_hash, encode_header, is_entry_chain, parse_header
 from kvmemory.store.local import _SCHEMA, EntryRecord, LocalStore, entry_from_fields
 from kvmemory.store.records import RecordFolder, parse_record
+from kvmemory.store.safe_files import MAX_RECORD_BYTES, read_block_file, read_regular
 
 _CATALOGUE_FILES = ("catalogue.sqlite", "catalogue.sqlite-wal", "catalogue.sqlite-shm")
 
@@ -56,7 +57,9 @@ def check_block_file(data: bytes, expect_hash: str | None = None) -> tuple[Block
         ok = chain_hash(meta.profile_id, meta.parent, meta.token_ids) == meta.hash
     except (ValueError, OverflowError):
         ok = False
-    if not ok or meta.position != meta.index * meta.n_tokens:
+    # the same position bound a read makes (local.check_meta): a tail block (fewer tokens than the grid)
+    # sits at index * C, not index * n_tokens; the graft checks the exact position against the chain
+    if not ok or meta.position < meta.index or (meta.index == 0) != (meta.position == 0):
         return None, "block header is not self-consistent (chain hash or position)"
     if len(data) - off != meta.payload_nbytes:
         return None, f"payload has {len(data) - off} bytes, its header says {meta.payload_nbytes}"
@@ -194,12 +197,14 @@ def rebuild_catalogue(path: str | os.PathLike, *, signer=None) -> dict:
     files = sorted((root / "blocks").glob("*/*.kvb")) if (root / "blocks").is_dir() else []
     for f in files:
         try:
-            data = f.read_bytes()
+            data = read_block_file(f)
+        except IntegrityError as exc:  # not a regular file, or not the size its header says
+            data, why = None, str(exc)
         except OSError as exc:
             problems.append({"kind": "blocks_damaged", "key": f.stem, "detail": f"unreadable: {exc}",
                              "repaired": False})
             continue
-        meta, why = check_block_file(data, f.stem)
+        meta, why = check_block_file(data, f.stem) if data is not None else (None, why)
         if meta is None:
             move_aside(f, root / "quarantine")
             counts["blocks_damaged"] += 1
@@ -213,7 +218,7 @@ def rebuild_catalogue(path: str | os.PathLike, *, signer=None) -> dict:
     signatures: dict[str, dict] = {}
     for p in rf.files():
         try:
-            rec = parse_record(p.read_bytes())
+            rec = parse_record(read_regular(p, MAX_RECORD_BYTES))
         except (OSError, IntegrityError) as exc:
             rf.set_aside(p, f"rebuild: {exc}")
             counts["records_damaged"] += 1

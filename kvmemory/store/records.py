@@ -42,6 +42,7 @@ from pathlib import Path
 from kvmemory.errors import IntegrityError
 from kvmemory.store.blocks import ids_bytes
 from kvmemory.store.entries import EntryRecord, entry_from_fields
+from kvmemory.store.safe_files import MAX_RECORD_BYTES, loads_bounded, read_regular
 
 RECORD_FORMAT = "kvmemory-entry-record"
 RECORD_VERSION = 1
@@ -127,10 +128,7 @@ class Record:
 
 def parse_record(data: bytes, expect_id: str | None = None) -> Record:
     """Check a record's bytes and return it; IntegrityError (saying what is wrong) for anything else."""
-    try:
-        rec = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise IntegrityError(f"the entry record is not JSON ({exc})") from None
+    rec = loads_bounded(data, "entry record")
     if not isinstance(rec, dict) or rec.get("format") != RECORD_FORMAT:
         raise IntegrityError("not a kvmemory entry record")
     if not isinstance(rec.get("version"), int) or rec["version"] > RECORD_VERSION:
@@ -187,7 +185,7 @@ class RecordFolder:
     # ------------------------------------------------------------------ entries
     def read_bytes(self, entry_id: str) -> bytes | None:
         try:
-            return self.path(entry_id).read_bytes()
+            return read_regular(self.path(entry_id), MAX_RECORD_BYTES)
         except FileNotFoundError:
             return None
 
@@ -238,7 +236,8 @@ class RecordFolder:
         """Every live record file (not tombstones), sorted."""
         if not self.folder.is_dir():
             return []
-        return sorted(p for p in self.folder.iterdir() if p.suffix == ".json" and p.is_file())
+        # a symbolic link (or another non-regular file) is listed too: the bounded read refuses it as damage
+        return sorted(p for p in self.folder.iterdir() if p.suffix == ".json" and (p.is_symlink() or not p.is_dir()))
 
     def tombstones(self) -> list[Path]:
         if not self.folder.is_dir():
@@ -271,8 +270,8 @@ class RecordFolder:
             return out
         for p in sorted(self.profiles.glob("*.json")):
             try:
-                d = json.loads(p.read_bytes())
-            except (OSError, ValueError):
+                d = loads_bounded(read_regular(p, MAX_RECORD_BYTES), "profile file")
+            except (OSError, IntegrityError):
                 continue
             # the profile id is the SHA-256 of the profile's canonical JSON (engine/profile.py)
             body = json.dumps(d, sort_keys=True, separators=(",", ":"), ensure_ascii=True, default=str)
@@ -286,6 +285,11 @@ def holds_data(root: Path) -> bool:
     entries = root / "entries"
     if entries.is_dir() and any(p.suffix == ".json" for p in entries.iterdir()):
         return True
+    return holds_blocks(root)
+
+
+def holds_blocks(root: Path) -> bool:
+    """Whether a store folder holds block files."""
     blocks = root / "blocks"
     if blocks.is_dir():
         for sub in blocks.iterdir():
@@ -295,4 +299,4 @@ def holds_data(root: Path) -> bool:
 
 
 __all__ = ["RecordFolder", "Record", "make_record", "parse_record", "content_sha256", "entry_json", "canonical",
-           "holds_data", "RECORD_FORMAT"]
+           "holds_data", "holds_blocks", "RECORD_FORMAT"]

@@ -305,7 +305,8 @@ class RedisStore:
                  path: str | Path | None = None, readonly: bool = False,
                  signer: Signer | str | bytes | None = None, require_signatures: bool = True,
                  namespace: str | None = None, cluster: bool | None = None, client=None,
-                 socket_timeout: float = 5.0, connect_timeout: float = 2.0, retry_interval: float = 1.0):
+                 socket_timeout: float = 5.0, connect_timeout: float = 2.0, retry_interval: float = 1.0,
+                 allow_wiped: bool = False):
         redis = _redis()
         clean_url, ours = parse_url(url)
         self.url = _redacted(clean_url)
@@ -357,7 +358,8 @@ class RedisStore:
             path = ours["tier"]  # ?tier=PATH in the URL (documented above; it was parsed, never used)
         self.path = Path(path).expanduser() if path is not None else self._default_tier()
         self._tier = LocalStore(self.path, records=False)  # a cache: no entry records
-        self._check_format()
+        self.wiped: str | None = None  # why Redis lost this store while the tier still holds it (see _check_format)
+        self._check_format(allow_wiped)
 
     # ------------------------------------------------------------------ keys
     def k_meta(self) -> str:
@@ -493,17 +495,71 @@ class RedisStore:
         self._down_until = 0.0
         return self._read(self._r.ping, "ping") is not None
 
-    def _check_format(self) -> None:
-        got = self._read(lambda: self._r.hget(self.k_meta(), "format"), "reading the store format")
+    # The generation: a random token in the meta hash, made with the store, and copied into the local tier
+    # (GENERATION_FILE). A Redis that lost the store (FLUSHALL, a restart without persistence, another
+    # server behind the same address) lacks it, or holds another one, while the tier still remembers it:
+    # the loss is noticed (CatalogueLost; `kvmemory fsck` names it, `fsck --repair` restores the entries
+    # the tier holds), never shown as an empty store.
+    GENERATION_FILE = "redis-generation"
+
+    def _tier_generation(self) -> str | None:
+        try:
+            return (self.path / self.GENERATION_FILE).read_text(encoding="ascii").strip() or None
+        except (OSError, UnicodeDecodeError):
+            return None
+
+    def _remember_generation(self, gen: str) -> None:
+        if self._tier.readonly or self._tier_generation() == gen:
+            return
+        try:
+            tmp = self.path / f"{self.GENERATION_FILE}.tmp"
+            tmp.write_text(gen, encoding="ascii")
+            tmp.replace(self.path / self.GENERATION_FILE)
+        except OSError as exc:
+            log.debug("local tier generation not written: %s", exc)
+
+    def _tier_holds_entries(self) -> bool:
+        try:
+            return bool(self._tier._q("SELECT 1 FROM entries LIMIT 1"))
+        except StoreError:
+            return False
+
+    def new_generation(self) -> str:
+        """Start a new generation (a store created, or restored by fsck): written to Redis and the tier."""
+        import secrets
+
+        gen = secrets.token_hex(16)
+        self._write(lambda: self._r.hset(self.k_meta(), mapping={"format": REDIS_FORMAT, "generation": gen}),
+                    "writing the store generation")
+        self._remember_generation(gen)
+        self.wiped = None
+        return gen
+
+    def _check_format(self, allow_wiped: bool = False) -> None:
+        got = self._read(lambda: self._r.hmget(self.k_meta(), "format", "generation"), "reading the store format")
         if got is None:
             log.warning("Redis at %s is unreachable at open; serving the local tier %s", self.url, self.path)
             return
-        fmt = got[0]
+        fmt, gen = got[0]
+        gen = gen.decode("ascii", "replace") if isinstance(gen, bytes) else None
+        known = self._tier_generation()
+        if known is not None and gen != known and self._tier_holds_entries():
+            self.wiped = (f"Redis at {self.url} " + ("no longer holds store " if fmt is None else
+                          "holds another generation of store ") + f"{self.name!r}, while the local tier "
+                          f"{self.path} still holds its entries (a FLUSHALL, a restart without persistence, or "
+                          "another server at this address)")
+            if not allow_wiped:
+                from kvmemory.errors import CatalogueLost
+
+                raise CatalogueLost(f"{self.wiped}: nothing is served as if the store were empty. Run `kvmemory "
+                                    "fsck --repair` to restore the entries from the local tier")
+            return
         if not self.readonly:  # the change feed's id: new with every store (a server that lost its data too)
             self._write(lambda: self._r.hsetnx(self.k_meta(), "feed_id", uuid.uuid4().hex), "naming the change feed")
         if fmt is None:
             if not self.readonly:
                 self._write(lambda: self._r.hsetnx(self.k_meta(), "format", REDIS_FORMAT), "creating the store")
+                self._ensure_generation()
             return
         try:
             n = int(fmt)
@@ -514,6 +570,21 @@ class RedisStore:
 
             raise StoreFormatError(f"store {self.name!r} at {self.url} was written by a newer kvmemory (format {n}; "
                                    f"this version reads up to {REDIS_FORMAT}). Upgrade kvmemory to use it.")
+        if gen is None:  # a store made before generations: given one now
+            if not self.readonly:
+                self._ensure_generation()
+            return
+        self._remember_generation(gen)
+
+    def _ensure_generation(self) -> None:
+        """Give the store a generation unless another writer already did (HSETNX), and remember it."""
+        import secrets
+
+        token = secrets.token_hex(16)
+        self._write(lambda: self._r.hsetnx(self.k_meta(), "generation", token), "writing the store generation")
+        got = self._read(lambda: self._r.hget(self.k_meta(), "generation"), "reading the store generation")
+        if got and got[0]:
+            self._remember_generation(got[0].decode("ascii", "replace"))
 
     def close(self) -> None:
         try:
@@ -837,6 +908,25 @@ class RedisStore:
         """Whether the entry has a record (see LocalStore.has_record); False while Redis is away."""
         got = self._read(lambda: self._r.exists(self.k_record(entry_id)), "reading a record")
         return bool(got and got[0])
+
+    def set_aside_entries(self) -> list[dict]:
+        """Entries `fsck --repair` set aside (see LocalStore.set_aside_entries): their `qe:` keys."""
+        def scan():
+            out = []
+            for k in self._r.scan_iter(match=self.k_qentry("*"), count=1000):
+                eid = k.decode("utf-8", "replace")[len(self.k_qentry("")):]
+                if self._r.zscore(self.k_entries(), eid) is not None:
+                    continue
+                f = self._r.hmget(k, "namespace", "problem", "fsck_reason")
+                dec = [x.decode("utf-8", "replace") if isinstance(x, bytes) else None for x in f]
+                out.append({"id": eid, "namespace": dec[0], "problem": dec[1], "reason": dec[2] or "set aside"})
+            return out
+
+        try:
+            got = self._read(scan, "listing set-aside entries")
+        except IntegrityError:
+            return []
+        return got[0] if got else []
 
     def record_of(self, entry: EntryRecord, chain_sha: Sequence[str], sig: str) -> bytes:
         """The entry's record (store/records.py), kept in Redis beside the entry and written with it."""
