@@ -22,7 +22,7 @@ from importlib import resources
 
 from kvmemory.errors import InvalidInput
 
-SETS = ("tuning", "report")
+SETS = ("tuning", "report", "heldout")
 
 
 def load(name: str | None = None) -> dict:
