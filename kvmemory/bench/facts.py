@@ -1,7 +1,9 @@
 """Facts told in a chat and asked back: how `KVMemory.add` + `answer` answer them (issue 48).
 
-`kvmemory/bench/data/facts.json` holds two hand-written sets, "tuning" (what the note answer was looked
-at with) and "report" (written separately, not tuned on). Each chat's user message is added with
+`kvmemory/bench/data/facts.json` holds three hand-written sets: "tuning" (what the note answer and the
+word floor, memory/notes.py, were designed with), "report" (written separately before any tuning, but its
+scores were looked at when the word floor was chosen) and "heldout" (written after the rule was fixed,
+never tuned on). Each chat's user message is added with
 `KVMemory.add` into a namespace of its own (one user's memory); each question about it is asked with
 `KVMemory.answer` (defaults: a question routed to notes only is answered with the routed note's
 sentence nearest the question, memory/answers.py `from_note`) and counts as right when `Answer.source`
@@ -9,8 +11,11 @@ is "note" and the answer contains the expected word (case-insensitive). Every un
 routed (`KVMemory.route`, what `answer` routes to) in every chat's namespace and counts as right when
 no note is routed.
 
-Run as `python -m kvmemory.bench.facts [--json] [--set tuning|report|all]`. Needs the embedded model
-(KV of each note computed and proven) and the MiniLM router; CPU is enough.
+Run as `python -m kvmemory.bench.facts [--json] [--set tuning|report|heldout|all]`. Needs the embedded
+model (KV of each note computed and proven) and the MiniLM router; CPU is enough (about 2 minutes).
+Measured (CPU, SmolLM2-135M, all-MiniLM-L6-v2): facts answered right 19/20 tuning ("What is my job?"
+against "I work as a dentist in Porto." scores 0.35 and shares no word: not routed), 19/19 report,
+17/17 heldout; unrelated questions routed to a note 0/48, 0/48, 0/40.
 """
 
 from __future__ import annotations
