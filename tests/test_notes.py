@@ -120,7 +120,9 @@ def test_a_note_routes_and_is_grafted(real_memory):
     assert [h.entry.id for h in mem.recall(QUESTION)] == [note.id]
     assert mem.recall(QUESTION, threshold=0.83) == []
     assert [h.entry.id for h in hits] == [note.id] and 0.54 <= hits[0].score < mem.router.threshold
-    ans = mem.answer(QUESTION, max_new_tokens=12)
+    # note_answer="decode": the model decodes from the grafted note (by default the note's statement is
+    # the answer: tests/test_facts_answered.py)
+    ans = mem.answer(QUESTION, max_new_tokens=12, note_answer="decode")
     assert ans.entries == [note.id] and ans.kinds == ["note"] and ans.verified == [False]
     assert ans.report.tokens_grafted == len(note.token_ids) and ans.report.blocks_used == list(note.chain)
     assert "Tom" in ans.text

@@ -12,6 +12,13 @@ Every answer says where it came from (`Answer.source`): "memory" (a routed solut
 silent free decode: it returns at once with `outcome` NOTHING_ROUTED or NO_CHOICES and a `reason`
 (`nothing_to_choose="return"`, the default), or the model's own answer capped to a sentence
 (`SENTENCE_TOKENS`, stopped at a line end) and flagged `outcome` MODEL_ALONE (`nothing_to_choose="decode"`).
+
+A question routed to notes only (statements, memory/notes.py) is answered from them (`from_note`,
+`note_answer="statement"`, the default): the answer is the routed notes' sentence that best matches the
+question by the router's embedder (a note `add` wrote is one sentence: the note itself), `outcome`
+NOTE_STATEMENT, no model time. The 135M embedded model reading a grafted note back answers with an empty
+string or a refusal as often as with the fact, so this deterministic answer, reported as the note's, is
+the default; `note_answer="decode"` lets the model decode from the grafted note as before.
 """
 
 from __future__ import annotations
@@ -20,9 +27,12 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from kvmemory.engine.graft import GraftReport
 from kvmemory.memory import choices
 from kvmemory.memory.layout import Layout
+from kvmemory.memory.notes import sentences
 from kvmemory.memory.verifiers import kind_of
 
 # How much of the no-memory likelihood of a choice `answer(choices=...)` subtracts (see there).
@@ -39,6 +49,11 @@ MODEL_ALONE = "model_alone"  # nothing_to_choose="decode": the model's own answe
 NOTHING_TO_CHOOSE = ("return", "decode")  # what `answer(nothing_to_choose=...)` takes
 # Tokens the model may decode for its own answer when there was nothing to choose among: a sentence.
 SENTENCE_TOKENS = 32
+# `Answer.outcome` of a question answered with a routed note's statement (`from_note`)
+NOTE_STATEMENT = "note_statement"
+STATEMENT = "statement"  # answer(note_answer=STATEMENT): a routed note's sentence is the answer (default)
+NOTE_DECODE = "decode"  # answer(note_answer=NOTE_DECODE): the model decodes from the grafted note
+NOTE_ANSWERS = (STATEMENT, NOTE_DECODE)  # what `answer(note_answer=...)` takes
 # `Answer.source`
 SOURCES = ("memory", "note", "model", "none")
 
@@ -92,6 +107,37 @@ class Answer:
             "stopped_by": self.stopped_by,
             **self.report.to_json(),
         }
+
+
+def best_sentence(mem, query: str, hits: Sequence) -> tuple[int, str]:
+    """(index of the hit, sentence): the routed notes' sentence nearest the question in the router's
+    embedder (cosine of normalised embeddings; the first on a tie, the best-routed note first)."""
+    candidates: list[tuple[int, str]] = []
+    for i, h in enumerate(hits):
+        parts = sentences(h.entry.problem) or [h.entry.problem.strip()]
+        candidates.extend((i, s) for s in parts)
+    if len(candidates) == 1:
+        return candidates[0]
+    emb = mem.router.embedder
+    vecs = emb.embed([query, *[s for _, s in candidates]])
+    q = vecs[0]
+    scores = [float(x) for x in np.asarray(vecs[1:], dtype=np.float64) @ np.asarray(q, dtype=np.float64)]
+    best = max(range(len(candidates)), key=lambda j: (scores[j], -j))
+    return candidates[best]
+
+
+def from_note(mem, query: str, hits: Sequence) -> Answer:
+    """`KVMemory.answer` for a question routed to notes only: the best-matching sentence of the routed
+    notes (`best_sentence`), as the note's answer (`source` "note", `outcome` NOTE_STATEMENT)."""
+    t0 = time.perf_counter()
+    i, text = best_sentence(mem, query, hits)
+    e = hits[i].entry
+    return Answer(text=text, token_ids=list(mem.engine.encode(text)), report=GraftReport(), entries=[e.id],
+                  scores=[hits[i].score], attestations=[e.attestation.get("attestation_id", "")],
+                  verified=[e.verified], seconds=time.perf_counter() - t0, stopped_by="note",
+                  kinds=[kind_of(e)], outcome=NOTE_STATEMENT,
+                  reason="answered with the routed note's statement (its sentence nearest the question), not "
+                         "decoded: pass note_answer=\"decode\" for the model's answer from the grafted note")
 
 
 def nothing_to_choose(hits: Sequence) -> Answer:

@@ -637,6 +637,15 @@ class KVMemory:
         return self.recall(query, k, namespace=namespace, threshold=threshold, number_check=number_check,
                            number_threshold=number_threshold, where=where, refused=refused)
 
+    @property
+    def note_threshold(self) -> float:
+        """The score a note must reach to be routed (memory/notes.py): the embedder's measured note
+        threshold (0.54 for MiniLM), or the threshold solutions route with where none applies."""
+        th = notes.note_threshold(self)
+        if th is not None:
+            return float(th)
+        return float(self.threshold) if self.threshold is not None else float(self.router.threshold)
+
     def _warn_empty(self, ns: str) -> None:
         routing.warn_empty(self, ns)
 
@@ -645,7 +654,8 @@ class KVMemory:
                on_text=None, use_memory: bool = True, answer_prefix: str | None = None,
                choices: str | Sequence[str] | None = None, choice_end: str = ".",
                contrast: float = DEFAULT_CONTRAST, prior: float = DEFAULT_PRIOR, where: dict | None = None,
-               number_threshold: float | None = None, nothing_to_choose: str = "return") -> Answer:
+               number_threshold: float | None = None, nothing_to_choose: str = "return",
+               note_answer: str = answers.STATEMENT) -> Answer:
         """Route `query`, put the best entries before it, graft the longest stored chain, decode.
         `where` routes only to entries whose metadata matches (as in `recall`). Routing checks the
         numbers (`number_check`): an entry whose problem writes other numbers than the question is
@@ -668,6 +678,10 @@ class KVMemory:
         time, `Answer.outcome` "nothing_routed" (or "no_choices") and a `reason`; "decode" lets the
         model answer alone, capped to a sentence, flagged `outcome="model_alone"` (memory/answers.py);
         `Answer.source` says where every answer came from ("memory", "note", "model" or "none").
+        A question routed to notes only (no solution) is answered, by default (`note_answer="statement"`),
+        with the routed note's sentence that best matches the question (the router's embedder), no model
+        time, `Answer.source` "note", `outcome` "note_statement": the 135M model cannot be relied on to
+        read a grafted note back. `note_answer="decode"` lets the model decode from the grafted note instead.
         With entries in context each choice's score is contrasted: `contrast` times its log-likelihood
         after the question alone (no memory) is subtracted, so a number the model favours only because
         the question wrote it does not win (Li et al. 2023, contrastive decoding; 0.5 was chosen on one seed of `kvmemory
@@ -688,7 +702,7 @@ class KVMemory:
         ans = self.answer_from(query, hits, max_new_tokens=max_new_tokens, sampling=sampling, stop=stop,
                                on_text=on_text, answer_prefix=answer_prefix, choices=choices,
                                choice_end=choice_end, contrast=contrast, prior=prior,
-                               nothing_to_choose=nothing_to_choose)
+                               nothing_to_choose=nothing_to_choose, note_answer=note_answer)
         ans.refused = refused + ans.refused
         return ans
 
@@ -696,7 +710,8 @@ class KVMemory:
                     sampling: Sampling = GREEDY, stop: Sequence[str] = (), on_text=None,
                     answer_prefix: str | None = None, choices: str | Sequence[str] | None = None,
                     choice_end: str = ".", contrast: float = DEFAULT_CONTRAST,
-                    prior: float = DEFAULT_PRIOR, nothing_to_choose: str = "return") -> Answer:
+                    prior: float = DEFAULT_PRIOR, nothing_to_choose: str = "return",
+                    note_answer: str = answers.STATEMENT) -> Answer:
         """`answer` after routing: answer `query` from these routed entries (e.g. the ones a framework's
         retriever returned), the first one's KV grafted; the options are `answer`'s. An entry that does not
         check against itself is left out and named in `Answer.refused`."""
@@ -704,6 +719,8 @@ class KVMemory:
         check_answer_options(max_new_tokens=max_new_tokens, choices=choices, contrast=contrast, prior=prior)
         if nothing_to_choose not in answers.NOTHING_TO_CHOOSE:
             raise InvalidInput(f"nothing_to_choose must be one of {answers.NOTHING_TO_CHOOSE}, got {nothing_to_choose!r}")
+        if not isinstance(note_answer, str) or note_answer not in answers.NOTE_ANSWERS:
+            raise InvalidInput(f"note_answer must be one of {answers.NOTE_ANSWERS}, got {note_answer!r}")
         refused: list[dict] = []
         kept = []
         for h in hits:
@@ -715,14 +732,22 @@ class KVMemory:
         hits = kept
         ans = self._answer_from(query, hits, max_new_tokens=max_new_tokens, sampling=sampling, stop=stop,
                                 on_text=on_text, answer_prefix=answer_prefix, choices=choices, choice_end=choice_end,
-                                contrast=contrast, prior=prior, nothing_to_choose=nothing_to_choose)
+                                contrast=contrast, prior=prior, nothing_to_choose=nothing_to_choose,
+                                note_answer=note_answer)
         ans.refused = refused
         return ans
 
     def _answer_from(self, query: str, hits: Sequence[Recalled], *, max_new_tokens: int, sampling: Sampling,
                      stop: Sequence[str], on_text, answer_prefix: str | None, choices, choice_end: str,
-                     contrast: float, prior: float, nothing_to_choose: str = "return") -> Answer:
+                     contrast: float, prior: float, nothing_to_choose: str = "return",
+                     note_answer: str = answers.STATEMENT) -> Answer:
         entries = [h.entry for h in hits]
+        if (entries and choices is None and note_answer == answers.STATEMENT
+                and all(notes.kind_of(e) == notes.NOTE for e in entries)):
+            ans = answers.from_note(self, query, hits)
+            if on_text is not None and ans.text:
+                on_text(ans.text)
+            return ans
         for e in entries:
             self.engine.require_profile(e.profile_id, f"entry {e.id}'s blocks")
         prompt = self.question_layout(query, entries, answer_prefix)

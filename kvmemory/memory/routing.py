@@ -25,7 +25,9 @@ threshold, but other numbers refuse nothing: an entry above the threshold routes
 writes. A chat puts routed entries in the conversation as worked examples (a tool demonstration with
 other numbers is meant to route there), while `answer(choices="numbers")` picks among an entry's numbers,
 so only `answer` refuses a sibling.
-Notes (statements: memory/notes.py) route from a lower threshold of their own (`route_with_notes`).
+Notes (statements: memory/notes.py) route from a lower threshold of their own (`route_with_notes`), and
+when nothing else routes, the best note from a lower floor still, if it shares a content word with the
+question (notes.NOTE_WORD_FLOOR, notes.shares_word).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from kvmemory.memory.entry_check import refusal
 from kvmemory.memory.filters import check_where, matches
 from kvmemory.memory.inputs import MAX_K, check_count, check_namespace, check_text, check_threshold
 from kvmemory.memory.listing import user_meta
-from kvmemory.memory.notes import NOTE_FETCH, NOTE_TEMPLATE, note_threshold
+from kvmemory.memory.notes import NOTE_FETCH, NOTE_TEMPLATE, NOTE_WORD_FLOOR, note_threshold, shares_word
 from kvmemory.memory.prompts import solution_text
 from kvmemory.memory.quantities import question_numbers
 from kvmemory.memory.verifiers import is_note, kind_of
@@ -262,10 +264,17 @@ def route_with_notes(mem, query: str, k: int, *, namespace: str | None, threshol
     # that k notes still fit (NOTE_FETCH more than needed; a namespace with more solutions in that band
     # than that can crowd a note out, a bound that keeps one answer's routing to one search).
     # The same embedded question searched again at the notes' threshold (no second embedding).
-    low = _search(mem, query, qvec, ns, min(MAX_K, k + len(hits) + NOTE_FETCH), threshold=nth,
+    # Searched from the word floor (notes.NOTE_WORD_FLOOR): below the note threshold only the best note,
+    # and only when nothing else routed and it shares a content word with the question.
+    floor = min(nth, NOTE_WORD_FLOOR)
+    low = _search(mem, query, qvec, ns, min(MAX_K, k + len(hits) + NOTE_FETCH), threshold=floor,
                   number_check=number_check, number_threshold=number_threshold, where=where, refused=None)
     have = {h.entry.id for h in hits}
-    extra = [h for h in low if is_note(h.entry) and h.entry.id not in have]
+    extra = [h for h in low if is_note(h.entry) and h.entry.id not in have and h.score >= nth]
+    if not hits and not extra:
+        best = next((h for h in low if is_note(h.entry)), None)
+        if best is not None and shares_word(query, best.entry.problem):
+            extra = [best]
     if not extra:
         return hits
     return sorted([*hits, *extra], key=lambda h: -h.score)[:k]

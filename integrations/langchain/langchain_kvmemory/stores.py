@@ -10,9 +10,16 @@ is remembered as a note (kvmemory/memory/notes.py): the text at its index paths 
 entry holds, its kind is "note", unverified. The value itself is kept exactly in the table below.
 
 `search(query=...)` ranks, as LangGraph's own stores do: the items under the namespace prefix best
-first by the router's cosine score, `limit` of them, no threshold ("What pet does Alice have?" finds
-"Alice has a cat named Tom." although a question scores lower against a statement than a rewording
-does). `KVMemoryStore(threshold=...)` drops items scoring below it.
+first by the router's cosine score, `limit` of them, each at least its calibrated gate (the default,
+`threshold="calibrated"`): a note from the notes' measured threshold (0.54 with MiniLM, as `answer`
+routes notes: "What pet does Alice have?" finds "Alice has a cat named Tom."), a solution from the
+router's (0.83), so an unrelated question finds nothing. `KVMemoryStore(threshold=0.7)` gates both
+kinds at 0.7; `threshold=None` ranks every indexed item, as LangGraph's InMemoryStore does.
+
+`search` sees every note of its namespaces, whoever wrote it: a note `KVMemory.add` / `remember` /
+`note`, the HTTP API or MCP stored in the kvmemory namespace ".".join(namespace) is an item too (key:
+its entry id; value: {"text": the statement, "kind": "note", "entry_id"}), listed and ranked with the
+items `put` here (read-only through the store: `get`/`delete` address the items `put` here).
 
 kvmemory entries are addressed by content, LangGraph items by (namespace, key), so a small SQLite
 table beside the catalogue (`<store>/langgraph.sqlite`) maps keys to entries and keeps each value's
@@ -65,7 +72,7 @@ from langgraph.store.base import (
 )
 
 from kvmemory import (DEFAULT_MODEL, InvalidInput, KVMemory, SharedMemory, borrow_memory, check_where, env_store,
-                      matches, resolve_device, resolve_dtype)
+                      is_note, matches, resolve_device, resolve_dtype)
 
 from .errors import InvalidNamespace
 
@@ -85,6 +92,10 @@ CREATE INDEX IF NOT EXISTS items_entry ON items(entry_id);
 # (JSON; NULL = the store's index_fields), to compute an item's entry again after a crash; its TTL
 # in minutes and when it expires (NULL: never).
 _ADDED = {"index_json": "TEXT", "ttl": "REAL", "expires": "REAL"}
+
+
+# `KVMemoryStore(threshold=CALIBRATED)`: each kind searched at its calibrated gate (the module docstring)
+CALIBRATED = "calibrated"
 
 
 def kv_namespace(namespace: Sequence[str]) -> str:
@@ -165,11 +176,13 @@ class KVMemoryStore(BaseStore):
 
     def __init__(self, *, store: str | None = None, model: str = DEFAULT_MODEL, memory: KVMemory | None = None,
                  index_fields: Sequence[str] | None = None, verifier: str | None = None,
-                 require_verified: bool = False, threshold: float | None = None, ttl: TTLConfig | None = None,
+                 require_verified: bool = False, threshold: float | str | None = CALIBRATED,
+                 ttl: TTLConfig | None = None,
                  device: str = "auto", dtype: str = "auto"):
-        """`threshold`: the lowest cosine score `search(query=...)` returns (None: no threshold, every
-        indexed item ranked, as LangGraph's InMemoryStore does; 0.83 is the router's calibrated one for
-        rewordings of a stored text).
+        """`threshold`: the lowest cosine score `search(query=...)` returns: "calibrated" (default) the
+        calibrated one of each kind (notes: the notes' threshold, 0.54 with MiniLM; solutions: the
+        router's, 0.83), a number for both kinds, None for none (every indexed item ranked, as
+        LangGraph's InMemoryStore does).
         `ttl`: LangGraph's TTLConfig (`default_ttl` minutes for every put, `refresh_on_read`).
         `device` / `dtype`: where and in what `model` runs when the store opens it (as `ChatKVGraft`'s)."""
         self._memory = memory
@@ -181,6 +194,10 @@ class KVMemoryStore(BaseStore):
         self.index_fields = list(index_fields) if index_fields else ["$"]
         self.verifier = verifier
         self.require_verified = require_verified
+        if not (threshold is None or threshold == CALIBRATED or (
+                isinstance(threshold, (int, float)) and not isinstance(threshold, bool) and math.isfinite(threshold)
+                and -1.0 <= threshold <= 1.0)):
+            raise InvalidInput(f"threshold must be {CALIBRATED!r}, a cosine score in [-1, 1] or None, got {threshold!r}")
         self.threshold = threshold
         self.ttl_config = ttl
         if ttl is not None:
@@ -424,9 +441,40 @@ class KVMemoryStore(BaseStore):
             yield from db.execute("SELECT ns, key, entry_id, value, created, updated FROM items "
                                   f"WHERE {live} ORDER BY updated DESC, ns, key", (_now(),))
 
+    def _outside_notes(self, memory: KVMemory, prefix: tuple[str, ...], tabled: set[tuple[str, str]]) -> list[tuple]:
+        """The notes of the kvmemory namespaces under `prefix` that no item of this table is: written by
+        `KVMemory.add` / `remember` / `note`, the HTTP API or MCP. Each as a row (ns, key, entry_id,
+        value, created, updated): key = the entry id, value = {"text", "kind", "entry_id"}. Entries this
+        store wrote (meta "langgraph") and no longer holds are being forgotten: never listed."""
+        p = kv_namespace(prefix) if prefix else None
+        out = []
+        for ns in memory.namespaces():
+            if p is not None and ns != p and not ns.startswith(p + "."):
+                continue
+            if any(not part for part in ns.split(".")):
+                continue  # not a LangGraph namespace (an empty label)
+            for e in memory.store.list_entries(ns):
+                if (ns, e.id) in tabled or not is_note(e) or "langgraph" in (e.meta or {}):
+                    continue
+                out.append((ns, e.id, e.id, {"text": e.problem, "kind": "note", "entry_id": e.id},
+                            float(e.created), float(e.updated)))
+        return out
+
+    def _gates(self, memory: KVMemory) -> tuple[float, float]:
+        """(note gate, solution gate) of a ranked search: the store's threshold for both when one was
+        given (None: -1.0, every indexed item ranked), else the calibrated ones (module docstring)."""
+        if isinstance(self.threshold, str):
+            return memory.note_threshold, float(memory.threshold if memory.threshold is not None
+                                                else memory.router.threshold)
+        th = -1.0 if self.threshold is None else float(self.threshold)
+        return th, th
+
     def _search(self, memory: KVMemory, db: sqlite3.Connection, op: SearchOp) -> list[SearchItem]:
         prefix = tuple(op.namespace_prefix)
         rows = [r for r in self._rows(db, prefix)]
+        # entries an item of the table is (live or expired and not swept yet): never outside notes
+        tabled = {(ns, eid) for ns, eid in db.execute("SELECT ns, entry_id FROM items WHERE entry_id IS NOT NULL")}
+        outside = self._outside_notes(memory, prefix, tabled)
         where = check_where(op.filter, "filter") if op.filter else None
         items = []
         for ns, key, entry_id, body, created, updated in rows:
@@ -434,6 +482,8 @@ class KVMemoryStore(BaseStore):
             if where and not matches(value, where):
                 continue
             items.append((ns, key, entry_id, value, created, updated))
+        items.extend(it for it in outside if not where or matches(it[3], where))
+        items.sort(key=lambda it: (-it[5], it[0], it[1]))
         if not op.query:
             page = items[op.offset: op.offset + op.limit]
             self._refresh(db, op, [(it[0], it[1]) for it in page])
@@ -444,19 +494,25 @@ class KVMemoryStore(BaseStore):
             if it[2]:
                 by_entry.setdefault((it[0], it[2]), []).append(it)
         scored: list[tuple[float, tuple]] = []
-        # Ranked, as LangGraph's stores rank: every indexed item of the prefix, best first; a threshold
-        # given to the store drops the items scoring below it.
-        th = self.threshold if self.threshold is not None else -1.0
-        for ns in sorted({it[0] for it in items if it[2]}):
+        # Ranked, as LangGraph's stores rank: the indexed items of the prefix scoring at least the gate,
+        # best first. The gate (module docstring): the calibrated one of each kind by default (notes from
+        # the notes' threshold, solutions from the router's), the store's threshold when one was given.
+        note_gate, solution_gate = self._gates(memory)
+        spaces = sorted({it[0] for it in items if it[2]})
+        for ns in spaces:
+            memory.sync_router(ns)  # notes another process wrote
             memory.route_pending(ns)  # items put moments ago: embedded now, with the query
-        for ns in sorted({it[0] for it in items if it[2]}):
-            n = sum(1 for it in items if it[0] == ns and it[2])
-            for hit in memory.router.search(op.query, k=max(1, n), namespace=ns, threshold=th):
+        counts = memory.namespaces()
+        for ns in spaces:
+            n = sum(1 for it in items if it[0] == ns and it[2]) + counts.get(ns, 0)
+            for hit in memory.router.search(op.query, k=max(1, n), namespace=ns, threshold=min(note_gate, solution_gate)):
                 for it in by_entry.get((ns, hit.entry_id), []):
-                    scored.append((float(hit.score), it))
+                    solution = isinstance(it[3].get("problem"), str) and isinstance(it[3].get("solution"), str)
+                    if float(hit.score) >= (solution_gate if solution else note_gate):
+                        scored.append((float(hit.score), it))
         scored.sort(key=lambda x: -x[0])
         # Items stored without routing (index=False) have no score: they fill the page after every
-        # scored one, as in LangGraph's own stores. Indexed items below a store's threshold are left out.
+        # scored one, as in LangGraph's own stores. Indexed items below the gate are left out.
         unscored = [(None, it) for it in items if not it[2]]
         ranked: list[tuple[float | None, tuple]] = [*scored, *unscored]
         page = ranked[op.offset: op.offset + op.limit]
