@@ -289,7 +289,7 @@ def test_unknown_model_in_process_is_quick_and_a_folder_or_cached_id_resolves(tm
     assert resolve_model_path("someorg/tiny") == str(snap)  # the cached snapshot, read without the network
     assert resolve_model_path(str(snap)) == str(snap)  # a folder as it is
     for name, what in (("no/such-model", "not a folder"), (str(tmp_path / "missing"), "not a folder"),
-                       (str(snap / "config.json"), "a file, not a model folder"),
+                       (str(snap / "config.json"), "a file, neither a model folder nor a .gguf file"),
                        (str(tmp_path), "a folder without config.json")):
         t = time.monotonic()
         with pytest.raises(UnknownModel) as exc:
