@@ -68,7 +68,11 @@ def test_recall_scaling_bench_runs_side_by_side():
     a change made by another process applied (bench/router_recall.py; the figures are BENCHMARKS.md's)."""
     from kvmemory.bench.router_recall import run_recall_scaling
 
+    import torch
+
+    threads = torch.get_num_threads()
     r = run_recall_scaling(sizes=(10, 300), queries=8, progress=False)
+    assert torch.get_num_threads() == threads  # restored: an engine opened after it pins the usual count
     assert json.loads(json.dumps(r)) == r
     for n in ("10", "300"):
         assert r[n]["entries"] == int(n) and r[n]["routed_found"] == 4

@@ -111,14 +111,25 @@ def _p(samples: list[float]) -> dict[str, float]:
 
 def run_recall_scaling(sizes=(10, 100_000), queries: int = 200, seed: int = 0, threads: int | None = 1,
                        progress: bool = True) -> dict[str, Any]:
-    """The measurement of the module docstring; a JSON-able dict."""
+    """The measurement of the module docstring; a JSON-able dict. Torch's thread count is `threads` while
+    it runs and what it was after (a caller's engine profile pins the count it was opened with)."""
+    import torch
+
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(int(threads))
+    try:
+        return _run_recall_scaling(sizes, queries, seed, progress)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _run_recall_scaling(sizes, queries: int, seed: int, progress: bool) -> dict[str, Any]:
     import torch
 
     from kvmemory.bench.problems import generate_problems, unrelated_questions
     from kvmemory.routing.embedders import Embedder
 
-    if threads is not None:
-        torch.set_num_threads(int(threads))
     small, large = (int(n) for n in sizes)
     n_real = min(10, small)
     real = generate_problems(n_real, seed, rewordings=1)

@@ -125,8 +125,9 @@ def is_gguf(name: str) -> bool:
 def embedded_gguf_file(em: embedded.Embedded) -> gguf_file.GGUFFile:
     """An embedded model's GGUF file: the wheel's own, or (split over wheels) assembled once into the cache
     folder (its pinned size and SHA-256 checked: embedded.assemble), written whole under a temporary name."""
+    parts = embedded.part_paths(em)  # the wheels are there (or KVMemoryError says what to install)
     if not em.split:
-        return gguf_file.GGUFFile((embedded.part_paths(em)[0],))
+        return gguf_file.GGUFFile((parts[0],))
     folder = cache_dir() / "models" / f"{em.cache_stem}-{embedded.conversion_key(em)}"
     target = folder / em.gguf_name
     if target.is_file() and target.stat().st_size == em.size:
