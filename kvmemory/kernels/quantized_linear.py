@@ -2,17 +2,22 @@
 own quantized blocks, re-laid out in panels of 16 output rows (models/gguf_blocks.py does that per block
 type), expanded to float32 in cache while it multiplies (models/gguf_linear.py makes model layers of it).
 
-Formats (the contract with the C code; `kind` = format | 8 if sub-blocks of 16 | bias << 4):
+Formats (the contract with the C code; `kind` = format | 8 if sub-blocks of 16 | bias << 4 | 256 with
+K-quant scales):
 - NIB: q [N/16, K/2, 16] uint8 nibble pairs (weights 2t and 2t + 1 of a row in one byte, low nibble
   first), w = (q - bias) * d. NIBMIN: the same q, w = q * d + m.
 - BYTE: q [N/16, K, 16] int8, w = q * d. BYTEMIN: w = q * d + m.
 - F32: q [N/16, K, 16] float32, the weights themselves (F32, F16 and BF16 tensors, expanded exactly).
 d and m are [N/16, K/sub, 16] float32: a scale (and minimum) per sub-block of `sub` (16 or 32) weights
-of a row. Every weight is expanded to exactly gguf-py's `dequantize` value: d * q is rounded once as
-gguf-py rounds it, and where a minimum follows, d * q is exact (d has at most 17 significant bits,
-checked here) so the kernel's one FMA equals gguf-py's product-then-sum. Each output is one fixed sum
-(k ascending, one FMA each), so a row's bytes depend on nothing else: not the rows beside it, the
-thread count, nor AVX-512 vs AVX2.
+of a row. With K-quant scales (Q2_K ... Q6_K, as compact as the file's own) d is uint8
+[N/16, K/256, super-block bytes] and m is empty: per super-block of 256 weights and panel, D [16]
+float32, DMIN [16] float32 where the format has a minimum, then an int8 scale [K/sub per 256][16] and
+an int8 min alike; the kernel takes d = D * scale and m = -(DMIN * min), gguf-py's own products.
+Every weight is expanded to exactly gguf-py's `dequantize` value: d * q is rounded once as gguf-py
+rounds it, and where a minimum follows, d * q is exact (d has at most 17 significant bits, checked
+here) so the kernel's one FMA equals gguf-py's product-then-sum. Each output is one fixed sum (k
+ascending, one FMA each), so a row's bytes depend on nothing else: not the rows beside it, the thread
+count, nor AVX-512 vs AVX2.
 
 A plain C library built into the package at install time (build.py: AVX-512 and AVX2 builds), picked
 and loaded by native.py; where none runs, `load()` is None and says why once.
@@ -33,36 +38,58 @@ NIB, NIBMIN, BYTE, BYTEMIN, F32 = range(5)  # the kernel's formats
 _FORMAT_NAMES = ("nib", "nibmin", "byte", "bytemin", "f32")
 
 
-def kind_code(fmt: int, sub: int = 32, bias: int = 0) -> int:
-    """The kernel's `kind` for a format, sub-block size (16 or 32) and nibble bias (NIB only)."""
-    return fmt | (8 if sub == 16 else 0) | bias << 4
+KSCALES = 256  # the kind's flag for K-quant scales
+SUPER = 256  # weights per K-quant super-block
 
 
-# GGUF block type -> (format, sub-block, bias): how gguf_blocks.py lays each out for the kernel.
+def kind_code(fmt: int, sub: int = 32, bias: int = 0, kscales: bool = False) -> int:
+    """The kernel's `kind` for a format, sub-block size (16 or 32), nibble bias (NIB only) and scale layout."""
+    return fmt | (8 if sub == 16 else 0) | bias << 4 | (KSCALES if kscales else 0)
+
+
+# GGUF block type -> (format, sub-block, bias, K-quant scales): how gguf_blocks.py lays each out for the kernel.
 FORMATS = {
-    "Q4_0": (NIB, 32, 8), "Q4_1": (NIBMIN, 32, 0), "Q5_0": (BYTE, 32, 0), "Q5_1": (BYTEMIN, 32, 0),
-    "Q8_0": (BYTE, 32, 0), "Q2_K": (NIBMIN, 16, 0), "Q3_K": (NIB, 16, 4), "Q4_K": (NIBMIN, 32, 0),
-    "Q5_K": (BYTEMIN, 32, 0), "Q6_K": (BYTE, 16, 0), "F32": (F32, 32, 0), "F16": (F32, 32, 0),
-    "BF16": (F32, 32, 0),
+    "Q4_0": (NIB, 32, 8, False), "Q4_1": (NIBMIN, 32, 0, False), "Q5_0": (BYTE, 32, 0, False),
+    "Q5_1": (BYTEMIN, 32, 0, False), "Q8_0": (BYTE, 32, 0, False), "Q2_K": (NIBMIN, 16, 0, True),
+    "Q3_K": (NIB, 16, 4, True), "Q4_K": (NIBMIN, 32, 0, True), "Q5_K": (BYTEMIN, 32, 0, True),
+    "Q6_K": (BYTE, 16, 0, True), "F32": (F32, 32, 0, False), "F16": (F32, 32, 0, False),
+    "BF16": (F32, 32, 0, False),
 }
 KINDS = {name: kind_code(*f) for name, f in FORMATS.items()}  # GGUF block type -> the kernel's `kind`
 
 
 def decode_kind(kind: int) -> tuple[int, int, int]:
     """(format, sub-block, bias) of a kind code; ValueError for one the kernel does not take."""
-    fmt, sub, bias = kind & 7, 16 if kind & 8 else 32, kind >> 4
-    if fmt > F32 or bias > 15 or (bias and fmt != NIB) or kind < 0:
+    fmt, sub, bias = kind & 7, 16 if kind & 8 else 32, (kind >> 4) & 15
+    if kind < 0 or kind >> 9 or fmt > F32 or (bias and fmt != NIB) or (kind & KSCALES and fmt == F32):
         raise ValueError(f"kind {kind} is not one the GGUF-block kernel takes")
     return fmt, sub, bias
 
 
+def kscales(kind: int) -> bool:
+    """Whether the kind keeps K-quant scales (d: bytes per super-block; no m tensor)."""
+    return bool(decode_kind(kind) and kind & KSCALES)
+
+
 def has_min(kind: int) -> bool:
+    """Whether a weight of this kind has a minimum (w = q * d + m)."""
     return decode_kind(kind)[0] in (NIBMIN, BYTEMIN)
+
+
+def has_m(kind: int) -> bool:
+    """Whether the kind takes an m tensor of its own (a minimum, without K-quant scales)."""
+    return has_min(kind) and not kscales(kind)
+
+
+def super_bytes(kind: int) -> int:
+    """Bytes of one super-block's K-quant scales per panel (the C code's Kind::super_bytes)."""
+    fmt, sub, _ = decode_kind(kind)
+    return (2 if has_min(kind) else 1) * (PANEL * 4 + SUPER // sub * PANEL)
 
 
 def describe(kind: int) -> str:
     fmt, sub, bias = decode_kind(kind)
-    return f"{_FORMAT_NAMES[fmt]}/{sub}" + (f"-{bias}" if bias else "")
+    return f"{_FORMAT_NAMES[fmt]}/{sub}" + (f"-{bias}" if bias else "") + ("+k" if kind & KSCALES else "")
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -97,6 +124,16 @@ def in_features(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, kind: int) ->
         raise ValueError("K must be a multiple of 32")
     if fmt == F32:
         return K
+    if kscales(kind):
+        sb = super_bytes(kind)
+        if K % SUPER or d.dtype != torch.uint8 or not _on_cpu(d) or tuple(d.shape) != (q.shape[0], K // SUPER, sb):
+            raise ValueError(f"d must be [N/16, K/256, {sb}] uint8 contiguous (K-quant scales)")
+        # D (and DMIN) must be float16 values (<= 11 significant bits): then D * scale is gguf-py's exact
+        # product, and with a minimum d * q stays exact for the kernel's one FMA
+        floats = d[:, :, :PANEL * 4 * (2 if has_min(kind) else 1)].contiguous().view(torch.int32)
+        if bool((floats & 0x1FFF).any()):
+            raise ValueError("D and DMIN must be float16 values, as GGUF K-quant blocks store them")
+        return K
     if d.dtype != torch.float32 or not _on_cpu(d) or tuple(d.shape) != (q.shape[0], K // sub, PANEL):
         raise ValueError(f"d must be [N/16, K/{sub}, 16] float32 contiguous")
     if fmt in (NIBMIN, BYTEMIN):
@@ -116,9 +153,10 @@ def check_rc(rc: int) -> None:
         raise ValueError(f"the GGUF-block linear kernel refused its arguments ({rc})")
 
 
-def _ptrs(d: torch.Tensor, m: torch.Tensor, kind: int) -> tuple[int | None, int | None]:
+def pointers(d: torch.Tensor, m: torch.Tensor, kind: int) -> tuple[int | None, int | None]:
+    """The addresses of d and m the kernel takes for a kind (None where it takes none)."""
     fmt = decode_kind(kind)[0]
-    return (None if fmt == F32 else d.data_ptr()), (m.data_ptr() if fmt in (NIBMIN, BYTEMIN) else None)
+    return (None if fmt == F32 else d.data_ptr()), (m.data_ptr() if has_m(kind) else None)
 
 
 def dequantize(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, kind: int,
@@ -127,7 +165,7 @@ def dequantize(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, kind: int,
     lib = lib if lib is not None else load()
     K = in_features(q, d, m, kind)
     out = torch.empty((q.shape[0] * PANEL, K), dtype=torch.float32)
-    check_rc(lib.kvm_qlinear_dequantize(kind, q.data_ptr(), *_ptrs(d, m, kind), q.shape[0], K, out.data_ptr(),
+    check_rc(lib.kvm_qlinear_dequantize(kind, q.data_ptr(), *pointers(d, m, kind), q.shape[0], K, out.data_ptr(),
                                         torch.get_num_threads()))
     return out
 
@@ -140,7 +178,7 @@ def linear(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, k
     if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != K or not _on_cpu(x):
         raise ValueError("x must be [M, K] float32 contiguous on the CPU")
     y = torch.empty((x.shape[0], q.shape[0] * PANEL), dtype=torch.float32)
-    dp, mp = _ptrs(d, m, kind)
+    dp, mp = pointers(d, m, kind)
     check_rc(lib.kvm_qlinear_linear(kind, x.data_ptr(), x.shape[0], q.data_ptr(), dp, mp, q.shape[0], K,
                                     y.data_ptr(), torch.get_num_threads()))
     return y

@@ -3,7 +3,10 @@
 Each block type becomes one of the kernel's formats: integer q (nibbles or bytes), and a float32 scale d
 and minimum m per sub-block of 16 or 32 weights of a row, computed here with exactly the float32 operations
 of gguf-py's `dequantize` (gguf/quants.py), so that the kernel's `q * d (+ m)` is gguf-py's value, byte
-for byte (tests/test_gguf_blocks.py checks every type, both kernel builds). F32, F16 and BF16 tensors
+for byte (tests/test_gguf_blocks.py checks every type, both kernel builds). The K-quants (Q2_K ... Q6_K)
+keep their scales as compact as the file does (the float16 D and DMIN of a super-block as float32, the
+integer scale and min of each sub-block as int8) and the kernel takes gguf-py's exact products D * scale,
+DMIN * min itself: Q4_K is then 4.75 bits a weight (the file's 4.5), not 6. F32, F16 and BF16 tensors
 are kept as their float32 values (F16 / BF16 then take twice their file size).
 
 Layouts per block type (bytes of one block; QK_K = 256 weights, K-quants' sub-blocks of 16 or 32):
@@ -25,7 +28,7 @@ import numpy as np
 import torch
 
 from kvmemory.errors import KVMemoryError
-from kvmemory.kernels.quantized_linear import BYTE, BYTEMIN, F32, FORMATS, KINDS, NIB, NIBMIN, PANEL
+from kvmemory.kernels.quantized_linear import BYTE, BYTEMIN, F32, FORMATS, KINDS, NIB, NIBMIN, PANEL, super_bytes
 
 QK_K = 256
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34, "Q2_K": 84, "Q3_K": 110, "Q4_K": 144,
@@ -79,41 +82,44 @@ def _unpack(kind: str, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.n
         return q.astype(np.int8), d, _f16(blocks[:, 2:4])[:, None]
     if kind == "Q8_0":
         return np.ascontiguousarray(blocks[:, 2:]).view(np.int8), _f16(blocks[:, 0:2])[:, None], None
+    raise KVMemoryError(f"GGUF block type {kind} is not one the kernel's sub-block scales take")
+
+
+def _unpack_k(kind: str, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None,
+                                                      np.ndarray | None]:
+    """A K-quant's [B, block bytes] -> q [B, 256] (what the kernel stores), D [B] float32, the int8 scale
+    per sub-block [B, 256 / sub], and DMIN, the int8 min alike (None without a minimum): gguf-py's
+    sub-block scale is D * scale, its minimum DMIN * min (the kernel computes both, as gguf-py does)."""
+    B = blocks.shape[0]
     if kind == "Q2_K":
         scales, qs = blocks[:, :16], blocks[:, 16:80]
-        d, dmin = _f16(blocks[:, 80:82])[:, None], _f16(blocks[:, 82:84])[:, None]
-        dl = d * (scales & 0xF).astype(np.float32)
-        ml = dmin * (scales >> 4).astype(np.float32)
         q = (qs.reshape(B, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3
-        return q.reshape(B, QK_K), dl, -ml
+        return (q.reshape(B, QK_K), _f16(blocks[:, 80:82]), (scales & 0xF).astype(np.int8),
+                _f16(blocks[:, 82:84]), (scales >> 4).astype(np.int8))
     if kind == "Q3_K":
         hmask, qs, scales = blocks[:, :32], blocks[:, 32:96], blocks[:, 96:108]
-        d = _f16(blocks[:, 108:110])[:, None]
         lsc = (scales[:, :8].reshape(B, 1, 8) >> np.array([0, 4], dtype=np.uint8).reshape(1, 2, 1)).reshape(B, 16)
         hsc = (scales[:, 8:].reshape(B, 1, 4) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 4, 1)).reshape(B, 16)
         sc = ((lsc & 0x0F) | ((hsc & 0x03) << 4)).astype(np.int8) - np.int8(32)
-        dl = d * sc.astype(np.float32)
         ql = (qs.reshape(B, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)).reshape(B, 16, 16) & 3
         qh = (hmask.reshape(B, 1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)).reshape(B, 16, 16) & 1
         q = ql.astype(np.int8) - ((qh ^ 1) << 2).astype(np.int8)  # -4 .. 3
-        return (q + np.int8(4)).astype(np.uint8).reshape(B, QK_K), dl, None  # stored + 4, the kernel's bias
+        # stored + 4, the kernel's bias
+        return (q + np.int8(4)).astype(np.uint8).reshape(B, QK_K), _f16(blocks[:, 108:110]), sc, None, None
     if kind in ("Q4_K", "Q5_K"):
-        d, dmin = _f16(blocks[:, 0:2])[:, None], _f16(blocks[:, 2:4])[:, None]
         sc, mn = _scale_min_k4(blocks[:, 4:16])
-        dl, ml = d * sc.astype(np.float32), dmin * mn.astype(np.float32)
         qs = blocks[:, 16:144] if kind == "Q4_K" else blocks[:, 48:176]
         ql = ((qs.reshape(B, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 0x0F).reshape(B, QK_K)
-        if kind == "Q4_K":
-            return ql, dl, -ml
-        qh = ((blocks[:, 16:48].reshape(B, 1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)) & 1)
-        return (ql | (qh.reshape(B, QK_K) << 4)).astype(np.int8), dl, -ml
+        if kind == "Q5_K":
+            qh = ((blocks[:, 16:48].reshape(B, 1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)) & 1)
+            ql = (ql | (qh.reshape(B, QK_K) << 4)).astype(np.int8)
+        return ql, _f16(blocks[:, 0:2]), sc.astype(np.int8), _f16(blocks[:, 2:4]), mn.astype(np.int8)
     if kind == "Q6_K":
         ql, qh = blocks[:, :128], blocks[:, 128:192]
-        sc = np.ascontiguousarray(blocks[:, 192:208]).view(np.int8).astype(np.float32)
-        dl = _f16(blocks[:, 208:210])[:, None] * sc
+        sc = np.ascontiguousarray(blocks[:, 192:208]).view(np.int8)
         lo = ((ql.reshape(B, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 0x0F).reshape(B, 8, 32)
         hi = ((qh.reshape(B, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3).reshape(B, 8, 32)
-        return ((lo | (hi << 4)).astype(np.int8) - np.int8(32)).reshape(B, QK_K), dl, None
+        return ((lo | (hi << 4)).astype(np.int8) - np.int8(32)).reshape(B, QK_K), _f16(blocks[:, 208:210]), sc, None, None
     raise KVMemoryError(f"GGUF block type {kind} is not one the kernel computes with ({', '.join(TYPES)})")
 
 
@@ -137,7 +143,7 @@ def panels(kind: str, raw: np.ndarray, n: int, k: int) -> tuple[torch.Tensor, to
     without a minimum. KVMemoryError for a type the kernel lacks or sizes that are not whole panels."""
     if kind not in FORMATS:
         raise KVMemoryError(f"GGUF block type {kind} is not one the kernel computes with ({', '.join(TYPES)})")
-    fmt, sub, _ = FORMATS[kind]
+    fmt, sub, _, kscaled = FORMATS[kind]
     if n % PANEL or k % 32:
         raise KVMemoryError(f"a {n} x {k} weight does not fill whole panels of {PANEL} rows and blocks of 32")
     empty = torch.empty(0, dtype=torch.float32)
@@ -151,15 +157,40 @@ def panels(kind: str, raw: np.ndarray, n: int, k: int) -> tuple[torch.Tensor, to
         raise KVMemoryError(f"a {kind} tensor of {n} x {k} weights must be {n} rows of {nb * BLOCK_BYTES[kind]} bytes")
     nibble = fmt in (NIB, NIBMIN)
     q = np.empty((n, k // 2 if nibble else k), dtype=np.uint8 if nibble else np.int8)
-    d = np.empty((n, k // sub), dtype=np.float32)
-    m = np.empty((n, k // sub), dtype=np.float32) if fmt in (NIBMIN, BYTEMIN) else None
+    if kscaled:  # per super-block and panel: D [16] f32, (DMIN [16] f32), scale [subs][16] i8, (min [subs][16] i8)
+        minimum = fmt == NIBMIN or fmt == BYTEMIN
+        subs = QK_K // sub
+        scales = np.empty((n // PANEL, nb, super_bytes(KINDS[kind])), dtype=np.uint8)
+    else:
+        d = np.empty((n, k // sub), dtype=np.float32)
+        m = np.empty((n, k // sub), dtype=np.float32) if fmt in (NIBMIN, BYTEMIN) else None
     for r0 in range(0, n, _ROWS_PER_CHUNK):
         r1 = min(n, r0 + _ROWS_PER_CHUNK)
-        qv, dv, mv = _unpack(kind, raw[r0:r1].reshape(-1, BLOCK_BYTES[kind]))
+        blocks = raw[r0:r1].reshape(-1, BLOCK_BYTES[kind])
+        if kscaled:
+            qv, D, sc, DMIN, mn = _unpack_k(kind, blocks)
+            parts = [_lanes(D, r1 - r0, nb, 1).view(np.uint8)]
+            if minimum:
+                parts.append(_lanes(DMIN, r1 - r0, nb, 1).view(np.uint8))
+            parts.append(_lanes(sc, r1 - r0, nb, subs).view(np.uint8))
+            if minimum:
+                parts.append(_lanes(mn, r1 - r0, nb, subs).view(np.uint8))
+            scales[r0 // PANEL:r1 // PANEL] = np.concatenate(parts, axis=-1)
+        else:
+            qv, dv, mv = _unpack(kind, blocks)
+            d[r0:r1] = dv.reshape(r1 - r0, k // sub)
+            if m is not None:
+                m[r0:r1] = mv.reshape(r1 - r0, k // sub)
         qv = qv.reshape(r1 - r0, k)
         q[r0:r1] = (qv[:, 0::2] | (qv[:, 1::2] << 4)) if nibble else qv  # nibbles: weights 2t, 2t + 1 in a byte
-        d[r0:r1] = dv.reshape(r1 - r0, k // sub)
-        if m is not None:
-            m[r0:r1] = mv.reshape(r1 - r0, k // sub)
     assert fmt in (NIB, NIBMIN, BYTE, BYTEMIN)
+    if kscaled:
+        return _by_panel(q), torch.from_numpy(scales), empty, KINDS[kind]
     return _by_panel(q), _by_panel(d), (_by_panel(m) if m is not None else empty), KINDS[kind]
+
+
+def _lanes(a: np.ndarray, rows: int, nb: int, per_block: int) -> np.ndarray:
+    """Per-block values [rows * nb * per_block] of whole panels of rows -> [rows / 16, nb, per_block * 16]:
+    for each panel and super-block, value j of the 16 rows side by side (lane = the row in its panel)."""
+    a = a.reshape(rows // PANEL, PANEL, nb, per_block).transpose(0, 2, 3, 1)
+    return np.ascontiguousarray(a).reshape(rows // PANEL, nb, per_block * PANEL)

@@ -41,10 +41,30 @@ class GGUFEmbedding(torch.nn.Module):
         if self.fmt in (qlinear.NIB, qlinear.NIBMIN):
             q = torch.stack([q & 0x0F, q >> 4], dim=-1).reshape(q.shape[0], -1)
         values = (q.to(torch.int32) - self.bias).to(torch.float32)
-        w = values * self.d[p, :, lane].repeat_interleave(self.sub, dim=1)
-        if self.fmt in (qlinear.NIBMIN, qlinear.BYTEMIN):
-            w = w + self.m[p, :, lane].repeat_interleave(self.sub, dim=1)
+        d, m = self._scales(p, lane)
+        w = values * d.repeat_interleave(self.sub, dim=1)
+        if m is not None:
+            w = w + m.repeat_interleave(self.sub, dim=1)
         return w
+
+    def _scales(self, p: torch.Tensor, lane: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The float32 scale and minimum [T, K/sub] of each sub-block of the rows (panel p, lane): with
+        K-quant scales, D * scale and -(DMIN * min), gguf-py's exact products, as the kernel takes them."""
+        minimum = self.fmt in (qlinear.NIBMIN, qlinear.BYTEMIN)
+        if not qlinear.kscales(self.kind):
+            return self.d[p, :, lane], (self.m[p, :, lane] if minimum else None)
+        subs, P = qlinear.SUPER // self.sub, qlinear.PANEL
+        blocks = self.d[p]  # [T, K/256, super-block bytes]
+        floats = blocks[:, :, :P * 4 * (2 if minimum else 1)].contiguous().view(torch.float32)  # [T, K/256, 16 | 32]
+        ints = blocks[:, :, P * 4 * (2 if minimum else 1):].contiguous().view(torch.int8)
+        ints = ints.view(*ints.shape[:2], 2 if minimum else 1, subs, P)  # [T, K/256, scale | min, subs, 16]
+        rows = torch.arange(p.shape[0])
+        D = floats[rows, :, lane]  # [T, K/256]
+        d = (D[:, :, None] * ints[rows, :, 0, :, lane].to(torch.float32)).reshape(p.shape[0], -1)
+        if not minimum:
+            return d, None
+        DMIN = floats[rows, :, P + lane]
+        return d, -(DMIN[:, :, None] * ints[rows, :, 1, :, lane].to(torch.float32)).reshape(p.shape[0], -1)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         flat = input_ids.reshape(-1).to(torch.int64)

@@ -88,7 +88,7 @@ class GGUFLinear(torch.nn.Linear):
     def pointers(self) -> tuple[int | None, int | None]:
         """The addresses of d and m the kernel takes (None where the format has none)."""
         if not hasattr(self, "_pointers"):
-            self._pointers = qlinear._ptrs(self.d, self.m, self.kind)
+            self._pointers = qlinear.pointers(self.d, self.m, self.kind)
         return self._pointers
 
     def dequantized(self) -> torch.Tensor:
@@ -110,7 +110,7 @@ def fuse(layers: list[GGUFLinear]) -> GGUFLinear:
     empty = torch.empty(0, dtype=torch.float32)
     q = torch.cat([l.q for l in layers])
     d = torch.cat([l.d for l in layers]) if fmt != qlinear.F32 else empty
-    m = torch.cat([l.m for l in layers]) if qlinear.has_min(first.kind) else empty
+    m = torch.cat([l.m for l in layers]) if qlinear.has_m(first.kind) else empty
     shell = torch.nn.Linear(first.in_features, q.shape[0] * PANEL, bias=False, device="meta")
     fused = GGUFLinear(shell, first.kind, q, d, m)
     if first.bias is not None:  # each output's bias added after its sum, as each layer adds its own
@@ -121,7 +121,7 @@ def fuse(layers: list[GGUFLinear]) -> GGUFLinear:
         l.q = q[p:p + n]
         if fmt != qlinear.F32:
             l.d = d[p:p + n]
-        if qlinear.has_min(first.kind):
+        if qlinear.has_m(first.kind):
             l.m = m[p:p + n]
         if hasattr(l, "_pointers"):
             del l._pointers

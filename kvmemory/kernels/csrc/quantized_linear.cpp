@@ -4,7 +4,8 @@
 //
 // A graft's step is 16 new tokens (1 while decoding): every linear weight is read once per step for
 // few rows, so the step streams the weights. Read as float32 they are 4 bytes a weight; here they are
-// read as nibbles or bytes plus a float32 scale (and minimum) per sub-block of 16 or 32 weights, and the
+// read as nibbles or bytes plus a float32 scale (and minimum) per sub-block of 16 or 32 weights (a
+// K-quant's as compact as in its file: an int8 scale per sub-block, a float32 per 256), and the
 // panels of a tile (32 output features on AVX-512, 16 on AVX2) are expanded to float32 a slice of 256 k
 // at a time into an L1-resident scratch, which every row tile then multiplies.
 //
@@ -24,6 +25,8 @@
 //   byte formats    q [N/16, K, 16] int8: q(16p+j, k)
 //   F32             q [N/16, K, 16] float32: w(16p+j, k)
 //   d, m  [N/16, K/sub, 16] float32: scale and minimum of row 16p+j, sub-block b (sub = 16 or 32)
+//   K-quant scales (kind & 256): d [N/16, K/256, Kind::super_bytes()] bytes, per super-block of 256 k:
+//         D [16] f32, (DMIN [16] f32), scale [256/sub][16] int8, (min [256/sub][16] int8); m unused
 //
 // Plain C entry points over raw pointers (no torch headers: the library does not depend on torch's
 // C++ ABI); quantized_linear.py checks the tensors against these layouts, allocates the outputs and
@@ -73,34 +76,47 @@ constexpr int kVecs = kPanel / kLanes;  // vectors per panel row
 constexpr int kTileVecs = 2;              // vectors of output features per tile ...
 constexpr int kTilePanels = kTileVecs * kLanes / kPanel;  // ... which is this many panels (AVX-512: 2, AVX2: 1)
 
-// A kind (the C entry points' `kind`) packs a format, a sub-block size and a bias:
-//   kind = format | (sub == 16 ? 8 : 0) | bias << 4
+// A kind (the C entry points' `kind`) packs a format, a sub-block size, a bias and the scale layout:
+//   kind = format | (sub == 16 ? 8 : 0) | bias << 4 | (K-quant scales ? 256 : 0)
 // format  q holds                 a weight is            GGUF types it carries
 //   0 NIB     nibble pairs (u4)   (q - bias) * d         Q4_0 (bias 8), Q3_K (bias 4)
 //   1 NIBMIN  nibble pairs (u4)   fma(q, d, m)           Q4_1, Q4_K, Q2_K
 //   2 BYTE    int8                q * d                  Q8_0, Q5_0, Q6_K
 //   3 BYTEMIN int8                fma(q, d, m)           Q5_1, Q5_K
 //   4 F32     float32 weights     w                      F32, F16, BF16 (expanded exactly)
-// d and m hold one float32 per sub-block of 16 or 32 weights and output row (a K-quant's d * scale and
-// -(dmin * min), computed by gguf-py's rule in Python). With a min, gguf-py rounds d * q and then the sum;
-// one FMA rounds once, which is the same value because d * q is exact there (d has at most 17
-// significant bits, q at most 5: quantized_linear.py checks d before a call).
+// d (and m) is one float32 per sub-block of 16 or 32 weights and output row, except with K-quant scales
+// (Q2_K ... Q6_K), which keep the file's own compactness: per super-block of 256 weights and row, the
+// float32 D (and DMIN) and an int8 scale (and min) per sub-block, from which the kernel computes
+// d = D * scale and m = -(DMIN * min) as gguf-py does (exact products: D is a float16 value). With a min,
+// gguf-py rounds d * q and then the sum; one FMA rounds once, which is the same value because d * q is
+// exact there (d has at most 17 significant bits, q at most 5: quantized_linear.py checks d before a call).
 enum Format { kNib = 0, kNibMin = 1, kByte = 2, kByteMin = 3, kF32 = 4 };
 constexpr bool has_min(int F) { return F == kNibMin || F == kByteMin; }
 constexpr bool nibbles(int F) { return F == kNib || F == kNibMin; }
+constexpr int64_t kSuper = 256;  // weights per K-quant super-block
 
 struct Kind {
     int format, sub_shift, bias;
+    bool kscales;
     int64_t q_panel(int64_t K) const {  // bytes of q per panel
         return format == kF32 ? K * kPanel * 4 : nibbles(format) ? K / 2 * kPanel : K * kPanel;
     }
-    int64_t s_panel(int64_t K) const { return format == kF32 ? 0 : (K >> sub_shift) * kPanel; }  // floats of d per panel
+    int64_t subs_per_super() const { return kSuper >> sub_shift; }
+    // bytes of one super-block's K-quant scales per panel: D[16] f32, (DMIN[16] f32), scale[nsub][16] int8, (min[nsub][16])
+    int64_t super_bytes() const { return (has_min(format) ? 2 : 1) * (kPanel * 4 + subs_per_super() * kPanel); }
+    // bytes of d (and of m, alike) per panel; K-quant scales: all of them (m unused)
+    int64_t s_panel(int64_t K) const {
+        if (format == kF32) return 0;
+        return kscales ? K / kSuper * super_bytes() : (K >> sub_shift) * kPanel * 4;
+    }
 };
 
 bool decode_kind(int code, int64_t K, Kind* out) {
-    const int format = code & 7, sub_shift = (code & 8) ? 4 : 5, bias = code >> 4;
-    if (format > kF32 || bias > 15 || (bias && format != kNib) || K % kBlock || K < 0) return false;
-    *out = Kind{format, sub_shift, bias};
+    const int format = code & 7, sub_shift = (code & 8) ? 4 : 5, bias = (code >> 4) & 15;
+    const bool kscales = (code >> 8) & 1;
+    if (code < 0 || code >> 9 || format > kF32 || (bias && format != kNib) || K % kBlock || K < 0) return false;
+    if (kscales && (format == kF32 || K % kSuper)) return false;
+    *out = Kind{format, sub_shift, bias, kscales};
     return true;
 }
 
@@ -111,6 +127,7 @@ inline vec nib_lo(ivec b, ivec bias) { return _mm256_cvtepi32_ps(_mm256_sub_epi3
 inline vec nib_hi(ivec b, ivec bias) { return _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(b, 4), bias)); }
 inline ivec load_u8(const uint8_t* p) { return u8x8(p); }
 inline vec load_i8(const uint8_t* p) { return to_float(i8x8(reinterpret_cast<const int8_t*>(p))); }
+inline vec vneg(vec a) { return _mm256_xor_ps(a, _mm256_set1_ps(-0.0f)); }
 #else
 using ivec = __m512i;
 inline ivec iset1(int x) { return _mm512_set1_epi32(x); }
@@ -118,20 +135,39 @@ inline vec nib_lo(ivec b, ivec bias) { return _mm512_cvtepi32_ps(_mm512_sub_epi3
 inline vec nib_hi(ivec b, ivec bias) { return _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(b, 4), bias)); }
 inline ivec load_u8(const uint8_t* p) { return u8x16(p); }
 inline vec load_i8(const uint8_t* p) { return to_float(i8x16(reinterpret_cast<const int8_t*>(p))); }
+inline vec vneg(vec a) { return _mm512_xor_ps(a, _mm512_set1_ps(-0.0f)); }
 #endif
 
-// The weights of k and k + 1 (k even) for the lanes [v * kLanes, (v + 1) * kLanes) of one panel, whose
-// q, d, m start at q, d, m. Every path (expand_panel, row_panels) expands a weight with this code.
+// The scale (and minimum) of sub-block b of one panel, lanes [v * kLanes, (v + 1) * kLanes); d and m
+// start at the panel's own (with K-quant scales d holds all of them and m is unused).
+template <int F, bool KS>
+__attribute__((always_inline)) inline void scales(const Kind& kd, const uint8_t* d, const uint8_t* m, int64_t b, int v,
+                                                  vec& dv, vec& mv) {
+    if constexpr (KS) {
+        const int64_t nsub = kd.subs_per_super(), sb = b / nsub, j = b % nsub;
+        const uint8_t* base = d + sb * kd.super_bytes();
+        const int64_t ints = has_min(F) ? 2 * kPanel * 4 : kPanel * 4;  // the int8 scales follow D (and DMIN)
+        dv = vmul(vload(reinterpret_cast<const float*>(base) + v * kLanes), load_i8(base + ints + j * kPanel + v * kLanes));
+        if constexpr (has_min(F))
+            mv = vneg(vmul(vload(reinterpret_cast<const float*>(base + kPanel * 4) + v * kLanes),
+                           load_i8(base + ints + (nsub + j) * kPanel + v * kLanes)));
+    } else {
+        dv = vload(reinterpret_cast<const float*>(d) + b * kPanel + v * kLanes);
+        if constexpr (has_min(F)) mv = vload(reinterpret_cast<const float*>(m) + b * kPanel + v * kLanes);
+    }
+}
+
+// The weights of k and k + 1 (k even, in one sub-block whose scale is dv, minimum mv) for the lanes
+// [v * kLanes, (v + 1) * kLanes) of one panel whose q starts at q. Every path (expand_panel,
+// row_panels) expands a weight with this code.
 template <int F>
-__attribute__((always_inline)) inline void weights2(const uint8_t* q, const float* d, const float* m, int64_t k, int v, int sub_shift, ivec bias,
-                     vec& w0, vec& w1) {
+__attribute__((always_inline)) inline void weights2(const uint8_t* q, int64_t k, int v, ivec bias, vec dv, vec mv,
+                                                    vec& w0, vec& w1) {
     if constexpr (F == kF32) {
         const float* f = reinterpret_cast<const float*>(q);
         w0 = vload(f + k * kPanel + v * kLanes);
         w1 = vload(f + (k + 1) * kPanel + v * kLanes);
     } else {
-        const int64_t s = (k >> sub_shift) * kPanel + v * kLanes;
-        const vec dv = vload(d + s);
         vec q0, q1;
         if constexpr (nibbles(F)) {
             const ivec b = load_u8(q + (k / 2) * kPanel + v * kLanes);
@@ -147,7 +183,6 @@ __attribute__((always_inline)) inline void weights2(const uint8_t* q, const floa
             q1 = load_i8(q + (k + 1) * kPanel + v * kLanes);
         }
         if constexpr (has_min(F)) {
-            const vec mv = vload(m + s);
             w0 = vfmadd(q0, dv, mv);
             w1 = vfmadd(q1, dv, mv);
         } else {
@@ -157,30 +192,49 @@ __attribute__((always_inline)) inline void weights2(const uint8_t* q, const floa
     }
 }
 
-// Expand k in [k0, k1) of one panel (16 output features) into w[(k1 - k0)][16] float32.
-template <int F>
-void expand_panel_t(const Kind& kd, const uint8_t* q, const float* d, const float* m, int64_t k0, int64_t k1, float* w) {
+// Expand k in [k0, k1) of one panel (16 output features) into w[(k1 - k0)][16] float32; k0 and k1 are
+// whole sub-blocks (slices start at multiples of 256).
+template <int F, bool KS>
+void expand_panel_t(const Kind& kd, const uint8_t* q, const uint8_t* d, const uint8_t* m, int64_t k0, int64_t k1,
+                    float* w) {
     const ivec bias = iset1(kd.bias);
     w -= k0 * kPanel;  // w[k] for k in the slice's own range
-#pragma GCC unroll 4
-    for (int64_t k = k0; k < k1; k += 2) {
+    const int64_t sub = F == kF32 ? k1 - k0 : int64_t(1) << kd.sub_shift;
+    for (int64_t kb = k0; kb < k1; kb += sub) {
+        vec dv[kVecs], mv[kVecs];
 #pragma GCC unroll 2
         for (int v = 0; v < kVecs; ++v) {
-            vec w0, w1;
-            weights2<F>(q, d, m, k, v, kd.sub_shift, bias, w0, w1);
-            vstore(w + k * kPanel + v * kLanes, w0);
-            vstore(w + (k + 1) * kPanel + v * kLanes, w1);
+            dv[v] = mv[v] = vzero();
+            if constexpr (F != kF32) scales<F, KS>(kd, d, m, kb >> kd.sub_shift, v, dv[v], mv[v]);
+        }
+#pragma GCC unroll 4
+        for (int64_t k = kb; k < kb + sub; k += 2) {
+#pragma GCC unroll 2
+            for (int v = 0; v < kVecs; ++v) {
+                vec w0, w1;
+                weights2<F>(q, k, v, bias, dv[v], mv[v], w0, w1);
+                vstore(w + k * kPanel + v * kLanes, w0);
+                vstore(w + (k + 1) * kPanel + v * kLanes, w1);
+            }
         }
     }
 }
 
-void expand_panel(const Kind& kd, const uint8_t* q, const float* d, const float* m, int64_t k0, int64_t k1, float* w) {
+void expand_panel(const Kind& kd, const uint8_t* q, const uint8_t* d, const uint8_t* m, int64_t k0, int64_t k1, float* w) {
+    if (kd.kscales) {
+        switch (kd.format) {
+            case kNib: return expand_panel_t<kNib, true>(kd, q, d, m, k0, k1, w);
+            case kNibMin: return expand_panel_t<kNibMin, true>(kd, q, d, m, k0, k1, w);
+            case kByte: return expand_panel_t<kByte, true>(kd, q, d, m, k0, k1, w);
+            default: return expand_panel_t<kByteMin, true>(kd, q, d, m, k0, k1, w);
+        }
+    }
     switch (kd.format) {
-        case kNib: return expand_panel_t<kNib>(kd, q, d, m, k0, k1, w);
-        case kNibMin: return expand_panel_t<kNibMin>(kd, q, d, m, k0, k1, w);
-        case kByte: return expand_panel_t<kByte>(kd, q, d, m, k0, k1, w);
-        case kByteMin: return expand_panel_t<kByteMin>(kd, q, d, m, k0, k1, w);
-        default: return expand_panel_t<kF32>(kd, q, d, m, k0, k1, w);
+        case kNib: return expand_panel_t<kNib, false>(kd, q, d, m, k0, k1, w);
+        case kNibMin: return expand_panel_t<kNibMin, false>(kd, q, d, m, k0, k1, w);
+        case kByte: return expand_panel_t<kByte, false>(kd, q, d, m, k0, k1, w);
+        case kByteMin: return expand_panel_t<kByteMin, false>(kd, q, d, m, k0, k1, w);
+        default: return expand_panel_t<kF32, false>(kd, q, d, m, k0, k1, w);
     }
 }
 
@@ -225,7 +279,7 @@ constexpr std::array<TileFn, sizeof...(I)> make_tiles(std::index_sequence<I...>)
 constexpr auto kTiles = make_tiles(std::make_index_sequence<kMaxRows>{});  // kTiles[r - 1] = tile<r>
 
 // The float32 weight [N, K] (N = P * 16) the blocks hold, expanded by the same code as `linear` uses.
-bool dequantize(const Kind& kd, const uint8_t* qp, const float* dp, const float* mp, int64_t P, int64_t K, float* op,
+bool dequantize(const Kind& kd, const uint8_t* qp, const uint8_t* dp, const uint8_t* mp, int64_t P, int64_t K, float* op,
                 int threads) {
     const int64_t q_panel = kd.q_panel(K), s_panel = kd.s_panel(K);
     return parallel_for(threads, 0, P, 1, [&](int64_t p0, int64_t p1) {
@@ -243,37 +297,49 @@ bool dequantize(const Kind& kd, const uint8_t* qp, const float* dp, const float*
 // scratch and reads it back for one FMA each, and with one row its single chain per vector waits on
 // the FMA latency; here each weight is expanded in registers (weights2, the code the tiled path
 // expands with) and used at once, and G panels (G * kVecs independent accumulators) are in flight
-// together. Every output is the same sum as the tiled path's (acc = 0, then fma(x[k], w[n][k], acc)
-// for k ascending), so a row has the same bits whichever path computes it.
+// together, a sub-block at a time (its scales taken once). Every output is the same sum as the tiled
+// path's (acc = 0, then fma(x[k], w[n][k], acc) for k ascending), so a row has the same bits whichever
+// path computes it.
 #ifdef KVM_AVX2
 constexpr int kRowPanels = 4;  // panels per group: 8 accumulators of 16 registers
 #else
 constexpr int kRowPanels = 8;  // panels per group: 8 accumulators of 32 registers
 #endif
 
-template <int F, int G>
-void row_panels(const Kind& kd, const float* x, const uint8_t* q, const float* d, const float* m, int64_t K,
+template <int F, bool KS, int G>
+void row_panels(const Kind& kd, const float* x, const uint8_t* q, const uint8_t* d, const uint8_t* m, int64_t K,
                 int64_t q_panel, int64_t s_panel, float* y) {
     const ivec bias = iset1(kd.bias);
-    const int sub_shift = kd.sub_shift;
+    const int64_t sub = F == kF32 ? K : int64_t(1) << kd.sub_shift;
     vec acc[G][kVecs];
 #pragma GCC unroll 16
     for (int g = 0; g < G; ++g)
 #pragma GCC unroll 2
         for (int v = 0; v < kVecs; ++v) acc[g][v] = vzero();
-    for (int64_t k = 0; k < K; k += 2) {
-        const vec x0 = vset1(x[k]), x1 = vset1(x[k + 1]);
+    for (int64_t kb = 0; kb < K; kb += sub) {
+        vec dv[G][kVecs], mv[G][kVecs];
 #pragma GCC unroll 16
         for (int g = 0; g < G; ++g)
 #pragma GCC unroll 2
             for (int v = 0; v < kVecs; ++v) {
-                vec w0, w1;
+                dv[g][v] = mv[g][v] = vzero();
                 // (d and m are null where the format has none: never offset then)
-                weights2<F>(q + g * q_panel, F == kF32 ? d : d + g * s_panel, has_min(F) ? m + g * s_panel : m, k, v,
-                            sub_shift, bias, w0, w1);
-                acc[g][v] = vfmadd(x0, w0, acc[g][v]);
-                acc[g][v] = vfmadd(x1, w1, acc[g][v]);
+                if constexpr (F != kF32)
+                    scales<F, KS>(kd, d + g * s_panel, has_min(F) && !KS ? m + g * s_panel : m, kb >> kd.sub_shift, v,
+                                  dv[g][v], mv[g][v]);
             }
+        for (int64_t k = kb; k < kb + sub; k += 2) {
+            const vec x0 = vset1(x[k]), x1 = vset1(x[k + 1]);
+#pragma GCC unroll 16
+            for (int g = 0; g < G; ++g)
+#pragma GCC unroll 2
+                for (int v = 0; v < kVecs; ++v) {
+                    vec w0, w1;
+                    weights2<F>(q + g * q_panel, k, v, bias, dv[g][v], mv[g][v], w0, w1);
+                    acc[g][v] = vfmadd(x0, w0, acc[g][v]);
+                    acc[g][v] = vfmadd(x1, w1, acc[g][v]);
+                }
+        }
     }
 #pragma GCC unroll 16
     for (int g = 0; g < G; ++g)
@@ -281,8 +347,8 @@ void row_panels(const Kind& kd, const float* x, const uint8_t* q, const float* d
         for (int v = 0; v < kVecs; ++v) vstore(y + g * kPanel + v * kLanes, acc[g][v]);
 }
 
-template <int F>
-bool row_linear_t(const Kind& kd, const float* xp, const uint8_t* qp, const float* dp, const float* mp, int64_t P,
+template <int F, bool KS>
+bool row_linear_t(const Kind& kd, const float* xp, const uint8_t* qp, const uint8_t* dp, const uint8_t* mp, int64_t P,
                   int64_t K, float* yp, int threads) {
     const int64_t q_panel = kd.q_panel(K), s_panel = kd.s_panel(K);
     // Threads take consecutive panels (torch's split); each runs its panels in groups of kRowPanels.
@@ -291,30 +357,38 @@ bool row_linear_t(const Kind& kd, const float* xp, const uint8_t* qp, const floa
             const int64_t left = p1 - p;
             const int G = left >= kRowPanels ? kRowPanels : left >= 2 ? 2 : 1;
             const uint8_t* q = qp + p * q_panel;
-            const float* d = dp ? dp + p * s_panel : nullptr;
-            const float* m = mp ? mp + p * s_panel : nullptr;
+            const uint8_t* d = dp ? dp + p * s_panel : nullptr;
+            const uint8_t* m = mp ? mp + p * s_panel : nullptr;
             float* y = yp + p * kPanel;
-            if (G == kRowPanels) row_panels<F, kRowPanels>(kd, xp, q, d, m, K, q_panel, s_panel, y);
-            else if (G == 2) row_panels<F, 2>(kd, xp, q, d, m, K, q_panel, s_panel, y);
-            else row_panels<F, 1>(kd, xp, q, d, m, K, q_panel, s_panel, y);
+            if (G == kRowPanels) row_panels<F, KS, kRowPanels>(kd, xp, q, d, m, K, q_panel, s_panel, y);
+            else if (G == 2) row_panels<F, KS, 2>(kd, xp, q, d, m, K, q_panel, s_panel, y);
+            else row_panels<F, KS, 1>(kd, xp, q, d, m, K, q_panel, s_panel, y);
             p += G;
         }
     });
 }
 
-bool row_linear(const Kind& kd, const float* xp, const uint8_t* qp, const float* dp, const float* mp, int64_t P,
+bool row_linear(const Kind& kd, const float* xp, const uint8_t* qp, const uint8_t* dp, const uint8_t* mp, int64_t P,
                 int64_t K, float* yp, int threads) {
+    if (kd.kscales) {
+        switch (kd.format) {
+            case kNib: return row_linear_t<kNib, true>(kd, xp, qp, dp, mp, P, K, yp, threads);
+            case kNibMin: return row_linear_t<kNibMin, true>(kd, xp, qp, dp, mp, P, K, yp, threads);
+            case kByte: return row_linear_t<kByte, true>(kd, xp, qp, dp, mp, P, K, yp, threads);
+            default: return row_linear_t<kByteMin, true>(kd, xp, qp, dp, mp, P, K, yp, threads);
+        }
+    }
     switch (kd.format) {
-        case kNib: return row_linear_t<kNib>(kd, xp, qp, dp, mp, P, K, yp, threads);
-        case kNibMin: return row_linear_t<kNibMin>(kd, xp, qp, dp, mp, P, K, yp, threads);
-        case kByte: return row_linear_t<kByte>(kd, xp, qp, dp, mp, P, K, yp, threads);
-        case kByteMin: return row_linear_t<kByteMin>(kd, xp, qp, dp, mp, P, K, yp, threads);
-        default: return row_linear_t<kF32>(kd, xp, qp, dp, mp, P, K, yp, threads);
+        case kNib: return row_linear_t<kNib, false>(kd, xp, qp, dp, mp, P, K, yp, threads);
+        case kNibMin: return row_linear_t<kNibMin, false>(kd, xp, qp, dp, mp, P, K, yp, threads);
+        case kByte: return row_linear_t<kByte, false>(kd, xp, qp, dp, mp, P, K, yp, threads);
+        case kByteMin: return row_linear_t<kByteMin, false>(kd, xp, qp, dp, mp, P, K, yp, threads);
+        default: return row_linear_t<kF32, false>(kd, xp, qp, dp, mp, P, K, yp, threads);
     }
 }
 
 // y [M, N] = x [M, K] . W.T, W held as the blocks (N = P * 16).
-bool linear(const Kind& kd, const float* xp, int64_t M, const uint8_t* qp, const float* dp, const float* mp, int64_t P,
+bool linear(const Kind& kd, const float* xp, int64_t M, const uint8_t* qp, const uint8_t* dp, const uint8_t* mp, int64_t P,
             int64_t K, float* yp, int threads) {
     const int64_t N = P * kPanel;
     if (M == 0) return true;
@@ -378,38 +452,43 @@ bool linear(const Kind& kd, const float* xp, int64_t M, const uint8_t* qp, const
 extern "C" {
 
 // The version of the calling convention below; quantized_linear.py refuses a library of another.
-int kvm_qlinear_abi_version() { return 2; }
+int kvm_qlinear_abi_version() { return 3; }
 
 // Returns 0 when done, -2 for sizes that are not whole panels and blocks, a kind that is not one of
 // the formats above or misses its d or m, -1 when a thread failed (out of memory). Python checks the
 // tensors against the layouts (quantized_linear.py): q [P, K/2 | K | K * 4 bytes, 16], d and m
-// [P, K/sub, 16] float32 (m null without a minimum, d null for F32), x [M, K] and the outputs float32,
-// all contiguous.
-static bool args_ok(int kind, const void* q, const float* d, const float* m, int64_t P, int64_t K, Kind* kd) {
+// [P, K/sub, 16] float32 (m null without a minimum, d null for F32), or with K-quant scales d
+// [P, K/256, super-block bytes] uint8 and m null; x [M, K] and the outputs float32, all contiguous.
+static bool args_ok(int kind, const void* q, const void* d, const void* m, int64_t P, int64_t K, Kind* kd) {
     if (!decode_kind(kind, K, kd) || P < 0 || q == nullptr) return false;
     if (kd->format != kF32 && d == nullptr) return false;
-    return !(has_min(kd->format) && m == nullptr);
+    return !(has_min(kd->format) && !kd->kscales && m == nullptr);
 }
 
-int kvm_qlinear_dequantize(int kind, const void* q, const float* d, const float* m, int64_t P, int64_t K, float* out,
+static const uint8_t* d_of(const Kind& kd, const void* d) {
+    return kd.format == kF32 ? nullptr : static_cast<const uint8_t*>(d);
+}
+static const uint8_t* m_of(const Kind& kd, const void* m) {
+    return has_min(kd.format) && !kd.kscales ? static_cast<const uint8_t*>(m) : nullptr;
+}
+
+int kvm_qlinear_dequantize(int kind, const void* q, const void* d, const void* m, int64_t P, int64_t K, float* out,
                            int threads) {
     Kind kd;
     if (!args_ok(kind, q, d, m, P, K, &kd)) return -2;
     try {
-        return dequantize(kd, static_cast<const uint8_t*>(q), kd.format == kF32 ? nullptr : d,
-                          has_min(kd.format) ? m : nullptr, P, K, out, threads) ? 0 : -1;
+        return dequantize(kd, static_cast<const uint8_t*>(q), d_of(kd, d), m_of(kd, m), P, K, out, threads) ? 0 : -1;
     } catch (...) {
         return -1;
     }
 }
 
-int kvm_qlinear_linear(int kind, const float* x, int64_t M, const void* q, const float* d, const float* m, int64_t P,
+int kvm_qlinear_linear(int kind, const float* x, int64_t M, const void* q, const void* d, const void* m, int64_t P,
                        int64_t K, float* y, int threads) {
     Kind kd;
     if (!args_ok(kind, q, d, m, P, K, &kd) || M < 0) return -2;
     try {
-        return linear(kd, x, M, static_cast<const uint8_t*>(q), kd.format == kF32 ? nullptr : d,
-                      has_min(kd.format) ? m : nullptr, P, K, y, threads) ? 0 : -1;
+        return linear(kd, x, M, static_cast<const uint8_t*>(q), d_of(kd, d), m_of(kd, m), P, K, y, threads) ? 0 : -1;
     } catch (...) {
         return -1;
     }
