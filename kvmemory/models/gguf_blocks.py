@@ -67,7 +67,6 @@ def _scale_min_k4(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def _unpack(kind: str, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """[B, block bytes] -> q [B, weights] (what the kernel stores: nibble value, or int8), d and m
     [B, sub-blocks] float32 (m None without a minimum), each by gguf-py's float32 operations."""
-    B = blocks.shape[0]
     if kind in ("Q4_0", "Q4_1"):
         off = 2 if kind == "Q4_0" else 4
         d = _f16(blocks[:, 0:2])[:, None]

@@ -219,11 +219,11 @@ def build(model: GGUFFile, folder: Path, attn_implementation: str) -> torch.nn.M
     if missing:
         raise KVMemoryError(f"{model.name} holds no tensor for {', '.join(missing[:5])}"
                             + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
-    _release_freed_memory()
+    release_freed_memory()
     return hf.eval().requires_grad_(False)
 
 
-def _release_freed_memory() -> None:
+def release_freed_memory() -> None:
     """Hand the unpacking's freed heap back to the system (glibc keeps it otherwise: ~50 MB of resident
     memory for a 1.5B file). A no-op where the C library has no malloc_trim."""
     import ctypes

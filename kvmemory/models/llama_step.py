@@ -73,6 +73,9 @@ def for_model(model: torch.nn.Module) -> LlamaLeanStep | None:
     step = model.__dict__.get("_kvmemory_lean_step")
     if step is None and why_not(model) is None:
         step = model.__dict__["_kvmemory_lean_step"] = LlamaLeanStep(model)
+        from kvmemory.models.gguf_model import release_freed_memory
+
+        release_freed_memory()  # fusing freed the layers' own panels: ~360 MB of heap for a 1.5B file
     return step
 
 
