@@ -335,6 +335,25 @@ class Engine:
         cache, start = self.graft_chain(token_ids, chain, report, capacity=capacity, cuts=cuts)
         return cache, start, report
 
+    def batch(self, token_budget: int | None = None):
+        """A `Batch` of sequences stepping together over this engine (batch.py): `add` takes
+        `forward`'s arguments, `step` / `run` compute, each sequence's result equals `forward`'s."""
+        from kvmemory.engine.batch import DEFAULT_TOKEN_BUDGET, Batch
+
+        return Batch(self, DEFAULT_TOKEN_BUDGET if token_budget is None else token_budget)
+
+    def forward_many(self, requests: Sequence[dict], token_budget: int | None = None):
+        """`forward` for several requests (each a dict of `forward`'s arguments, `token_ids` included)
+        computed in shared steps; returns [(ForwardResult, GraftReport)] in order (a request that failed
+        raises its error)."""
+        batch = self.batch(token_budget)
+        seqs = [batch.add(**r) for r in requests]
+        batch.run()
+        for s in seqs:
+            if s.error is not None:
+                raise s.error
+        return [(s.result, s.report) for s in seqs]
+
     @_pinned
     def choose(self, token_ids: Sequence[int], choices: Sequence[Sequence[int]], *, graft: bool = True,
                entries_used: Sequence[str] = (), cuts: Sequence[int] = ()) -> tuple[int, list[float], GraftReport]:
