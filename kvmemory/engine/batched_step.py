@@ -39,9 +39,11 @@ from dataclasses import dataclass
 
 import torch
 
-from kvmemory.models import gguf_linear
+from kvmemory.kernels import decode_ops
+from kvmemory.models import attention, gguf_linear
 
 GRAIN = 32768  # torch's at::internal::GRAIN_SIZE: an elementwise op below it runs on one thread
+ONE_THREAD_KEYS = 4096  # a decode row over fewer cached keys runs its attention on one thread
 
 
 @dataclass(slots=True)
@@ -131,13 +133,22 @@ class BatchedStep:
         R = at
         embeds = m.embed_tokens.forward(torch.cat([it.ids for it in items], 1))  # [1, R, hidden]
         per_item = []
+        fewq = lean.cfg._attn_implementation == attention.FEWQ
+        Hq, Hkv = lean.cfg.num_attention_heads, lean.cfg.num_key_value_heads
         for it, (a, b) in zip(items, bounds):
             e = embeds[:, a:b]
             position_ids = torch.arange(it.position, it.position + (b - a), device=e.device).unsqueeze(0)
             mask = create_causal_mask(config=lean.cfg, inputs_embeds=e, attention_mask=None, cache=it.cache,
                                       position_ids=position_ids)
             cos, sin = m.rotary_emb(e, position_ids=position_ids)
-            per_item.append((position_ids, mask, cos.contiguous(), sin.contiguous()))
+            # where every layer has room for these rows (as the lean step's C loop finds it), RoPE writes
+            # K/V there directly (_rope_cache's own path, its per-layer checks done once per step)
+            room = lean._c_room(it.cache, b - a)
+            if room is not None and room[0] != it.position:
+                room = None
+            # a decode row over few keys: its attention on one thread (the same bytes, no wait for a core)
+            extra = {"threads": 1} if fewq and b - a == 1 and it.position < ONE_THREAD_KEYS else {}
+            per_item.append((position_ids, mask, cos.contiguous(), sin.contiguous(), room, extra))
         h = embeds.contiguous()
         scratch = torch.empty(h.shape[-1], dtype=torch.float32)
         groups = self._groups(Ts, lean.ffn)
@@ -150,10 +161,16 @@ class BatchedStep:
             else:
                 qkv = torch.cat([a_mod.q_proj.forward(x), a_mod.k_proj.forward(x), a_mod.v_proj.forward(x)], -1)
             outs = []
-            for it, (a, b), (position_ids, mask, cos, sin) in zip(items, bounds, per_item):
-                q, k, v = lean._rope_cache(qkv[:, a:b], cos, sin, it.cache, a_mod.layer_idx)
+            for it, (a, b), (position_ids, mask, cos, sin, room, extra) in zip(items, bounds, per_item):
+                if room is not None:
+                    at, (layer_kv, kb, vb) = room[0], room[3][i]
+                    q = decode_ops.rope_into(lean.kernel, qkv[:, a:b], cos, sin, Hq, Hkv, kb[0, :, at:b - a + at],
+                                             vb[0, :, at:b - a + at])
+                    k, v = layer_kv.filled(at + b - a)
+                else:
+                    q, k, v = lean._rope_cache(qkv[:, a:b], cos, sin, it.cache, a_mod.layer_idx)
                 out, _ = lean.attend(a_mod, q, k, v, mask, dropout=0.0, scaling=a_mod.scaling,
-                                     position_ids=position_ids, use_cache=True)
+                                     position_ids=position_ids, use_cache=True, **extra)
                 outs.append(out.reshape(1, b - a, -1))
             delta = a_mod.o_proj.forward(torch.cat(outs, 1).contiguous())
             x = lean._norm(layer.post_attention_layernorm, h, delta, scratch)
