@@ -688,8 +688,11 @@ def cmd_kernels(args) -> int:
 
     from kvmemory.models import devices
 
+    from kvmemory.engine.batched_step import profile_status
+
     report = {"cpu": {"model": cpu_info().get("model name"), "torch_isa": isa()},
-              "kernels": {k: native.status(k) for k in native.TITLES}, "gpu": devices.status()}
+              "kernels": {k: native.status(k) for k in native.TITLES}, "gpu": devices.status(),
+              "batched_step": profile_status()}
     if args.json:
         print(json.dumps(report, indent=1))
         return 0
@@ -705,6 +708,8 @@ def cmd_kernels(args) -> int:
                   f"({info['compiler_version']}, sources {info['source_digest'][:12]})")
         else:
             print(f"{st['title']}: not running ({st['why_not']}); {st['fallback']} instead")
+    b = report["batched_step"]
+    print(f"batched step: {b['summary']}")
     return 0
 
 

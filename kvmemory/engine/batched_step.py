@@ -82,6 +82,24 @@ def why_not(runner) -> str | None:
     return None
 
 
+def profile_status() -> dict:
+    """What `kvmemory kernels` says about batching here, without a model: which profiles share a step's
+    rows (exactly) and which step their sequences one at a time."""
+    from kvmemory.kernels import quantized_linear
+
+    q, d = quantized_linear.load() is not None, decode_ops.load() is not None
+    shared = q and d
+    summary = ("rows of several sequences share each step (bit-identical to each alone) for llama / qwen2 GGUF "
+               "models on the CPU" if shared else
+               "no profile shares steps here (" + ", ".join(
+                   n for n, ok in (("the GGUF-block linear kernel", q), ("the decode-step kernel", d)) if not ok)
+               + " not running): every sequence is computed alone within each step")
+    summary += ("; other profiles (torch / oneDNN / GPU GEMMs, whose reduction changes with the row count, other "
+                "architectures, static steps) compute each sequence alone within a step: the same answers, "
+                "no sharing")
+    return {"shared_for_gguf_llama": shared, "qlinear_kernel": q, "decode_kernel": d, "summary": summary}
+
+
 class BatchedStep:
     """Steps of several sequences over one runner: shared where `why_not(runner)` is None (`shared`),
     else each item through the runner's own step in turn."""
@@ -130,7 +148,6 @@ class BatchedStep:
         for T in Ts:
             bounds.append((at, at + T))
             at += T
-        R = at
         embeds = m.embed_tokens.forward(torch.cat([it.ids for it in items], 1))  # [1, R, hidden]
         per_item = []
         fewq = lean.cfg._attn_implementation == attention.FEWQ
@@ -200,4 +217,4 @@ class BatchedStep:
         return out
 
 
-__all__ = ["BatchedStep", "GRAIN", "StepItem", "why_not"]
+__all__ = ["BatchedStep", "GRAIN", "ONE_THREAD_KEYS", "StepItem", "profile_status", "why_not"]

@@ -33,7 +33,7 @@ from kvmemory.engine.determinism import Determinism
 from kvmemory.engine.profile import ExecutionProfile, build_profile
 from kvmemory.engine.runner import (DEFAULT_CHUNK, GREEDY, CanonicalRunner, ForwardResult, Sampling, check_cuts,
                                     chunk_spans, span_boundary)
-from kvmemory.store.local import BlockRow, LocalStore
+from kvmemory.store.local import BlockRow
 from kvmemory.engine.verify import Comparison, compare_runs, make_attestation
 
 

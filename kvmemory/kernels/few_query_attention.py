@@ -129,5 +129,7 @@ def _main() -> None:
                   f"{kern * 1e3:.3f} ms ({sdpa / kern:.2f}x)")
 
 
+__all__ = ["BUILDS", "KERNEL", "MAX_ROWS", "attend", "build_info", "isa", "load", "load_variant", "why_unavailable"]
+
 if __name__ == "__main__":
     _main()
