@@ -1,7 +1,7 @@
 """Aggregate decode tokens/s of the batched step (engine/batch.py) at 1, 4 and 16 sequences, against one
 sequence decoding alone through the canonical runner, on the default embedded model.
 
-    PYTHONPATH=. python scripts/bench_batched_step.py [--sizes 1 4 16] [--tokens 32] [--repeats 3]
+    PYTHONPATH=. python scripts/bench_batched_step.py [--sizes 1 4 16] [--tokens 32] [--repeats 3] [--threads N]
 
 Each sequence has its own cold prompt (~40 tokens); the prompts are prefilled first (not timed), then
 every decode step of the batch is timed until each sequence has decoded `--tokens` tokens. Decode
@@ -25,6 +25,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--store", default="/tmp/kvm-bench-batched-store")
+    ap.add_argument("--threads", type=int, default=None, help="the engine's threads (default: the cores)")
     args = ap.parse_args()
 
     import torch
@@ -32,7 +33,7 @@ def main() -> None:
     from kvmemory.engine.batched_step import why_not
     from kvmemory.engine.engine import Engine
 
-    eng = Engine.open(store=args.store)
+    eng = Engine.open(store=args.store, threads=args.threads)
     print(f"model {eng.loaded.source}, threads {eng.determinism.threads}, torch {torch.__version__}, "
           f"shared step: {why_not(eng.runner) or 'yes'}")
     rng = random.Random(0)

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvmemory.kernels import decode_ops
+from kvmemory.kernels import decode_ops, few_query_attention
 from kvmemory.models import attention, gguf_linear
 
 GRAIN = 32768  # torch's at::internal::GRAIN_SIZE: an elementwise op below it runs on one thread
@@ -138,6 +138,30 @@ class BatchedStep:
             i = j
         return groups
 
+    def _fast_row(self, position: int, room, mask, cos: torch.Tensor, sin: torch.Tensor, threads: int | None):
+        """The arguments of a decode row's rope / attention calls for every layer (as kvm_decode_layer
+        makes them: csrc/decode_ops.cpp), and the buffers they use (kept alive with them)."""
+        lean = self.lean
+        cfg = lean.cfg
+        Hq, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, lean.head_dim
+        at, head_stride, kv_dtype, rooms = room
+        bf16 = int(kv_dtype == torch.bfloat16)
+        offset = at * D * (2 if bf16 else 4)
+        q = torch.empty((1, 1, Hq, D), dtype=torch.float32)
+        scratch = torch.empty(Hkv * D, dtype=torch.float32)
+        self._keep.extend((q, scratch, cos, sin))
+        k_ptrs = [k.data_ptr() + offset for _, k, _ in rooms]
+        v_ptrs = [v.data_ptr() + offset for _, _, v in rooms]
+        rest = (cos.data_ptr(), sin.data_ptr(), 1, Hq, Hkv, D, head_stride, bf16, scratch.data_ptr())
+        # the keys start at the buffers' first position: the attention reads [0, at + 1)
+        k0 = [k.data_ptr() for _, k, _ in rooms]
+        v0 = [v.data_ptr() for _, _, v in rooms]
+        a0 = lean.layers[0].self_attn
+        attend_args = (0, bf16, mask.data_ptr() if mask is not None else None, Hq, 1, D, Hkv, at + 1, D, Hq * D,
+                       head_stride, D, head_stride, D, mask.stride(2) if mask is not None else 0, a0.scaling,
+                       0, threads or torch.get_num_threads())
+        return q.data_ptr(), rest, (k_ptrs, k0), (v_ptrs, v0), attend_args
+
     def _shared(self, items: Sequence[StepItem]) -> list[torch.Tensor]:
         from transformers.masking_utils import create_causal_mask
 
@@ -148,9 +172,16 @@ class BatchedStep:
         for T in Ts:
             bounds.append((at, at + T))
             at += T
+        R = at
+        self._keep = []  # buffers the C calls write through pointers, held until the step ends
         embeds = m.embed_tokens.forward(torch.cat([it.ids for it in items], 1))  # [1, R, hidden]
         per_item = []
         fewq = lean.cfg._attn_implementation == attention.FEWQ
+        alib = few_query_attention.load() if fewq and lean.c_layers is not None else None
+        scale = {layer.self_attn.scaling for layer in lean.layers}
+        causal = {bool(getattr(layer.self_attn, "is_causal", True)) for layer in lean.layers}
+        if len(scale) != 1 or len(causal) != 1:
+            alib = None
         Hq, Hkv = lean.cfg.num_attention_heads, lean.cfg.num_key_value_heads
         for it, (a, b) in zip(items, bounds):
             e = embeds[:, a:b]
@@ -165,7 +196,14 @@ class BatchedStep:
                 room = None
             # a decode row over few keys: its attention on one thread (the same bytes, no wait for a core)
             extra = {"threads": 1} if fewq and b - a == 1 and it.position < ONE_THREAD_KEYS else {}
-            per_item.append((position_ids, mask, cos.contiguous(), sin.contiguous(), room, extra))
+            cos, sin = cos.contiguous(), sin.contiguous()
+            # a decode row with room and the few-query kernel: both calls straight to C with the arguments
+            # kvm_decode_layer passes them (its own step's calls), the pointers worked out once per step
+            fast = None
+            if (room is not None and alib is not None and b - a == 1 and lean._c_mask(mask, 1, it.position + 1)
+                    and room[2] in (torch.float32, torch.bfloat16)):
+                fast = self._fast_row(it.position, room, mask, cos, sin, extra.get("threads"))
+            per_item.append((position_ids, mask, cos, sin, room, extra, fast))
         h = embeds.contiguous()
         scratch = torch.empty(h.shape[-1], dtype=torch.float32)
         groups = self._groups(Ts, lean.ffn)
@@ -178,7 +216,22 @@ class BatchedStep:
             else:
                 qkv = torch.cat([a_mod.q_proj.forward(x), a_mod.k_proj.forward(x), a_mod.v_proj.forward(x)], -1)
             outs = []
-            for it, (a, b), (position_ids, mask, cos, sin, room, extra) in zip(items, bounds, per_item):
+            att = torch.empty((1, R, Hq * lean.head_dim), dtype=torch.float32) if alib is not None else None
+            width = qkv.shape[-1] * 4
+            for it, (a, b), (position_ids, mask, cos, sin, room, extra, fast) in zip(items, bounds, per_item):
+                if fast is not None:
+                    q_ptr, rest, (k_w, k_r), (v_w, v_r), attend_args = fast
+                    rc = lean.kernel.kvm_decode_rope_write(qkv.data_ptr() + a * width, *rest[:6], q_ptr, k_w[i],
+                                                          v_w[i], *rest[6:])
+                    if rc:
+                        raise ValueError(f"the decode-step kernel refused its arguments ({rc})")
+                    rc = alib.kvm_fewq_attention(attend_args[0], attend_args[1], q_ptr, k_r[i], v_r[i],
+                                                 attend_args[2], att.data_ptr() + a * att.shape[-1] * 4,
+                                                 *attend_args[3:])
+                    if rc:  # refused (never for the shapes _fast_row takes) or out of memory
+                        raise ValueError(f"the few-query attention kernel refused a decode row ({rc})")
+                    outs.append(att[:, a:b])
+                    continue
                 if room is not None:
                     at, (layer_kv, kb, vb) = room[0], room[3][i]
                     q = decode_ops.rope_into(lean.kernel, qkv[:, a:b], cos, sin, Hq, Hkv, kb[0, :, at:b - a + at],
@@ -189,7 +242,7 @@ class BatchedStep:
                 out, _ = lean.attend(a_mod, q, k, v, mask, dropout=0.0, scaling=a_mod.scaling,
                                      position_ids=position_ids, use_cache=True, **extra)
                 outs.append(out.reshape(1, b - a, -1))
-            delta = a_mod.o_proj.forward(torch.cat(outs, 1).contiguous())
+            delta = a_mod.o_proj.forward(torch.cat(outs, 1).contiguous() if len(outs) > 1 else outs[0].contiguous())
             x = lean._norm(layer.post_attention_layernorm, h, delta, scratch)
             if lean.gate_up[i] is not None:
                 gu = lean.gate_up[i].forward(x)
@@ -198,6 +251,10 @@ class BatchedStep:
                 gate, up = mlp.gate_proj.forward(x), mlp.up_proj.forward(x)
             act = torch.cat([mlp.act_fn(gate[:, s:e]) * up[:, s:e] for s, e in groups], 1)
             delta = mlp.down_proj.forward(act)
+        for it, (a, b), pi in zip(items, bounds, per_item):
+            if pi[6] is not None:  # the rows written by C: the layers' views now cover them
+                for layer_kv, _, _ in pi[4][3]:
+                    layer_kv.filled(it.position + 1)
         # the final norm and lm_head over the rows whose logits are wanted, as each item's own step keeps them
         keep = []
         for it, (a, b) in zip(items, bounds):
