@@ -1187,6 +1187,12 @@ def build_parser() -> argparse.ArgumentParser:
                     "(default: %(default)s)")
     sv.add_argument("--queue-depth", type=_count(0), default=32,
                     help="requests that may wait for the model before new ones get 429 (default: %(default)s)")
+    sv.add_argument("--batch-slots", type=_count(), default=1,
+                    help="requests whose forwards share each step (continuous batching; every answer is the "
+                         "bits of the request alone; 1: one request at a time) (default: %(default)s)")
+    sv.add_argument("--batch-kv-tokens", type=_count(), default=65536,
+                    help="K/V positions the batched requests may hold together; a request that would pass it "
+                         "waits (default: %(default)s)")
     sv.add_argument("--max-body-bytes", type=_count(), default=1 << 20,
                     help="request body limit in bytes (default: %(default)s, 1 MiB)")
     sv.add_argument("--max-import-bytes", type=_count(), default=1 << 30,

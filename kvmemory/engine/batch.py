@@ -51,6 +51,8 @@ class BatchSequence:
     entries_used: tuple[str, ...]
     on_token: Callable[[int], bool] | None
     rows: object = None  # BlockRow list to graft instead of the catalogue's chain (Engine.forward's `rows`)
+    store_new_blocks: bool = False
+    blocks_stored: int = 0
     # state
     start: int = 0
     cache: object = None
@@ -70,6 +72,8 @@ class BatchSequence:
     _last: torch.Tensor | None = None
     _t: list[float] = field(default_factory=list)  # started, prefill done
     _stopped_by: str = "length"
+    _on_chunk: Callable | None = None
+    _new_blocks: list = field(default_factory=list)
 
     @property
     def done(self) -> bool:
@@ -94,13 +98,17 @@ class Batch:
     """Sequences of one engine stepping together (see the module docstring). Not thread-safe: one
     thread calls `add`, `step` and `cancel` (a server's scheduler)."""
 
-    def __init__(self, engine, token_budget: int = DEFAULT_TOKEN_BUDGET):
+    def __init__(self, engine, token_budget: int = DEFAULT_TOKEN_BUDGET, kv_tokens: int | None = None):
+        """`kv_tokens`: the K/V positions (prompt + tokens to decode, each) the running sequences may
+        hold together; a sequence that would pass it waits until one leaves (None: no limit; one
+        sequence always runs)."""
         if not isinstance(token_budget, int) or isinstance(token_budget, bool) or token_budget < 1:
             raise InvalidInput(f"token_budget must be a positive number of tokens, got {token_budget!r}")
         self.engine = engine
         self.runner = engine.runner
         self.stepper = BatchedStep(self.runner)
         self.token_budget = token_budget
+        self.kv_tokens = kv_tokens
         self.sequences: list[BatchSequence] = []  # waiting and running, in the order they joined
         self.steps = 0
         self.last_rows = 0  # items in the last step
@@ -114,7 +122,7 @@ class Batch:
     def add(self, token_ids: Sequence[int], *, graft: bool = True, max_new_tokens: int = 0,
             sampling: Sampling = GREEDY, stop_token_ids: Sequence[int] | None = None, keep_logits: bool = False,
             entries_used: Sequence[str] = (), on_token: Callable[[int], bool] | None = None, logits: str = "all",
-            cuts: Sequence[int] = (), rows=None) -> BatchSequence:
+            cuts: Sequence[int] = (), rows=None, store_new_blocks: bool = False) -> BatchSequence:
         """A sequence that joins at the next step; the arguments are `Engine.forward`'s."""
         if logits not in ("all", "last"):
             raise InvalidInput(f"logits must be 'all' or 'last', got {logits!r}")
@@ -124,7 +132,7 @@ class Batch:
         self.runner.check_ids(token_ids, max_new_tokens)
         stops = self.engine.eos_token_ids if stop_token_ids is None else stop_token_ids
         seq = BatchSequence(token_ids, int(max_new_tokens), sampling, {int(t) for t in stops}, keep_logits, logits,
-                            check_cuts(cuts), graft, tuple(entries_used), on_token, rows)
+                            check_cuts(cuts), graft, tuple(entries_used), on_token, rows, bool(store_new_blocks))
         self.sequences.append(seq)
         return seq
 
@@ -157,6 +165,8 @@ class Batch:
         seq._hasher = hashlib.sha256()
         seq._gen = torch.Generator(device="cpu").manual_seed(seq.sampling.seed)
         seq._t = [time.perf_counter()]
+        if seq.store_new_blocks:
+            seq._on_chunk = eng._capture(seq.token_ids, seq._new_blocks, cuts=seq.cuts)
 
     def plan(self) -> list[tuple[BatchSequence, int, int]]:
         """The next step's items: (sequence, start, end) of the positions each computes: every decoding
@@ -174,6 +184,9 @@ class Batch:
             if s.decoding:
                 continue
             if not s.prepared:
+                if self.kv_tokens is not None and self._held() and \
+                        self._held() + len(s.token_ids) + s.max_new_tokens > self.kv_tokens:
+                    break  # first come, first served: it waits for K/V room, and so do those behind it
                 # a sequence not yet grafted: its first chunk starts where its graft ends (known once grafted)
                 if items and tokens + 1 > self.token_budget:
                     break
@@ -189,6 +202,10 @@ class Batch:
             items.append((s, a, b))
             tokens += b - a
         return items
+
+    def _held(self) -> int:
+        """K/V positions the prepared sequences hold (reserved for their prompt and tokens to decode)."""
+        return sum(len(s.token_ids) + s.max_new_tokens for s in self.sequences if s.prepared and not s.done)
 
     @torch.inference_mode()
     def step(self) -> int:
@@ -220,6 +237,8 @@ class Batch:
                     s._account(logits, prefill=True)
                     s._last = logits
                     s.next_span += 1
+                    if s._on_chunk is not None:
+                        s._on_chunk(a, b, s.cache)
                     if s.next_span == len(s.spans):
                         s._t.append(time.perf_counter())
                         self._choose(s)
@@ -230,7 +249,15 @@ class Batch:
 
     def _choose(self, s: BatchSequence) -> None:
         """After a sequence's last prompt chunk or a decode step: pick its next token as runner.forward
-        does, and finish it or leave the token for its next decode row."""
+        does, and finish it or leave the token for its next decode row. An error of its own (its
+        `on_token` raising: a stream whose client went away) ends it alone."""
+        try:
+            self._choose_or_finish(s)
+        except Exception as exc:  # noqa: BLE001 - kept on the sequence, raised to its caller
+            s.error = exc
+            s.pending = None
+
+    def _choose_or_finish(self, s: BatchSequence) -> None:
         i = len(s.generated)
         s.pending = None
         if i >= s.max_new_tokens:
@@ -269,6 +296,10 @@ class Batch:
         r.tokens_decoded = len(s.generated)
         r.compute_seconds = t1 - t0
         r.decode_seconds = t2 - t1
+        if s._new_blocks and not getattr(self.engine.store, "readonly", False):
+            self.engine.store.put_blocks(s._new_blocks)
+            s.blocks_stored = r.blocks_stored = len(s._new_blocks)
+        s._new_blocks = []
         self.engine.room.give(cache)
         s._prefill, s._decode = [], []
 

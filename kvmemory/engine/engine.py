@@ -275,8 +275,20 @@ class Engine:
         end = check_chain(chain.metas, token_ids, self.chunk, start, cuts)
         return build_cache(self.runner, chain, report, capacity), end
 
+    # A scheduler (server/scheduler.py's BatchScheduler) that `forward` hands its sequence to, so that
+    # it shares steps with other requests' (the same bits: engine/batch.py); None: every forward alone.
+    batcher = None
+
+    def forward(self, token_ids: Sequence[int], **kwargs) -> tuple[ForwardResult, GraftReport]:
+        """`_forward`'s (below), in shared steps with other callers' forwards where a batcher is set and
+        takes this call (the same result: engine/batch.py)."""
+        b = self.batcher
+        if b is not None and b.takes():
+            return b.forward(token_ids, **kwargs)
+        return self._forward(token_ids, **kwargs)
+
     @_pinned
-    def forward(self, token_ids: Sequence[int], *, graft: bool = True, max_new_tokens: int = 0,
+    def _forward(self, token_ids: Sequence[int], *, graft: bool = True, max_new_tokens: int = 0,
                 sampling: Sampling = GREEDY, stop_token_ids: Sequence[int] | None = None,
                 keep_logits: bool = False, store_new_blocks: bool = False, entries_used: Sequence[str] = (),
                 on_token: Callable[[int], bool] | None = None,
