@@ -90,7 +90,8 @@ def few_query_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                                     is_causal=is_causal, **kwargs)
     key, value, causal = _causal_keys(module, query, key, value, attention_mask, is_causal)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = few_query_attention.attend(query, key, value, attention_mask, scale, causal, threads=threads)
+    out = few_query_attention.attend(query, key, value, attention_mask, scale, causal,
+                                     **({"threads": threads} if threads else {}))
     if out is None:  # refused (see few_query_attention.attend): the same call as `kvmemory_sdpa` makes
         out = _grouped_sdpa(query, key, value, attention_mask, dropout, scaling, causal)
     return out, None
