@@ -182,3 +182,17 @@ def test_sampled_sequences_batch_exactly(tmp_path, tiny_ggufs):
 def test_step_items_alone_equal_the_runner_step():
     assert GRAIN == 32768
     assert BatchedStep and StepItem
+
+
+def test_the_static_step_runs_one_sequence_at_a_time_and_still_equals(store_dir):
+    """One cache for one sequence (static_step.py): the batch runs its sequences first come, first served."""
+    eng = tiny_engine("llama", store_dir, step="static")
+    assert "one cache" in why_not(eng.runner)
+    reqs = _pool(eng, 16, 512, seed=4)[:4]
+    alone = [eng.forward(**r) for r in reqs]
+    batch = eng.batch(64)
+    seqs = [batch.add(**r) for r in reqs]
+    while batch.step():
+        assert batch.last_rows == 1
+    for s, (ref, _) in zip(seqs, alone):
+        assert s.result.logits_sha256 == ref.logits_sha256 and s.result.generated == ref.generated
