@@ -4,7 +4,10 @@ grafted and cold, short and long sequences, on the embedded model and the tiny a
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -196,3 +199,17 @@ def test_the_static_step_runs_one_sequence_at_a_time_and_still_equals(store_dir)
         assert batch.last_rows == 1
     for s, (ref, _) in zip(seqs, alone):
         assert s.result.logits_sha256 == ref.logits_sha256 and s.result.generated == ref.generated
+
+
+@pytest.mark.skipif(os.environ.get("ATEN_CPU_CAPABILITY") == "avx2", reason="this run is the AVX2 one")
+def test_the_avx2_builds_batch_exactly_too():
+    """The other ISA build (torch told to run AVX2, so native.py picks the kernels' AVX2 builds)."""
+    from kvmemory.kernels import native
+
+    if not native.runs("AVX2"):
+        pytest.skip("this CPU runs no AVX2")
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
+    r = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                        "matrix and (llama or qwen2) or block_types"], env=env, capture_output=True, text=True,
+                       cwd=os.path.dirname(__file__), timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
