@@ -382,7 +382,8 @@ def bench_serve(args) -> int:
 
     r = run_serve_bench(args.clients or DEFAULT_CLIENTS, per_kind=args.per_kind, repeats=args.repeats,
                         max_tokens=args.max_tokens, threads=args.threads, seed=args.seed,
-                        check_per_kind=args.check_per_kind, llamacpp=not args.no_llamacpp, progress=_progress(args))
+                        check_per_kind=args.check_per_kind, llamacpp=not args.no_llamacpp, progress=_progress(args),
+                        batch_slots=args.batch_slots)
     _plot(args, r, plot)
     _emit(args, r, format_table(r))
     return 0 if r["ok"] else 1  # a failed request or an answer whose logits differ from the recompute
@@ -1361,6 +1362,8 @@ def _bench_parsers(bench: argparse.ArgumentParser) -> None:
                     help="kvmemory answers per kind and run whose logits are checked against a recompute "
                          "(default: %(default)s)")
     sv.add_argument("--no-llamacpp", action="store_true", help="leave out llama.cpp's server")
+    sv.add_argument("--batch-slots", type=_count(), default=1,
+                    help="kvmemory serve's --batch-slots: requests whose forwards share steps (default: %(default)s)")
     seed(sv)
     plot(sv)
     sv.set_defaults(func=bench_serve)
