@@ -213,3 +213,17 @@ def test_the_avx2_builds_batch_exactly_too():
                         "matrix and (llama or qwen2) or block_types"], env=env, capture_output=True, text=True,
                        cwd=os.path.dirname(__file__), timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+
+
+def test_a_sequence_past_the_kv_budget_waits_for_room(tmp_path, tiny_ggufs):
+    from kvmemory.engine.batch import Batch
+
+    eng = Engine.open(str(tiny_ggufs["llama"]), tmp_path / "store", chunk=16)
+    batch = Batch(eng, 64, kv_tokens=40)
+    a = batch.add(list(range(3, 30)), graft=False, max_new_tokens=5)  # 32 positions
+    b = batch.add(list(range(3, 20)), graft=False, max_new_tokens=5)  # 22 more: past 40, so it waits
+    batch.step()
+    assert a.prepared and not b.prepared
+    batch.run()
+    assert a.result is not None and b.result is not None
+    assert b.result.logits_sha256 == eng.forward(list(range(3, 20)), graft=False, max_new_tokens=5)[0].logits_sha256
