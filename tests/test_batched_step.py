@@ -16,6 +16,7 @@ from tiny_models import ARCHS, tiny_engine
 
 from kvmemory.engine.batched_step import GRAIN, BatchedStep, StepItem, why_not
 from kvmemory.engine.engine import Engine
+from kvmemory.kernels import quantized_linear
 from kvmemory.store.local import LocalStore
 
 SIZES = (1, 2, 4, 8, 16)
@@ -96,7 +97,7 @@ def test_every_row_equals_its_sequence_alone_across_the_matrix(arch, tiny_ggufs,
     _check(eng, _pool(eng, 16, eng.runner.vocab_size), budget=40)
 
 
-@pytest.mark.parametrize("kind", ["Q4_K", "Q6_K", "Q4_0", "F16"])
+@pytest.mark.parametrize("kind", sorted(quantized_linear.FORMATS))
 def test_block_types_batch_exactly(kind, tmp_path):
     path = write_tiny_gguf(tmp_path / "m.gguf", "llama", linear_type=kind, embedding_type=kind, seed=1)[0]
     eng = Engine.open(str(path), tmp_path / "store", chunk=16)

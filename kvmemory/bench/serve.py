@@ -7,7 +7,8 @@ free port and driven only through the OpenAI chat completions API (streaming):
   temporary store, the default profile, `--threads` torch threads (default 2): the embedded
   SmolLM2-135M-Instruct. Every call routes its last user turn to verified entries of its scope and
   grafts the longest stored chain of its prompt's blocks; one compute worker serves requests one at a
-  time (the engine is not re-entrant).
+  time (the engine is not re-entrant), or with `--batch-slots N` up to N requests' forwards share each
+  step (continuous batching, server/scheduler.py: every answer the bits of the request alone).
 - **llama.cpp**: llama-cpp-python's `python -m llama_cpp.server` on the very GGUF file the embedded
   model is converted from (`loading.embedded_gguf_path()`), `--n_threads` / `--n_threads_batch` equal to
   kvmemory's threads, its prompt cache on (`--cache true`: a RAM cache of saved states, looked up by
