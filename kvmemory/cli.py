@@ -382,7 +382,8 @@ def bench_serve(args) -> int:
 
     r = run_serve_bench(args.clients or DEFAULT_CLIENTS, per_kind=args.per_kind, repeats=args.repeats,
                         max_tokens=args.max_tokens, threads=args.threads, seed=args.seed,
-                        check_per_kind=args.check_per_kind, llamacpp=not args.no_llamacpp, progress=_progress(args))
+                        check_per_kind=args.check_per_kind, llamacpp=not args.no_llamacpp, progress=_progress(args),
+                        batch_slots=args.batch_slots)
     _plot(args, r, plot)
     _emit(args, r, format_table(r))
     return 0 if r["ok"] else 1  # a failed request or an answer whose logits differ from the recompute
@@ -688,8 +689,11 @@ def cmd_kernels(args) -> int:
 
     from kvmemory.models import devices
 
+    from kvmemory.engine.batched_step import profile_status
+
     report = {"cpu": {"model": cpu_info().get("model name"), "torch_isa": isa()},
-              "kernels": {k: native.status(k) for k in native.TITLES}, "gpu": devices.status()}
+              "kernels": {k: native.status(k) for k in native.TITLES}, "gpu": devices.status(),
+              "batched_step": profile_status()}
     if args.json:
         print(json.dumps(report, indent=1))
         return 0
@@ -705,6 +709,8 @@ def cmd_kernels(args) -> int:
                   f"({info['compiler_version']}, sources {info['source_digest'][:12]})")
         else:
             print(f"{st['title']}: not running ({st['why_not']}); {st['fallback']} instead")
+    b = report["batched_step"]
+    print(f"batched step: {b['summary']}")
     return 0
 
 
@@ -1182,6 +1188,12 @@ def build_parser() -> argparse.ArgumentParser:
                     "(default: %(default)s)")
     sv.add_argument("--queue-depth", type=_count(0), default=32,
                     help="requests that may wait for the model before new ones get 429 (default: %(default)s)")
+    sv.add_argument("--batch-slots", type=_count(), default=1,
+                    help="requests whose forwards share each step (continuous batching; every answer is the "
+                         "bits of the request alone; 1: one request at a time) (default: %(default)s)")
+    sv.add_argument("--batch-kv-tokens", type=_count(), default=65536,
+                    help="K/V positions the batched requests may hold together; a request that would pass it "
+                         "waits (default: %(default)s)")
     sv.add_argument("--max-body-bytes", type=_count(), default=1 << 20,
                     help="request body limit in bytes (default: %(default)s, 1 MiB)")
     sv.add_argument("--max-import-bytes", type=_count(), default=1 << 30,
@@ -1350,6 +1362,8 @@ def _bench_parsers(bench: argparse.ArgumentParser) -> None:
                     help="kvmemory answers per kind and run whose logits are checked against a recompute "
                          "(default: %(default)s)")
     sv.add_argument("--no-llamacpp", action="store_true", help="leave out llama.cpp's server")
+    sv.add_argument("--batch-slots", type=_count(), default=1,
+                    help="kvmemory serve's --batch-slots: requests whose forwards share steps (default: %(default)s)")
     seed(sv)
     plot(sv)
     sv.set_defaults(func=bench_serve)

@@ -7,7 +7,8 @@ free port and driven only through the OpenAI chat completions API (streaming):
   temporary store, the default profile, `--threads` torch threads (default 2): the embedded
   SmolLM2-135M-Instruct. Every call routes its last user turn to verified entries of its scope and
   grafts the longest stored chain of its prompt's blocks; one compute worker serves requests one at a
-  time (the engine is not re-entrant).
+  time (the engine is not re-entrant), or with `--batch-slots N` up to N requests' forwards share each
+  step (continuous batching, server/scheduler.py: every answer the bits of the request alone).
 - **llama.cpp**: llama-cpp-python's `python -m llama_cpp.server` on the very GGUF file the embedded
   model is converted from (`loading.embedded_gguf_path()`), `--n_threads` / `--n_threads_batch` equal to
   kvmemory's threads, its prompt cache on (`--cache true`: a RAM cache of saved states, looked up by
@@ -254,11 +255,12 @@ class Server:
         return self.proc.returncode
 
 
-def kvmemory_server(tmp: Path, threads: int, clients: int) -> Server:
+def kvmemory_server(tmp: Path, threads: int, clients: int, batch_slots: int = 1) -> Server:
     port = free_port()
     # the default queue depth (32) unless more clients could be waiting at once than that
     cmd = [sys.executable, "-m", "kvmemory.cli", "serve", "--store", str(tmp / "store"), "--port", str(port),
-           "--threads", str(threads), "--queue-depth", str(max(32, clients)), "--log-level", "warning", "--no-mcp"]
+           "--threads", str(threads), "--queue-depth", str(max(32, clients)), "--log-level", "warning", "--no-mcp",
+           "--batch-slots", str(batch_slots)]
     return Server("kvmemory", cmd, port, tmp / "kvmemory-serve.log", "/healthz")
 
 
@@ -567,7 +569,7 @@ def git_commit() -> str | None:
 
 def run_serve_bench(clients=DEFAULT_CLIENTS, *, per_kind: int = 3, repeats: int = 3, max_tokens: int = 32,
                     threads: int = 2, seed: int = 0, check_per_kind: int = 1, llamacpp: bool = True,
-                    progress: bool = True) -> dict:
+                    progress: bool = True, batch_slots: int = 1) -> dict:
     """The load test (module docstring). Returns the report; `ok` is false if any request failed or
     any sampled answer's logits differ from the recompute."""
     from kvmemory.engine.profile import kvmemory_version
@@ -595,6 +597,7 @@ def run_serve_bench(clients=DEFAULT_CLIENTS, *, per_kind: int = 3, repeats: int 
         "bench": "serve", "model": DEFAULT_MODEL, "kvmemory_version": kvmemory_version(), "commit": git_commit(),
         "settings": {"clients": clients, "per_kind": per_kind, "repeats": repeats, "max_tokens": max_tokens,
                      "threads": threads, "seed": seed, "check_per_kind": check_per_kind, "greedy": True,
+                     "batch_slots": batch_slots,
                      "stream": True, "kinds": list(KINDS)},
         "machine": machine_and_software(), "started_at": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
     }
@@ -603,7 +606,7 @@ def run_serve_bench(clients=DEFAULT_CLIENTS, *, per_kind: int = 3, repeats: int 
     why_not = why_not or llamacpp_missing()
     tmp = tempfile.TemporaryDirectory(prefix="kvmemory-bench-serve-")
     tmp_path = Path(tmp.name)
-    servers: dict[str, Server] = {"kvmemory": kvmemory_server(tmp_path, threads, max(clients))}
+    servers: dict[str, Server] = {"kvmemory": kvmemory_server(tmp_path, threads, max(clients), batch_slots)}
     if why_not is None:
         servers["llamacpp"] = llamacpp_server(tmp_path, gguf, threads, n_ctx=4096)
     sides: dict = {name: {"ran": True, "command": s.cmd, "runs": []} for name, s in servers.items()}

@@ -33,7 +33,7 @@ from kvmemory.engine.determinism import Determinism
 from kvmemory.engine.profile import ExecutionProfile, build_profile
 from kvmemory.engine.runner import (DEFAULT_CHUNK, GREEDY, CanonicalRunner, ForwardResult, Sampling, check_cuts,
                                     chunk_spans, span_boundary)
-from kvmemory.store.local import BlockRow, LocalStore
+from kvmemory.store.local import BlockRow
 from kvmemory.engine.verify import Comparison, compare_runs, make_attestation
 
 
@@ -275,8 +275,20 @@ class Engine:
         end = check_chain(chain.metas, token_ids, self.chunk, start, cuts)
         return build_cache(self.runner, chain, report, capacity), end
 
+    # A scheduler (server/scheduler.py's BatchScheduler) that `forward` hands its sequence to, so that
+    # it shares steps with other requests' (the same bits: engine/batch.py); None: every forward alone.
+    batcher = None
+
+    def forward(self, token_ids: Sequence[int], **kwargs) -> tuple[ForwardResult, GraftReport]:
+        """`_forward`'s (below), in shared steps with other callers' forwards where a batcher is set and
+        takes this call (the same result: engine/batch.py)."""
+        b = self.batcher
+        if b is not None and b.takes():
+            return b.forward(token_ids, **kwargs)
+        return self._forward(token_ids, **kwargs)
+
     @_pinned
-    def forward(self, token_ids: Sequence[int], *, graft: bool = True, max_new_tokens: int = 0,
+    def _forward(self, token_ids: Sequence[int], *, graft: bool = True, max_new_tokens: int = 0,
                 sampling: Sampling = GREEDY, stop_token_ids: Sequence[int] | None = None,
                 keep_logits: bool = False, store_new_blocks: bool = False, entries_used: Sequence[str] = (),
                 on_token: Callable[[int], bool] | None = None,
@@ -334,6 +346,25 @@ class Engine:
                                     room=self.room, tier=self.tier)
         cache, start = self.graft_chain(token_ids, chain, report, capacity=capacity, cuts=cuts)
         return cache, start, report
+
+    def batch(self, token_budget: int | None = None):
+        """A `Batch` of sequences stepping together over this engine (batch.py): `add` takes
+        `forward`'s arguments, `step` / `run` compute, each sequence's result equals `forward`'s."""
+        from kvmemory.engine.batch import DEFAULT_TOKEN_BUDGET, Batch
+
+        return Batch(self, DEFAULT_TOKEN_BUDGET if token_budget is None else token_budget)
+
+    def forward_many(self, requests: Sequence[dict], token_budget: int | None = None):
+        """`forward` for several requests (each a dict of `forward`'s arguments, `token_ids` included)
+        computed in shared steps; returns [(ForwardResult, GraftReport)] in order (a request that failed
+        raises its error)."""
+        batch = self.batch(token_budget)
+        seqs = [batch.add(**r) for r in requests]
+        batch.run()
+        for s in seqs:
+            if s.error is not None:
+                raise s.error
+        return [(s.result, s.report) for s in seqs]
 
     @_pinned
     def choose(self, token_ids: Sequence[int], choices: Sequence[Sequence[int]], *, graft: bool = True,

@@ -54,11 +54,13 @@ why_unavailable, build_info = KERNEL_LIB.why_unavailable, KERNEL_LIB.build_info
 
 
 def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scale: float,
-           causal: bool, lib: ctypes.CDLL | None = None) -> torch.Tensor | None:
+           causal: bool, lib: ctypes.CDLL | None = None, threads: int | None = None) -> torch.Tensor | None:
     """[1, T, H_q, D] attention output, or None when this call is not one the kernel takes (the caller
     runs SDPA). Shapes as transformers passes them: query [1, H_q, T, D], key/value [1, H_kv, S, D],
     mask [1, 1, T, S] bool (rows must be prefixes of trues) or None (`causal`: bottom-right aligned).
-    `lib`: another build than `load()`'s (load_variant)."""
+    `lib`: another build than `load()`'s (load_variant). `threads`: how many threads split the keys (None:
+    torch's count); the bytes do not depend on it (the module docstring), only the time: a decode row over
+    few keys runs fastest on one (engine/batched_step.py), with no wait for a second core."""
     lib = lib if lib is not None else load()
     if lib is None:
         return None
@@ -86,7 +88,7 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: to
     out = torch.empty((1, T, Hq, D), dtype=q.dtype)
     rc = lib.kvm_fewq_attention(qd, kd, q.data_ptr(), k.data_ptr(), v.data_ptr(), mask_ptr, out.data_ptr(), Hq, T, D,
                                 Hkv, S, qt[1], qt[2], kt[1], kt[2], vt[1], vt[2], mask_st, scale, causal,
-                                torch.get_num_threads())
+                                threads or torch.get_num_threads())
     if rc == 1:
         return None  # refused: the caller runs SDPA
     if rc != 0:
@@ -126,6 +128,8 @@ def _main() -> None:
             print(f"{name:17} {cached:>5} cached + {new:>2} new: SDPA {sdpa * 1e3:.3f} ms, kernel "
                   f"{kern * 1e3:.3f} ms ({sdpa / kern:.2f}x)")
 
+
+__all__ = ["BUILDS", "KERNEL", "MAX_ROWS", "attend", "build_info", "isa", "load", "load_variant", "why_unavailable"]
 
 if __name__ == "__main__":
     _main()

@@ -80,16 +80,18 @@ def grouped_sdpa_forward(module: torch.nn.Module, query: torch.Tensor, key: torc
 
 def few_query_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                      is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+                      is_causal: bool | None = None, threads: int | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """`grouped_sdpa_forward`, with the few-query kernel for the calls it takes (it refuses the others:
-    other dtypes or head sizes, batches, masks that are not causal prefixes, too many rows)."""
+    other dtypes or head sizes, batches, masks that are not causal prefixes, too many rows). `threads`:
+    the kernel's thread count (few_query_attention.attend; the same bytes whatever it is)."""
     few_rows = query.shape[2] * query.shape[1] <= few_query_attention.MAX_ROWS * key.shape[1]
     if not few_rows or dropout or any(kwargs.get(k) for k in _DELEGATE):
         return grouped_sdpa_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                     is_causal=is_causal, **kwargs)
     key, value, causal = _causal_keys(module, query, key, value, attention_mask, is_causal)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = few_query_attention.attend(query, key, value, attention_mask, scale, causal)
+    out = few_query_attention.attend(query, key, value, attention_mask, scale, causal,
+                                     **({"threads": threads} if threads else {}))
     if out is None:  # refused (see few_query_attention.attend): the same call as `kvmemory_sdpa` makes
         out = _grouped_sdpa(query, key, value, attention_mask, dropout, scaling, causal)
     return out, None

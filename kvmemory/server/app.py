@@ -197,6 +197,7 @@ def create_app(memory: KVMemory, config: ServerConfig | None = None) -> FastAPI:
                 yield
             finally:
                 ended = await asyncio.to_thread(st.queue.close, 120.0)
+                await asyncio.to_thread(st.close_scheduler, 30.0)
                 try:
                     memory.store.close()
                 except Exception:  # closing twice, or a store without a close: nothing left to lose
@@ -211,7 +212,9 @@ def create_app(memory: KVMemory, config: ServerConfig | None = None) -> FastAPI:
     async def healthz() -> dict:
         return {"status": "ok", "model": config.served_model_name, "profile_id": memory.engine.profile_id,
                 "queue": {"waiting": st.queue.waiting, "running": st.queue.running,
-                          "depth": config.limits.queue_depth}}
+                          "depth": config.limits.queue_depth},
+                "batch": {"slots": config.limits.batch_slots,
+                          "sequences": st.scheduler.sequences if st.scheduler is not None else 0}}
 
     @app.get("/metrics")
     async def metrics(request: Request) -> PlainTextResponse:

@@ -23,7 +23,9 @@ class Limits:
     max_tokens_limit: int = 2048  # the most tokens one call may decode
     max_prompt_tokens: int = 8192  # the most prompt tokens one call may send (the model's own limit may be lower)
     default_max_tokens: int = 256  # chat completions when max_tokens is not given (completions: 16, as OpenAI)
-    queue_depth: int = 32  # requests waiting for the compute worker, beyond the one it runs
+    queue_depth: int = 32  # requests waiting for the compute worker, beyond the ones it runs
+    batch_slots: int = 1  # requests whose forwards share steps (server/scheduler.py); 1: one at a time
+    batch_kv_tokens: int = 65536  # K/V positions the batched requests may hold together (more wait)
     page_size_limit: int = 100  # entries per page of GET /v1/memory/entries
     max_import_bytes: int = 1 << 30  # a bundle uploaded to POST /v1/memory/import (blocks are ~1.5 MB each)
 

@@ -59,6 +59,7 @@ class ServerState:
     queue: ComputeQueue
     gauges: StoreGauges = field(default_factory=StoreGauges)
     started: float = field(default_factory=time.time)
+    scheduler: object = None  # server/scheduler.py's BatchScheduler where batch_slots > 1
 
     @property
     def shared(self) -> SharedMemory:
@@ -82,7 +83,15 @@ class ServerState:
 
         metrics = Metrics(gauges={
             "kvmemory_queue_waiting": ("Requests waiting for the compute worker.", lambda: holder["q"].waiting),
-            "kvmemory_queue_running": ("Requests the compute worker runs now (0 or 1).", lambda: holder["q"].running),
+            "kvmemory_queue_running": ("Requests the compute worker runs now (at most the batch slots).",
+                                       lambda: holder["q"].running),
+            "kvmemory_batch_sequences": ("Requests whose forwards are in the batch now.",
+                                         lambda: getattr(holder.get("s"), "sequences", 0)),
+            "kvmemory_batch_waiting": ("Forwards handed to the batch, not yet in it.",
+                                       lambda: getattr(holder.get("s"), "waiting", 0)),
+            "kvmemory_batch_rows": ("Sequences the last batched step computed.",
+                                    lambda: getattr(holder.get("s"), "last_rows", 0)),
+            "kvmemory_batch_slots": ("Requests whose forwards may share steps.", lambda: config.limits.batch_slots),
             "kvmemory_queue_depth_limit": ("Requests that may wait before new ones get 429.", lambda: config.limits.queue_depth),
             "kvmemory_store_entries": ("Entries in the store (read by the worker, at most every 10 s).", lambda: gauges.entries),
             "kvmemory_store_blocks": ("Blocks in the store.", lambda: gauges.blocks),
@@ -91,8 +100,24 @@ class ServerState:
             "kvmemory_store_bytes": ("Bytes of block files in the store.", lambda: gauges.bytes),
         })
         keys = build_keyring(config.api_keys, config.keys_file)  # before the worker starts: a bad file raises
-        queue = holder["q"] = ComputeQueue(config.limits.queue_depth, on_wait=metrics.waited)
-        return cls(memory, config, keys, metrics, queue, gauges)
+        slots = config.limits.batch_slots
+        queue = holder["q"] = ComputeQueue(config.limits.queue_depth, on_wait=metrics.waited, slots=slots)
+        st = cls(memory, config, keys, metrics, queue, gauges)
+        if slots > 1:
+            from kvmemory.server.scheduler import BatchScheduler, released
+
+            lock = memory_lock(memory)
+            st.scheduler = BatchScheduler(memory.engine, kv_tokens=config.limits.batch_kv_tokens,
+                                          while_waiting=lambda: released(queue.released, lock))
+            memory.engine.batcher = holder["s"] = st.scheduler
+        return st
+
+    def close_scheduler(self, timeout: float | None = None) -> None:
+        """End the batch's thread (after the queue's jobs ended) and give the engine back its forwards."""
+        if self.scheduler is not None:
+            if getattr(self.memory.engine, "batcher", None) is self.scheduler:
+                self.memory.engine.batcher = None
+            self.scheduler.close(timeout)
 
     def _refresh_gauges(self) -> None:
         try:

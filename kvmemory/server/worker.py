@@ -6,9 +6,14 @@ connection and torch's pinned intra-op threads belong to one computation at a ti
 `adapters.shared`), and concurrent forwards on the same cores would only slow each other down. So the
 server serialises: HTTP handlers are async and never compute; they put a job on the queue and await
 its result (or its stream of text) while the event loop keeps serving other requests, `/healthz` and
-`/metrics` included. Requests are not batched.
+`/metrics` included.
 
-Back-pressure: at most `depth` jobs wait behind the running one; past that `submit` raises `QueueFull`
+Batching (`slots` > 1, server/scheduler.py): `slots` worker threads take jobs, but a job runs only
+while its thread holds the queue's gate, so jobs still run one at a time, in arrival order, as above;
+a job gives the gate up only while its forward is in the scheduler's batch, which lets the next job
+run up to its own forward and join the same steps. With `slots` = 1 nothing changes.
+
+Back-pressure: at most `depth` jobs wait behind the running ones (one, or `slots`); past that `submit` raises `QueueFull`
 at once (the route answers 429 with a JSON error), so a burst never piles up unbounded work or
 memory. A job whose caller went away before it started (a cancelled await, a closed stream) is
 skipped; a stream whose consumer goes away while it decodes is stopped at the next token
@@ -22,10 +27,11 @@ process exits.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,18 +59,27 @@ class _Job:
 class ComputeQueue:
     """One worker thread and its bounded queue (see the module docstring)."""
 
-    def __init__(self, depth: int, *, on_wait: Callable[[float], None] | None = None):
+    def __init__(self, depth: int, *, on_wait: Callable[[float], None] | None = None, slots: int = 1):
         if depth < 0:
             raise ValueError("queue depth must be >= 0")
+        if slots < 1:
+            raise ValueError("slots must be >= 1")
         self.depth = depth
+        self.slots = slots
+        # held by the thread whose job runs now; a job waiting in the batch gives it up (`released`)
+        self._gate = threading.Lock()
+        self._holder: threading.Thread | None = None
         self._q: queue.Queue[_Job | None] = queue.Queue()
         self._lock = threading.Lock()
         self._waiting = 0
         self._running = 0
         self._closed = False
         self._on_wait = on_wait
-        self._thread = threading.Thread(target=self._run, name=WORKER_THREAD_NAME, daemon=False)
-        self._thread.start()
+        self._threads = [threading.Thread(target=self._run, name=WORKER_THREAD_NAME if i == 0 else
+                                          f"{WORKER_THREAD_NAME}-{i}", daemon=False) for i in range(slots)]
+        self._thread = self._threads[0]
+        for t in self._threads:
+            t.start()
 
     # ------------------------------------------------------------------ state
     @property
@@ -75,15 +90,34 @@ class ComputeQueue:
     def running(self) -> int:
         return self._running
 
+    @contextlib.contextmanager
+    def released(self) -> Iterator[None]:
+        """The gate given up while the calling job waits (its forward in the batch), taken back after;
+        nothing where the calling thread does not hold it."""
+        me = threading.current_thread()
+        if self._holder is not me:
+            yield
+            return
+        self._holder = None
+        self._gate.release()
+        try:
+            yield
+        finally:
+            self._gate.acquire()
+            self._holder = me
+
     # ------------------------------------------------------------------ the worker
     def _run(self) -> None:
         while True:
             job = self._q.get()
             if job is None:
+                self._q.put(None)  # the other workers end too
                 return
             with self._lock:
                 self._waiting -= 1
-                self._running = 1
+                self._running += 1
+            self._gate.acquire()
+            self._holder = threading.current_thread()
             try:
                 if job.cancelled.is_set():
                     job.done(None, asyncio.CancelledError())
@@ -96,14 +130,16 @@ class ComputeQueue:
                     result, error = None, exc
                 job.done(result, error)
             finally:
+                self._holder = None
+                self._gate.release()
                 with self._lock:
-                    self._running = 0
+                    self._running -= 1
 
     def _submit(self, job: _Job) -> None:
         with self._lock:
             if self._closed:
                 raise QueueClosed("the server is shutting down; retry on another instance or after restart")
-            if self._waiting + self._running > self.depth:  # the running one + `depth` waiting
+            if self._waiting + self._running > self.depth + self.slots - 1:  # the running ones + `depth` waiting
                 raise QueueFull(f"the request queue is full ({self._waiting} waiting, depth {self.depth}); "
                                 "retry after the running requests finish")
             self._waiting += 1
@@ -153,8 +189,10 @@ class ComputeQueue:
             if not self._closed:
                 self._closed = True
                 self._q.put(None)
-        self._thread.join(timeout)
-        return not self._thread.is_alive()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for t in self._threads:
+            t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return not any(t.is_alive() for t in self._threads)
 
 
 class TextStream:

@@ -1,0 +1,277 @@
+"""The batched step: rows of several sequences, each at its own positions over its own KV cache, in one
+forward step, every row's logits the same bits as the same sequence's step run alone.
+
+A step carries items (ids [1, T], position, cache, rows): a decode row (T = 1) of a generating sequence
+or a prefill chunk of another (the grid's chunk: runner.chunk_spans), grafted or not, each over its own
+cache (cache.py's `ReservedLayer`s). Where the step is shared (`why_not` is None), everything that works
+row by row runs once over the rows of all items concatenated, and everything that depends on a
+sequence's own positions or keys runs per item with exactly the call its own step makes:
+
+- shared: the embedding (a lookup per row), the residual adds + RMS norms (decode_ops' kernel: one sum
+  per row, in an order fixed by the row alone), the GGUF-block linears (quantized_linear: "each output
+  is one fixed sum, k ascending: a row's bytes depend on nothing else, not the rows beside it") and the
+  lm_head (a GGUF-block linear too);
+- per item: the causal mask, the RoPE tables (cos / sin of its positions: torch's vectorised and
+  scalar transcendental loops round differently, and which elements take which loop depends on the
+  tensor's size), RoPE + the K/V write into its cache, and attention over its own keys
+  (few_query_attention, or SDPA for a long chunk) with the very arguments its own step passes;
+- SiLU(gate) * up: an elementwise torch op whose vectorised / scalar split (and, over 32,768 elements,
+  thread split) depends on the tensor's size, so it runs per prefill chunk (the shape of that chunk's
+  own step) and over groups of decode rows small enough to run on one thread (below torch's grain
+  size, each row is one inner loop from its first element: the loop a one-row step runs).
+
+The lean step's C layer loop (llama_step.py, `kvm_decode_layer`) makes the same calls with the same
+arguments as its Python path (tests/test_llama_step.py), so a row computed here equals the one that
+loop computes for a decode step alone. tests/test_batched_step.py asserts it with `torch.equal` on
+every row's logits, for batches of 1 to 16 sequences, grafted and cold, short and long.
+
+Where the step cannot be shared exactly (`why_not` says why: a model the lean step does not compute,
+linears other than GGUF blocks, whose GEMM changes its reduction with the number of rows (torch's and
+oneDNN's on the CPU, cuBLAS on a GPU), the norm kernel not giving torch's bits, or the static step modes,
+whose one cache holds one sequence), the items run one after the other through the runner's own step:
+the same answers, no sharing. Nothing is ever batched inexactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvmemory.kernels import decode_ops, few_query_attention
+from kvmemory.models import attention, gguf_linear
+
+GRAIN = 32768  # torch's at::internal::GRAIN_SIZE: an elementwise op below it runs on one thread
+ONE_THREAD_KEYS = 4096  # a decode row over fewer cached keys runs its attention on one thread
+
+
+@dataclass(slots=True)
+class StepItem:
+    """One sequence's part of a step: `ids` [1, T] at positions position..position+T-1 over `cache`
+    (holding positions < position); `rows`: the logits of its last `rows` positions (None: all T)."""
+
+    ids: torch.Tensor
+    position: int
+    cache: object
+    rows: int | None = None
+
+
+def _row_exact(linear) -> bool:
+    return isinstance(linear, gguf_linear.GGUFLinear) and linear._fn is not None
+
+
+def why_not(runner) -> str | None:
+    """None where the runner's steps can share rows exactly (see the module docstring), else why not."""
+    if runner.static is not None:
+        return f"step mode {runner.step_mode!r} keeps one cache for one sequence"
+    lean = runner._lean_step
+    if lean is None:
+        return "the model is not one the lean llama step computes (llama / qwen2 with kvmemory's CPU attention)"
+    if lean.kernel is None:
+        return "the decode-step norm kernel does not give this model's norm bits here"
+    for i, layer in enumerate(lean.layers):
+        a, mlp = layer.self_attn, layer.mlp
+        qkv = [lean.qkv[i]] if lean.qkv[i] is not None else [a.q_proj, a.k_proj, a.v_proj]
+        gu = [lean.gate_up[i]] if lean.gate_up[i] is not None else [mlp.gate_proj, mlp.up_proj]
+        if not all(_row_exact(x) for x in qkv + gu + [a.o_proj, mlp.down_proj]):
+            return ("its linears are not GGUF-block linears with the kernel loaded (a GEMM's reduction "
+                    "order changes with the number of rows)")
+    if not _row_exact(lean.model.lm_head):
+        return "its lm_head is not a GGUF-block linear with the kernel loaded"
+    return None
+
+
+def profile_status() -> dict:
+    """What `kvmemory kernels` says about batching here, without a model: which profiles share a step's
+    rows (exactly) and which step their sequences one at a time."""
+    from kvmemory.kernels import quantized_linear
+
+    q, d = quantized_linear.load() is not None, decode_ops.load() is not None
+    shared = q and d
+    summary = ("rows of several sequences share each step (bit-identical to each alone) for llama / qwen2 GGUF "
+               "models on the CPU" if shared else
+               "no profile shares steps here (" + ", ".join(
+                   n for n, ok in (("the GGUF-block linear kernel", q), ("the decode-step kernel", d)) if not ok)
+               + " not running): every sequence is computed alone within each step")
+    summary += ("; other profiles (torch / oneDNN / GPU GEMMs, whose reduction changes with the row count, other "
+                "architectures, static steps) compute each sequence alone within a step: the same answers, "
+                "no sharing")
+    return {"shared_for_gguf_llama": shared, "qlinear_kernel": q, "decode_kernel": d, "summary": summary}
+
+
+class BatchedStep:
+    """Steps of several sequences over one runner: shared where `why_not(runner)` is None (`shared`),
+    else each item through the runner's own step in turn."""
+
+    def __init__(self, runner):
+        self.runner = runner
+        self.why_not = why_not(runner)
+        self.shared = self.why_not is None
+        self.lean = runner._lean_step if self.shared else None
+
+    @torch.inference_mode()
+    def step(self, items: Sequence[StepItem]) -> list[torch.Tensor]:
+        """Each item's logits ([rows or T, V]), as `runner._step(ids, position, cache, rows)` gives them."""
+        if not items:
+            return []
+        if not self.shared or len(items) == 1:
+            return [self.runner._step(it.ids, it.position, it.cache, rows=it.rows) for it in items]
+        return self._shared(items)
+
+    def _groups(self, Ts: list[int], ffn: int) -> list[tuple[int, int]]:
+        """Row ranges over which SiLU(gate) * up runs in one call: each prefill chunk alone; consecutive
+        decode rows together while the group stays below torch's grain (one thread, row by row)."""
+        groups, at, i = [], 0, 0
+        per = max(1, (GRAIN - 1) // ffn)
+        while i < len(Ts):
+            if Ts[i] != 1:
+                groups.append((at, at + Ts[i]))
+                at += Ts[i]
+                i += 1
+                continue
+            j = i
+            while j < len(Ts) and Ts[j] == 1 and j - i < per:
+                j += 1
+            groups.append((at, at + j - i))
+            at += j - i
+            i = j
+        return groups
+
+    def _fast_row(self, position: int, room, mask, cos: torch.Tensor, sin: torch.Tensor, threads: int | None):
+        """The arguments of a decode row's rope / attention calls for every layer (as kvm_decode_layer
+        makes them: csrc/decode_ops.cpp), and the buffers they use (kept alive with them)."""
+        lean = self.lean
+        cfg = lean.cfg
+        Hq, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, lean.head_dim
+        at, head_stride, kv_dtype, rooms = room
+        bf16 = int(kv_dtype == torch.bfloat16)
+        offset = at * D * (2 if bf16 else 4)
+        q = torch.empty((1, 1, Hq, D), dtype=torch.float32)
+        scratch = torch.empty(Hkv * D, dtype=torch.float32)
+        self._keep.extend((q, scratch, cos, sin))
+        k_ptrs = [k.data_ptr() + offset for _, k, _ in rooms]
+        v_ptrs = [v.data_ptr() + offset for _, _, v in rooms]
+        rest = (cos.data_ptr(), sin.data_ptr(), 1, Hq, Hkv, D, head_stride, bf16, scratch.data_ptr())
+        # the keys start at the buffers' first position: the attention reads [0, at + 1)
+        k0 = [k.data_ptr() for _, k, _ in rooms]
+        v0 = [v.data_ptr() for _, _, v in rooms]
+        a0 = lean.layers[0].self_attn
+        attend_args = (0, bf16, mask.data_ptr() if mask is not None else None, Hq, 1, D, Hkv, at + 1, D, Hq * D,
+                       head_stride, D, head_stride, D, mask.stride(2) if mask is not None else 0, a0.scaling,
+                       0, threads or torch.get_num_threads())
+        return q.data_ptr(), rest, (k_ptrs, k0), (v_ptrs, v0), attend_args
+
+    def _shared(self, items: Sequence[StepItem]) -> list[torch.Tensor]:
+        from transformers.masking_utils import create_causal_mask
+
+        lean = self.lean
+        m = lean.model.model
+        Ts = [int(it.ids.shape[1]) for it in items]
+        bounds, at = [], 0
+        for T in Ts:
+            bounds.append((at, at + T))
+            at += T
+        R = at
+        self._keep = []  # buffers the C calls write through pointers, held until the step ends
+        embeds = m.embed_tokens.forward(torch.cat([it.ids for it in items], 1))  # [1, R, hidden]
+        per_item = []
+        fewq = lean.cfg._attn_implementation == attention.FEWQ
+        alib = few_query_attention.load() if fewq and lean.c_layers is not None else None
+        scale = {layer.self_attn.scaling for layer in lean.layers}
+        causal = {bool(getattr(layer.self_attn, "is_causal", True)) for layer in lean.layers}
+        if len(scale) != 1 or len(causal) != 1:
+            alib = None
+        Hq, Hkv = lean.cfg.num_attention_heads, lean.cfg.num_key_value_heads
+        for it, (a, b) in zip(items, bounds):
+            e = embeds[:, a:b]
+            position_ids = torch.arange(it.position, it.position + (b - a), device=e.device).unsqueeze(0)
+            mask = create_causal_mask(config=lean.cfg, inputs_embeds=e, attention_mask=None, cache=it.cache,
+                                      position_ids=position_ids)
+            cos, sin = m.rotary_emb(e, position_ids=position_ids)
+            # where every layer has room for these rows (as the lean step's C loop finds it), RoPE writes
+            # K/V there directly (_rope_cache's own path, its per-layer checks done once per step)
+            room = lean._c_room(it.cache, b - a)
+            if room is not None and room[0] != it.position:
+                room = None
+            # a decode row over few keys: its attention on one thread (the same bytes, no wait for a core)
+            extra = {"threads": 1} if fewq and b - a == 1 and it.position < ONE_THREAD_KEYS else {}
+            cos, sin = cos.contiguous(), sin.contiguous()
+            # a decode row with room and the few-query kernel: both calls straight to C with the arguments
+            # kvm_decode_layer passes them (its own step's calls), the pointers worked out once per step
+            fast = None
+            if (room is not None and alib is not None and b - a == 1 and lean._c_mask(mask, 1, it.position + 1)
+                    and room[2] in (torch.float32, torch.bfloat16)):
+                fast = self._fast_row(it.position, room, mask, cos, sin, extra.get("threads"))
+            per_item.append((position_ids, mask, cos, sin, room, extra, fast))
+        h = embeds.contiguous()
+        scratch = torch.empty(h.shape[-1], dtype=torch.float32)
+        groups = self._groups(Ts, lean.ffn)
+        delta = None
+        for i, layer in enumerate(lean.layers):
+            a_mod, mlp = layer.self_attn, layer.mlp
+            x = lean._norm(layer.input_layernorm, h, delta, scratch)
+            if lean.qkv[i] is not None:
+                qkv = lean.qkv[i].forward(x)
+            else:
+                qkv = torch.cat([a_mod.q_proj.forward(x), a_mod.k_proj.forward(x), a_mod.v_proj.forward(x)], -1)
+            outs = []
+            att = torch.empty((1, R, Hq * lean.head_dim), dtype=torch.float32) if alib is not None else None
+            width = qkv.shape[-1] * 4
+            for it, (a, b), (position_ids, mask, cos, sin, room, extra, fast) in zip(items, bounds, per_item):
+                if fast is not None:
+                    q_ptr, rest, (k_w, k_r), (v_w, v_r), attend_args = fast
+                    rc = lean.kernel.kvm_decode_rope_write(qkv.data_ptr() + a * width, *rest[:6], q_ptr, k_w[i],
+                                                          v_w[i], *rest[6:])
+                    if rc:
+                        raise ValueError(f"the decode-step kernel refused its arguments ({rc})")
+                    rc = alib.kvm_fewq_attention(attend_args[0], attend_args[1], q_ptr, k_r[i], v_r[i],
+                                                 attend_args[2], att.data_ptr() + a * att.shape[-1] * 4,
+                                                 *attend_args[3:])
+                    if rc:  # refused (never for the shapes _fast_row takes) or out of memory
+                        raise ValueError(f"the few-query attention kernel refused a decode row ({rc})")
+                    outs.append(att[:, a:b])
+                    continue
+                if room is not None:
+                    at, (layer_kv, kb, vb) = room[0], room[3][i]
+                    q = decode_ops.rope_into(lean.kernel, qkv[:, a:b], cos, sin, Hq, Hkv, kb[0, :, at:b - a + at],
+                                             vb[0, :, at:b - a + at])
+                    k, v = layer_kv.filled(at + b - a)
+                else:
+                    q, k, v = lean._rope_cache(qkv[:, a:b], cos, sin, it.cache, a_mod.layer_idx)
+                out, _ = lean.attend(a_mod, q, k, v, mask, dropout=0.0, scaling=a_mod.scaling,
+                                     position_ids=position_ids, use_cache=True, **extra)
+                outs.append(out.reshape(1, b - a, -1))
+            delta = a_mod.o_proj.forward(torch.cat(outs, 1).contiguous() if len(outs) > 1 else outs[0].contiguous())
+            x = lean._norm(layer.post_attention_layernorm, h, delta, scratch)
+            if lean.gate_up[i] is not None:
+                gu = lean.gate_up[i].forward(x)
+                gate, up = gu[..., : lean.ffn], gu[..., lean.ffn:]
+            else:
+                gate, up = mlp.gate_proj.forward(x), mlp.up_proj.forward(x)
+            act = torch.cat([mlp.act_fn(gate[:, s:e]) * up[:, s:e] for s, e in groups], 1)
+            delta = mlp.down_proj.forward(act)
+        for it, (a, b), pi in zip(items, bounds, per_item):
+            if pi[6] is not None:  # the rows written by C: the layers' views now cover them
+                for layer_kv, _, _ in pi[4][3]:
+                    layer_kv.filled(it.position + 1)
+        # the final norm and lm_head over the rows whose logits are wanted, as each item's own step keeps them
+        keep = []
+        for it, (a, b) in zip(items, bounds):
+            r = (b - a) if it.rows is None else min(it.rows, b - a)
+            keep.append(r)
+        index = torch.tensor([p for (a, b), r in zip(bounds, keep) for p in range(b - r, b)], dtype=torch.long)
+        vocab = lean.model.lm_head.out_features
+        if index.numel() == 0:
+            return [h.new_empty(0, vocab) for _ in items]
+        hk = h.index_select(1, index)
+        dk = delta.index_select(1, index)
+        logits = self.lean.model.lm_head.forward(lean._norm(m.norm, hk, dk, scratch))[0]
+        out, at = [], 0
+        for r in keep:
+            out.append(logits[at : at + r] if r else h.new_empty(0, vocab))
+            at += r
+        return out
+
+
+__all__ = ["BatchedStep", "GRAIN", "ONE_THREAD_KEYS", "StepItem", "profile_status", "why_not"]

@@ -1,0 +1,152 @@
+"""Continuous batching for `kvmemory serve`: one thread steps a `Batch` (engine/batch.py) that every
+request's forward joins at the next step and leaves when it is done.
+
+The server's jobs stay what they were (a callable running the facade: recall, prompt, `Engine.forward`,
+post-processing) and still run one at a time under the compute queue's gate (worker.py): nothing but
+the forward itself ever runs concurrently, so the store, the router and the facade see the same one
+caller at a time as before. What changes: when a job reaches `Engine.forward`, the engine hands the
+sequence to this scheduler (`Engine.batcher`), and the job gives the gate up while its sequence is in
+the batch, so the next job runs its recall and prompt and joins the same steps. When its sequence is
+done the job takes the gate again and finishes.
+
+Steps: first come, first served, decode rows first, then prompt chunks within the per-step token
+budget (batch.py); a sequence starts only while the K/V positions of the running ones (prompt plus
+tokens to decode, each) stay within `kv_tokens`, else it waits for one to leave. Each sequence's
+`on_token` (the job's stream) is called from this thread; a stream whose client went away raises at its
+next token, and its sequence leaves the batch at once, its cache freed. Every answer is the bits of the
+same request computed alone (batched_step.py); where the profile cannot share rows exactly, the
+sequences still interleave, each computed alone within a step.
+
+A forward made while its thread holds the engine's pinned settings (a forward inside `verify`, say)
+runs alone at once, as before; so does one made from this thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvmemory.engine import determinism
+from kvmemory.engine.batch import DEFAULT_TOKEN_BUDGET, Batch, BatchSequence
+
+SCHEDULER_THREAD_NAME = "kvmemory-batch"
+DEFAULT_KV_TOKENS = 65536  # K/V positions the running sequences may hold together
+
+
+@dataclass(eq=False)
+class _Pending:
+    args: tuple
+    kwargs: dict
+    done: threading.Event = field(default_factory=threading.Event)
+    seq: BatchSequence | None = None
+    error: BaseException | None = None
+
+
+class BatchScheduler:
+    """The thread that steps the batch (see the module docstring). `while_waiting` is a context
+    manager factory the job's thread enters while its sequence is in the batch (the queue's gate)."""
+
+    def __init__(self, engine, *, token_budget: int = DEFAULT_TOKEN_BUDGET, kv_tokens: int = DEFAULT_KV_TOKENS,
+                 while_waiting: Callable[[], contextlib.AbstractContextManager] | None = None):
+        self.engine = engine
+        self.batch = Batch(engine, token_budget, kv_tokens=kv_tokens)
+        self.while_waiting = while_waiting or contextlib.nullcontext
+        self._cond = threading.Condition()
+        self._pending: list[_Pending] = []
+        self._running: list[_Pending] = []
+        self._closed = False
+        self.steps = 0
+        self.last_rows = 0
+        self._thread = threading.Thread(target=self._run, name=SCHEDULER_THREAD_NAME, daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ state (metrics)
+    @property
+    def sequences(self) -> int:
+        """Sequences in the batch now (running or waiting for K/V room)."""
+        return len(self._running)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._pending)
+
+    # ------------------------------------------------------------------ the engine's side
+    def takes(self) -> bool:
+        """Whether a forward called now, from this thread, joins the batch."""
+        return (not self._closed and threading.current_thread() is not self._thread
+                and not determinism._LOCK._is_owned())
+
+    def forward(self, token_ids, **kwargs):
+        """`Engine.forward` through the batch: (ForwardResult, GraftReport), or the sequence's error."""
+        item = _Pending((token_ids,), kwargs)
+        with self._cond:
+            self._pending.append(item)
+            self._cond.notify()
+        with self.while_waiting():
+            item.done.wait()
+        if item.error is not None:
+            raise item.error
+        seq = item.seq
+        if seq.error is not None:
+            raise seq.error
+        seq.report.blocks_stored = seq.blocks_stored
+        return seq.result, seq.report
+
+    # ------------------------------------------------------------------ the loop
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._pending and not self._running and not self._closed:
+                    self._cond.wait()
+                if self._closed and not self._pending and not self._running:
+                    return
+                new, self._pending = self._pending, []
+            for item in new:
+                try:
+                    item.seq = self.batch.add(*item.args, **item.kwargs)
+                    self._running.append(item)
+                except BaseException as exc:  # noqa: BLE001 - the caller's error, raised in its thread
+                    item.error = exc
+                    item.done.set()
+            try:
+                self.batch.step()
+                self.steps += 1
+                self.last_rows = self.batch.last_rows
+            except BaseException as exc:  # noqa: BLE001 - a step that failed fails its sequences, not the server
+                for item in self._running:
+                    if not item.seq.done:
+                        item.seq.error = exc
+                        self.batch.cancel(item.seq)
+            still = []
+            for item in self._running:
+                if item.seq.done:
+                    item.done.set()
+                else:
+                    still.append(item)
+            self._running = still
+
+    def close(self, timeout: float | None = None) -> None:
+        """Finish the sequences in the batch, then end the thread."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._thread.join(timeout)
+
+
+@contextlib.contextmanager
+def released(gate: Callable[[], contextlib.AbstractContextManager], lock) -> "contextlib.Generator":
+    """What a job gives up while its forward is in the batch: the memory's lock (`adapters.shared`: a
+    chat holds it for its whole call) when this thread holds it, however deeply, and the queue's gate.
+    Taken back gate first: whoever holds the gate runs, and no job that waits holds the lock."""
+    state = lock._release_save() if lock is not None and lock._is_owned() else None
+    try:
+        with gate():
+            yield
+    finally:
+        if state is not None:
+            lock._acquire_restore(state)
+
+
+__all__ = ["BatchScheduler", "DEFAULT_KV_TOKENS", "released"]

@@ -1,0 +1,230 @@
+"""The batched step (engine/batched_step.py, engine/batch.py): every sequence of a batch gets the bits it
+gets alone (torch.equal on every prefill and decode logit), for batches of 1, 2, 4, 8 and 16 mixing
+grafted and cold, short and long sequences, on the embedded model and the tiny architecture matrix."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+from gguf_files import write_tiny_gguf
+from tiny_models import ARCHS, tiny_engine
+
+from kvmemory.engine.batched_step import GRAIN, BatchedStep, StepItem, why_not
+from kvmemory.engine.engine import Engine
+from kvmemory.kernels import quantized_linear
+from kvmemory.store.local import LocalStore
+
+SIZES = (1, 2, 4, 8, 16)
+
+
+def _pool(eng: Engine, chunk: int, vocab: int, seed: int = 0) -> list[dict]:
+    """16 requests: short and long prompts, some of whose prefixes are stored (grafted), some cold, with
+    different numbers of tokens to decode (so sequences leave the batch at different steps), some in
+    logits="last" mode (what answering computes)."""
+    rng = random.Random(seed)
+    base = [rng.randrange(3, vocab) for _ in range(5 * chunk)]
+    eng.store_prefix(base[: 3 * chunk])  # a shared stored prefix: long prompts that start with it graft it
+    other = [rng.randrange(3, vocab) for _ in range(2 * chunk)]
+    eng.store_prefix(other)
+    reqs = []
+    for i in range(16):
+        kind = i % 4
+        if kind == 0:  # short, cold
+            ids = [rng.randrange(3, vocab) for _ in range(rng.randrange(1, chunk // 2 + 2))]
+        elif kind == 1:  # long, grafted from the shared prefix
+            ids = base[: 3 * chunk] + [rng.randrange(3, vocab) for _ in range(rng.randrange(1, 2 * chunk))]
+        elif kind == 2:  # long, cold (the same prefix, not grafted)
+            ids = base[: rng.randrange(chunk + 1, 5 * chunk)]
+        else:  # a graft of the other stored prefix, a short tail
+            ids = other + [rng.randrange(3, vocab) for _ in range(rng.randrange(1, 5))]
+        req = dict(token_ids=ids, graft=kind != 2, max_new_tokens=rng.randrange(0, 7), stop_token_ids=(),
+                   keep_logits=True)
+        if i % 5 == 4:
+            req.update(logits="last", keep_logits=False)
+        reqs.append(req)
+    return reqs
+
+
+def _check(eng: Engine, reqs: list[dict], budget: int, late: bool = True) -> None:
+    alone = [eng.forward(**r) for r in reqs]
+    for size in SIZES:
+        chosen = reqs[:size]
+        batch = eng.batch(budget)
+        first = chosen if not late else chosen[: (size + 1) // 2]
+        seqs = [batch.add(**r) for r in first]
+        if late:  # the others join two steps later, while the first are running
+            batch.step()
+            batch.step()
+            seqs += [batch.add(**r) for r in chosen[len(first):]]
+        widest = batch.last_rows
+        while batch.step():
+            widest = max(widest, batch.last_rows)
+        assert size < 4 or widest > 2  # the sequences really shared steps
+        for i, s in enumerate(seqs):
+            ref, ref_report = alone[i]
+            got = s.result
+            assert s.error is None, s.error
+            assert got.generated == ref.generated, (size, i)
+            assert got.logits_sha256 == ref.logits_sha256, (size, i)
+            assert got.argmax == ref.argmax
+            assert got.stopped_by == ref.stopped_by
+            assert s.report.tokens_grafted == ref_report.tokens_grafted
+            if ref.prefill_logits is not None:
+                assert torch.equal(got.prefill_logits, ref.prefill_logits), (size, i)
+                assert torch.equal(got.decode_logits, ref.decode_logits), (size, i)
+        assert not batch.sequences  # every sequence left when done
+    assert any(r.tokens_grafted for _, r in alone) and any(not r.tokens_grafted for _, r in alone)
+
+
+@pytest.fixture(scope="module")
+def tiny_ggufs(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("gguf")
+    return {arch: write_tiny_gguf(folder / f"{arch}.gguf", arch, linear_type="Q8_0")[0] for arch in ARCHS}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_row_equals_its_sequence_alone_across_the_matrix(arch, tiny_ggufs, tmp_path):
+    eng = Engine.open(str(tiny_ggufs[arch]), tmp_path / "store", chunk=16)
+    if arch in ("llama", "mistral", "qwen2"):  # the lean step over GGUF blocks: rows share the step
+        assert why_not(eng.runner) is None
+    else:
+        assert why_not(eng.runner) is not None
+    _check(eng, _pool(eng, 16, eng.runner.vocab_size), budget=40)
+
+
+@pytest.mark.parametrize("kind", sorted(quantized_linear.FORMATS))
+def test_block_types_batch_exactly(kind, tmp_path):
+    path = write_tiny_gguf(tmp_path / "m.gguf", "llama", linear_type=kind, embedding_type=kind, seed=1)[0]
+    eng = Engine.open(str(path), tmp_path / "store", chunk=16)
+    assert why_not(eng.runner) is None
+    _check(eng, _pool(eng, 16, eng.runner.vocab_size, seed=1)[:8], budget=64, late=False)
+
+
+def test_torch_linears_run_one_at_a_time_and_still_equal(store_dir):
+    """oneDNN / torch GEMMs change their reduction with the row count: no sharing, the same answers."""
+    eng = tiny_engine("llama", store_dir)
+    reason = why_not(eng.runner)
+    assert reason is not None and "GGUF" in reason
+    _check(eng, _pool(eng, 16, 512)[:8], budget=40, late=False)
+
+
+def test_the_embedded_model_batches_exactly(smollm, tmp_path):
+    eng = Engine(smollm, LocalStore(tmp_path / "store"))
+    assert why_not(eng.runner) is None, why_not(eng.runner)
+    _check(eng, _pool(eng, 64, eng.runner.vocab_size, seed=3), budget=256)
+
+
+def test_the_row_kernels_are_row_count_invariant(smollm, tmp_path):
+    """What the shared step relies on, measured: the GGUF-block linears and the norm kernel give a row
+    the same bits whatever rows share the call (1 to 80 rows)."""
+    eng = Engine(smollm, LocalStore(tmp_path / "store"))
+    lean = eng.runner._lean_step
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 80, smollm.model.config.hidden_size, generator=g)
+    with eng.determinism.applied(), torch.inference_mode():
+        for lin in (lean.qkv[0], lean.gate_up[3], smollm.model.lm_head):
+            whole = lin.forward(x)
+            for r in (1, 2, 16, 21, 80):
+                assert torch.equal(lin.forward(x[:, :r]), whole[:, :r])
+            assert torch.equal(lin.forward(x[:, 37:38]), whole[:, 37:38])
+        norm = lean.layers[0].input_layernorm
+        scratch = torch.empty(x.shape[-1])
+        whole = lean._norm(norm, x.clone(), None, scratch)
+        for r in (1, 5, 80):
+            assert torch.equal(lean._norm(norm, x[:, :r].clone(), None, scratch), whole[:, :r])
+
+
+def test_a_cancelled_sequence_leaves_at_once_and_the_others_are_unchanged(tmp_path, tiny_ggufs):
+    eng = Engine.open(str(tiny_ggufs["llama"]), tmp_path / "store", chunk=16)
+    reqs = _pool(eng, 16, eng.runner.vocab_size)[:4]
+    for r in reqs:
+        r["max_new_tokens"] = 6
+    alone = [eng.forward(**r)[0] for r in reqs]
+    batch = eng.batch(64)
+    seqs = [batch.add(**r) for r in reqs]
+    batch.step()
+    batch.cancel(seqs[1])
+    assert seqs[1] not in batch.sequences and seqs[1].cache is None
+    batch.run()
+    for i in (0, 2, 3):
+        assert torch.equal(seqs[i].result.all_logits(), alone[i].all_logits())
+    assert seqs[1].result is None and seqs[1].cancelled
+
+
+def test_the_step_plan_puts_decode_rows_first_within_the_budget(tmp_path, tiny_ggufs):
+    eng = Engine.open(str(tiny_ggufs["llama"]), tmp_path / "store", chunk=16)
+    batch = eng.batch(20)
+    a = batch.add(list(range(3, 8)), graft=False, max_new_tokens=4)
+    batch.step()  # a's prompt: 5 tokens
+    b = batch.add(list(range(3, 60)), graft=False, max_new_tokens=2)
+    c = batch.add(list(range(3, 40)), graft=False, max_new_tokens=2)
+    plan = batch.plan()
+    assert plan[0] == (a, 5, 6)  # a's decode row first
+    assert plan[1] == (b, 0, 16)  # then b's first chunk; c's would pass the budget (1 + 16 + 16 > 20)
+    assert len(plan) == 2
+    batch.run()
+    assert a.result and b.result and c.result
+
+
+def test_sampled_sequences_batch_exactly(tmp_path, tiny_ggufs):
+    from kvmemory.engine.runner import Sampling
+
+    eng = Engine.open(str(tiny_ggufs["llama"]), tmp_path / "store", chunk=16)
+    reqs = [dict(token_ids=list(range(5 + i, 30 + 3 * i)), graft=False, max_new_tokens=5, stop_token_ids=(),
+                 keep_logits=True, sampling=Sampling(temperature=0.8, top_k=20, seed=i)) for i in range(4)]
+    alone = [eng.forward(**r)[0] for r in reqs]
+    got = eng.forward_many(reqs, token_budget=64)
+    for (res, _), ref in zip(got, alone):
+        assert res.generated == ref.generated and torch.equal(res.all_logits(), ref.all_logits())
+
+
+def test_step_items_alone_equal_the_runner_step():
+    assert GRAIN == 32768
+    assert BatchedStep and StepItem
+
+
+def test_the_static_step_runs_one_sequence_at_a_time_and_still_equals(store_dir):
+    """One cache for one sequence (static_step.py): the batch runs its sequences first come, first served."""
+    eng = tiny_engine("llama", store_dir, step="static")
+    assert "one cache" in why_not(eng.runner)
+    reqs = _pool(eng, 16, 512, seed=4)[:4]
+    alone = [eng.forward(**r) for r in reqs]
+    batch = eng.batch(64)
+    seqs = [batch.add(**r) for r in reqs]
+    while batch.step():
+        assert batch.last_rows == 1
+    for s, (ref, _) in zip(seqs, alone):
+        assert s.result.logits_sha256 == ref.logits_sha256 and s.result.generated == ref.generated
+
+
+@pytest.mark.skipif(os.environ.get("ATEN_CPU_CAPABILITY") == "avx2", reason="this run is the AVX2 one")
+def test_the_avx2_builds_batch_exactly_too():
+    """The other ISA build (torch told to run AVX2, so native.py picks the kernels' AVX2 builds)."""
+    from kvmemory.kernels import native
+
+    if not native.runs("AVX2"):
+        pytest.skip("this CPU runs no AVX2")
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
+    r = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                        "matrix and (llama or qwen2) or block_types"], env=env, capture_output=True, text=True,
+                       cwd=os.path.dirname(__file__), timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+
+
+def test_a_sequence_past_the_kv_budget_waits_for_room(tmp_path, tiny_ggufs):
+    from kvmemory.engine.batch import Batch
+
+    eng = Engine.open(str(tiny_ggufs["llama"]), tmp_path / "store", chunk=16)
+    batch = Batch(eng, 64, kv_tokens=40)
+    a = batch.add(list(range(3, 30)), graft=False, max_new_tokens=5)  # 32 positions
+    b = batch.add(list(range(3, 20)), graft=False, max_new_tokens=5)  # 22 more: past 40, so it waits
+    batch.step()
+    assert a.prepared and not b.prepared
+    batch.run()
+    assert a.result is not None and b.result is not None
+    assert b.result.logits_sha256 == eng.forward(list(range(3, 20)), graft=False, max_new_tokens=5)[0].logits_sha256
