@@ -366,6 +366,15 @@ def bench_store(args) -> int:
     return 0
 
 
+def bench_remember(args) -> int:
+    _quiet_transformers()
+    from kvmemory.bench.remember_batch import format_table, run_remember_bench
+
+    r = run_remember_bench(entries=args.entries, seed=args.seed, model=args.model, progress=_progress(args))
+    _emit(args, r, format_table(r))
+    return 0 if r["same_entries_and_kv"] else 1
+
+
 def bench_capacity(args) -> int:
     _quiet_transformers()
     from kvmemory.bench.capacity import format_table, plot, run_capacity_bench
@@ -1065,7 +1074,7 @@ def build_parser() -> argparse.ArgumentParser:
                   epilog=_examples("kvmemory reindex --embedder multilingual   # French, Chinese, ... route too"))
     ri.set_defaults(func=cmd_reindex)
 
-    _bench_parsers(_command(sub, "bench", "benchmarks: graft, answer, agent-loop, gpu, recurring, router, store, capacity, "
+    _bench_parsers(_command(sub, "bench", "benchmarks: graft, answer, agent-loop, gpu, recurring, router, store, remember, capacity, "
                             "serve (each with "
                             "its own options: kvmemory bench BENCH --help)",
                             epilog=_examples("kvmemory bench graft --repeats 5 --plot graft.png --json",
@@ -1326,6 +1335,15 @@ def _bench_parsers(bench: argparse.ArgumentParser) -> None:
                   parents=[json_opt])
     st.add_argument("--blocks", type=_count(), default=64, help="blocks per measurement (default: %(default)s)")
     st.set_defaults(func=bench_store)
+
+    rm = _command(sub, "remember", "remember of N entries one at a time vs one batch (KVMemory.remember_many): "
+                  "seconds per entry, the model's share and the rest's; exits 1 when the two stored different "
+                  "entries or KV", parents=[json_opt],
+                  epilog=_examples("kvmemory bench remember --entries 10 --json > remember.json"))
+    rm.add_argument("--entries", type=_count(), default=10, help="entries each side remembers (default: %(default)s)")
+    rm.add_argument("--model", default=None, help="the model (default: the embedded default)")
+    seed(rm)
+    rm.set_defaults(func=bench_remember)
 
     ca = _command(sub, "capacity", "graft latency and resident memory as the store grows to millions of tokens",
                   parents=[json_opt])
