@@ -131,11 +131,17 @@ def _emit(args, obj: dict, text: str) -> None:
 def _remember_one(args, mem, d: dict) -> dict:
     """Remember one solution (a --jsonl line or the --problem options), or a note (--problem alone); what
     --json reports of it."""
-    from kvmemory.memory.verifiers import kind_of
 
     e = mem.remember(d.get("problem"), d.get("solution"), d.get("answer"),
                      verifier=d.get("verifier", args.verifier), namespace=d.get("namespace"),
                      allow_unverified=args.allow_unverified, meta=d.get("meta", _meta(args.meta)))
+    return _remembered_json(e)
+
+
+def _remembered_json(e) -> dict:
+    """What --json reports of a remembered entry."""
+    from kvmemory.memory.verifiers import kind_of
+
     return {"id": e.id, "namespace": e.namespace, "tokens": len(e.token_ids), "blocks": len(e.chain),
             "verified": e.verified, "kind": kind_of(e), "attestation_id": e.attestation["attestation_id"],
             "bit_identical": e.attestation["bit_identical"],
@@ -171,8 +177,11 @@ def cmd_remember(args) -> int:
     # refused line makes the exit status 3 (memory/batch.py).
     report = read_jsonl(args.jsonl)
     if report.pending:
-        remember_lines(_memory(args, writes=True), report, remember_one=lambda m, d: _remember_one(args, m, d),
-                       progress=True)
+        # One batch (KVMemory.remember_many): the router's embeddings in one call, the KV back to back,
+        # one commit per batch; a line refused there is refused alone.
+        remember_lines(_memory(args, writes=True), report, describe=_remembered_json, progress=True,
+                       defaults={"verifier": args.verifier, "allow_unverified": args.allow_unverified or None,
+                                 "meta": _meta(args.meta)})
     text = [_remembered_line(f.result) if f.status == "remembered" else
             f"line {f.line} refused: {f.error}: {f.message}" for f in report.lines]
     text.append(f"{len(report.remembered)} of {len(report.lines)} lines remembered, {len(report.refused)} refused")
