@@ -379,7 +379,8 @@ def bench_remember(args) -> int:
     _quiet_transformers()
     from kvmemory.bench.remember_batch import format_table, run_remember_bench
 
-    r = run_remember_bench(entries=args.entries, seed=args.seed, model=args.model, progress=_progress(args))
+    r = run_remember_bench(entries=args.entries, seed=args.seed, model=args.model, repeats=args.repeats,
+                           progress=_progress(args))
     _emit(args, r, format_table(r))
     return 0 if r["same_entries_and_kv"] else 1
 
@@ -1351,6 +1352,8 @@ def _bench_parsers(bench: argparse.ArgumentParser) -> None:
                   epilog=_examples("kvmemory bench remember --entries 10 --json > remember.json"))
     rm.add_argument("--entries", type=_count(), default=10, help="entries each side remembers (default: %(default)s)")
     rm.add_argument("--model", default=None, help="the model (default: the embedded default)")
+    rm.add_argument("--repeats", type=_count(), default=1, help="rounds on fresh stores, the sides' order "
+                    "alternating; medians reported (default: %(default)s)")
     seed(rm)
     rm.set_defaults(func=bench_remember)
 
