@@ -20,7 +20,7 @@ from kvmemory.memory import writes
 
 
 def _items(n: int, seed: int) -> list[dict]:
-    from kvmemory import generate_problems
+    from kvmemory.bench.problems import generate_problems
 
     return [{"problem": p.text, "solution": p.solution, "answer": str(p.answer), "verifier": "arithmetic"}
             for p in generate_problems(n, seed=seed)]
