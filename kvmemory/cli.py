@@ -1348,10 +1348,9 @@ def _bench_parsers(bench: argparse.ArgumentParser) -> None:
 
     rm = _command(sub, "remember", "remember of N entries one at a time vs one batch (KVMemory.remember_many): "
                   "seconds per entry, the model's share and the rest's; exits 1 when the two stored different "
-                  "entries or KV", parents=[json_opt],
+                  "entries or KV", parents=[_parent("model"), json_opt],
                   epilog=_examples("kvmemory bench remember --entries 10 --json > remember.json"))
     rm.add_argument("--entries", type=_count(), default=10, help="entries each side remembers (default: %(default)s)")
-    rm.add_argument("--model", default=None, help="the model (default: the embedded default)")
     rm.add_argument("--repeats", type=_count(), default=1, help="rounds on fresh stores, the sides' order "
                     "alternating; medians reported (default: %(default)s)")
     seed(rm)
