@@ -194,3 +194,19 @@ def test_slices_commit_separately(pair, monkeypatch):
     fates = many.remember_many(mem, _items()[:4], max_batch_bytes=1)  # every entry its own slice
     assert all(f.ok for f in fates) and calls == []  # a slice of one commits with commit_entry
     assert len(mem.store.entry_ids()) == 4
+
+
+def test_a_signed_store_signs_every_entry_of_a_batch(tmp_path):
+    from kvmemory.store.signing import SignedLocalStore
+
+    key = "ab" * 32
+    eng = tiny_engine("llama", tmp_path / "unused")
+    eng.store = SignedLocalStore(tmp_path / "signed", signer=key)
+    mem = KVMemory(eng)
+    fates = mem.remember_many(_items()[:3] + [{"problem": "Bob likes black coffee."}])
+    assert all(f.ok for f in fates)
+    reader = SignedLocalStore(tmp_path / "signed", signer=key)  # a reader checks every signature
+    assert sorted(e.id for e in reader.list_entries()) == sorted(f.entry.id for f in fates)
+    assert reader.rejected == []
+    for f in fates:
+        assert reader.get_entry(f.entry.id).chain == f.entry.chain
