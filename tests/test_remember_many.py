@@ -116,6 +116,8 @@ def test_refusals_are_per_item_and_typed(pair):
         {"problem": PROBLEMS[1].text, "solution": PROBLEMS[1].solution, "answer": "999999"},  # exact-answer refuses
         {"problem": PROBLEMS[1].text, "solution": PROBLEMS[1].solution, "answer": "999999", "allow_unverified": True},
     ]
+    assert isinstance(mem.remember_many([{"problem": p.text, "solution": p.solution, "aliases": 5}])[0].error,
+                      InvalidInput)
     fates = mem.remember_many(items)
     assert [f.status for f in fates] == ["remembered", "refused", "refused", "refused", "refused", "remembered"]
     assert [type(f.error).__name__ for f in fates] == [

@@ -85,6 +85,8 @@ def _plan(mem, item: object, defaults: dict) -> dict:
     if unknown:
         raise InvalidInput(f"unknown field(s) {', '.join(map(repr, unknown))}; an item takes {', '.join(ITEM_FIELDS)}")
     d = {**defaults, **{k: v for k, v in item.items() if v is not None}}
+    if d.get("aliases") is not None and not isinstance(d["aliases"], (list, tuple)):
+        raise InvalidInput(f"aliases must be a list of strings, got {type(d['aliases']).__name__}")
     if not isinstance(d.get("allow_unverified", False), bool):
         raise InvalidInput(f"allow_unverified must be true or false, got {d['allow_unverified']!r}")
     p = mem._plan(d.get("problem"), d.get("solution"), d.get("answer"), d.get("verifier"), d.get("namespace"),
