@@ -36,10 +36,10 @@ from kvmemory.memory.proof import VerifySummary
 from kvmemory.memory.token_text import TokenText
 from kvmemory.memory.layout import Layout, chat_layout, question_layout
 from kvmemory.memory.routing import TEXT_TEMPLATE, Recalled  # noqa: F401 - re-exported
-
-_REEXPORTED = (TEXT_TEMPLATE,)  # the public API (kvmemory/__init__.py) imports it from here
 from kvmemory.engine.runner import GREEDY, Sampling
 from kvmemory.store.local import EntryRecord
+
+_REEXPORTED = (TEXT_TEMPLATE,)  # the public API (kvmemory/__init__.py) imports it from here
 
 DEFAULT_NAMESPACE = "default"
 _log = logging.getLogger("kvmemory.memory")
