@@ -24,6 +24,7 @@ routed and grafted and what every pass cost (`guided.DecodeStats`).
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -192,7 +193,8 @@ def _decode(req: ChatRequest, dec: Decoder, turns: list[dict]) -> ChatOutcome:
     choice: dict = {}
     if req.tool_mode and req.tool_policy == "scored" and user_turn:
         fit = tool_fits(dec.memory, turns[-1]["content"], req.tools)
-        offered = names if fit is None else [n for n in names if fit["scores"][n] >= fit["floor"]]
+        offered = names if fit is None else [n for n in names if fit["scores"][n] >= fit["floor"]
+                                             or n in fit["arithmetic"]]
         choice = {"tool_choice": {"fit": fit, "offered": offered}}
         pick = wants_tool(dec, turns, offered) if offered else None
         choice["tool_choice"]["called"] = pick
@@ -244,8 +246,23 @@ def tool_fits(memory: KVMemory, question: str, tools: Sequence[dict]) -> dict | 
     for x, v in zip(missing, vecs[1:]):
         _TOOL_VECTORS[(sha, x)] = v
     q = vecs[0]
+    # The embedder does not put arithmetic asked in words ("What is 12 times 7?") near an arithmetic
+    # tool's description (0.24 against "multiply: Multiply two integers."): a question that writes a
+    # number and an operation fits every tool whose name or description is about arithmetic.
+    arithmetic = [n for n, x in texts.items() if _ARITH_TOOL.search(x)] if _asks_arithmetic(question) else []
     return {"scores": {n: round(float(np.dot(q, _TOOL_VECTORS[(sha, x)])), 4) for n, x in texts.items()},
-            "floor": floor}
+            "floor": floor, "arithmetic": arithmetic}
+
+
+_ARITH_TOOL = re.compile(r"(?i)\b(multipl|add\b|adds\b|sum|subtract|divi|calculat|arithmetic|math|product|"
+                         r"evaluat|plus|minus|percent)")
+_ARITH_ASK = re.compile(r"(?i)(\d\s*[-+*/x×÷^%]\s*\d|\d\s*%|\b(times|multipl\w*|divided|plus|minus|sum|"
+                        r"product|percent|squared|cubed|add|subtract)\b)")
+
+
+def _asks_arithmetic(question: str) -> bool:
+    """A number and an operation on it ("23 times 19", "15% of 240", "12*7")."""
+    return bool(re.search(r"\d", question)) and bool(_ARITH_ASK.search(question))
 
 
 def _tool_text(fn: dict) -> str:
