@@ -131,11 +131,17 @@ def _emit(args, obj: dict, text: str) -> None:
 def _remember_one(args, mem, d: dict) -> dict:
     """Remember one solution (a --jsonl line or the --problem options), or a note (--problem alone); what
     --json reports of it."""
-    from kvmemory.memory.verifiers import kind_of
 
     e = mem.remember(d.get("problem"), d.get("solution"), d.get("answer"),
                      verifier=d.get("verifier", args.verifier), namespace=d.get("namespace"),
                      allow_unverified=args.allow_unverified, meta=d.get("meta", _meta(args.meta)))
+    return _remembered_json(e)
+
+
+def _remembered_json(e) -> dict:
+    """What --json reports of a remembered entry."""
+    from kvmemory.memory.verifiers import kind_of
+
     return {"id": e.id, "namespace": e.namespace, "tokens": len(e.token_ids), "blocks": len(e.chain),
             "verified": e.verified, "kind": kind_of(e), "attestation_id": e.attestation["attestation_id"],
             "bit_identical": e.attestation["bit_identical"],
@@ -171,8 +177,11 @@ def cmd_remember(args) -> int:
     # refused line makes the exit status 3 (memory/batch.py).
     report = read_jsonl(args.jsonl)
     if report.pending:
-        remember_lines(_memory(args, writes=True), report, remember_one=lambda m, d: _remember_one(args, m, d),
-                       progress=True)
+        # One batch (KVMemory.remember_many): the router's embeddings in one call, the KV back to back,
+        # one commit per batch; a line refused there is refused alone.
+        remember_lines(_memory(args, writes=True), report, describe=_remembered_json, progress=True,
+                       defaults={"verifier": args.verifier, "allow_unverified": args.allow_unverified or None,
+                                 "meta": _meta(args.meta)})
     text = [_remembered_line(f.result) if f.status == "remembered" else
             f"line {f.line} refused: {f.error}: {f.message}" for f in report.lines]
     text.append(f"{len(report.remembered)} of {len(report.lines)} lines remembered, {len(report.refused)} refused")
@@ -364,6 +373,16 @@ def bench_store(args) -> int:
     r = run_store_bench(blocks=args.blocks)
     _emit(args, r, format_table(r))
     return 0
+
+
+def bench_remember(args) -> int:
+    _quiet_transformers()
+    from kvmemory.bench.remember_batch import format_table, run_remember_bench
+
+    r = run_remember_bench(entries=args.entries, seed=args.seed, model=args.model, repeats=args.repeats,
+                           progress=_progress(args))
+    _emit(args, r, format_table(r))
+    return 0 if r["same_entries_and_kv"] else 1
 
 
 def bench_capacity(args) -> int:
@@ -1071,7 +1090,7 @@ def build_parser() -> argparse.ArgumentParser:
                   epilog=_examples("kvmemory reindex --embedder multilingual   # French, Chinese, ... route too"))
     ri.set_defaults(func=cmd_reindex)
 
-    _bench_parsers(_command(sub, "bench", "benchmarks: graft, answer, agent-loop, gpu, recurring, router, store, capacity, "
+    _bench_parsers(_command(sub, "bench", "benchmarks: graft, answer, agent-loop, gpu, recurring, router, store, remember, capacity, "
                             "serve (each with "
                             "its own options: kvmemory bench BENCH --help)",
                             epilog=_examples("kvmemory bench graft --repeats 5 --plot graft.png --json",
@@ -1338,6 +1357,16 @@ def _bench_parsers(bench: argparse.ArgumentParser) -> None:
                   parents=[json_opt])
     st.add_argument("--blocks", type=_count(), default=64, help="blocks per measurement (default: %(default)s)")
     st.set_defaults(func=bench_store)
+
+    rm = _command(sub, "remember", "remember of N entries one at a time vs one batch (KVMemory.remember_many): "
+                  "seconds per entry, the model's share and the rest's; exits 1 when the two stored different "
+                  "entries or KV", parents=[_parent("model"), json_opt],
+                  epilog=_examples("kvmemory bench remember --entries 10 --json > remember.json"))
+    rm.add_argument("--entries", type=_count(), default=10, help="entries each side remembers (default: %(default)s)")
+    rm.add_argument("--repeats", type=_count(), default=1, help="rounds on fresh stores, the sides' order "
+                    "alternating; medians reported (default: %(default)s)")
+    seed(rm)
+    rm.set_defaults(func=bench_remember)
 
     ca = _command(sub, "capacity", "graft latency and resident memory as the store grows to millions of tokens",
                   parents=[json_opt])

@@ -466,3 +466,28 @@ def test_scored_tool_policy_measures_the_shift_against_a_content_free_turn(memor
         assert dec.stats.passes == (2 if len(picks) == 1 else 1)  # the baseline's pass only the first time
     assert len(chat._BASELINES) == 1
     assert picks == {"What's the weather like in Paris right now?": "get_weather", "Write a haiku about spring.": None}
+
+
+def test_no_tool_fits_and_the_model_answers_without_a_call(memory):
+    """Issue 48 item 6: a question no bound tool fits (by the router's embedder, `chat.tool_fits`) is
+    answered in text, no call; a question a tool fits is still a call to it; what was offered is told."""
+    from kvmemory.adapters import chat
+
+    tools = [{"type": "function", "function": {"name": n, "description": d, "parameters": {
+        "type": "object", "properties": {p: {"type": "string"}}, "required": [p]}}}
+        for n, d, p in (("get_weather", "Get the current weather in a city.", "city"),
+                        ("calculator", "Evaluate an arithmetic expression, e.g. 12 * (3 + 4).", "expression"))]
+    shared = borrow_memory(memory)
+    outs = {}
+    for q in ("Who was the first person to walk on the Moon?", "What's the weather like in Madrid today?"):
+        outs[q] = run_chat(shared, ChatRequest(turns=to_turns([Message("user", q)]), tools=tools, max_tokens=12,
+                                               route=False))
+    free = outs["Who was the first person to walk on the Moon?"]
+    assert free.tool_calls == [] and free.invalid_tool_calls == [] and free.finish_reason != "tool_calls"
+    told = free.provenance()["tool_choice"]
+    assert told["offered"] == [] and told["called"] is None
+    assert max(told["fit"]["scores"].values()) < told["fit"]["floor"] == chat.TOOL_FIT_FLOORS[chat.MINILM_SHA256]
+    weather = outs["What's the weather like in Madrid today?"]
+    assert [c["name"] for c in weather.tool_calls] == ["get_weather"]
+    assert weather.provenance()["tool_choice"]["offered"] == ["get_weather"]
+    assert chat._tool_text(tools[0]["function"]) == "get weather: Get the current weather in a city."

@@ -184,7 +184,7 @@ def test_jsonl_lines_refused_when_redis_goes_away_exit_3(tiny_model, tmp_path, m
     made the command exit 0."""
     from redis_server import RedisServer
 
-    from kvmemory.memory.facade import KVMemory
+    from kvmemory.store.redis_store import RedisStore
 
     key = "ab" * 32
     problems = [(f"A box holds {n} eggs and {n + 1} more are added. How many eggs?",
@@ -192,14 +192,14 @@ def test_jsonl_lines_refused_when_redis_goes_away_exit_3(tiny_model, tmp_path, m
     lines = _jsonl(tmp_path / "in.jsonl", [json.dumps(dict(zip(("problem", "solution", "answer"), t)))
                                            for t in problems])
     with RedisServer() as srv:
-        real = KVMemory.remember
+        # The lines are one batch (KVMemory.remember_many); a Redis store commits its entries one by one
+        real = RedisStore.commit_entry
 
-        def remember_then_kill(self, *a, **kw):
-            entry = real(self, *a, **kw)
+        def commit_then_kill(self, *a, **kw):
+            real(self, *a, **kw)
             srv.stop()  # Redis dies after the first entry is committed
-            return entry
 
-        monkeypatch.setattr(KVMemory, "remember", remember_then_kill)
+        monkeypatch.setattr(RedisStore, "commit_entry", commit_then_kill)
         code, out, _ = run_main("remember", "--jsonl", str(lines), "--model", tiny_model, "--store",
                                 f"{srv.url}?store=t40&tier={tmp_path / 'tier'}", "--signing-key", key, "--json")
     report = json.loads(out)

@@ -8,8 +8,10 @@ Then, under the memory's lock:
 - a response schema: the JSON value is written under the schema's guidance (`guided.JsonGuide`);
 - a required tool call (`tool_choice` "any" or a tool's name, or `tool_policy="user_turn"` on a
   user turn): the model picks the tool and decodes its arguments under its schema (`guided.call_tool`);
-- `tool_policy="scored"` (the default) on a user turn with tool_choice "auto": the model's own
-  likelihoods decide between calling a tool and answering (`wants_tool`), then as above;
+- `tool_policy="scored"` (the default) on a user turn with tool_choice "auto": only the tools that fit
+  the question are offered (`tool_fits`: the router's embedder; with none, the model answers without a
+  call), then the model's own likelihoods decide between calling one and answering (`wants_tool`),
+  then as above;
 - after a tool result with tool_choice "auto" (every policy): an answer that states the result,
   unless another call is clearly likelier and is not one already answered (`after_tool`);
 - otherwise free text, read for a tool call the model began by itself when tools are bound.
@@ -22,6 +24,7 @@ routed and grafted and what every pass cost (`guided.DecodeStats`).
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -35,6 +38,7 @@ from kvmemory.engine.runner import GREEDY, Sampling
 from kvmemory.memory.facade import KVMemory, Recalled
 from kvmemory.memory.prompts import render_ids
 from kvmemory.memory.verifiers import kind_of
+from kvmemory.routing.embedders import MINILM_SHA256
 
 # What an unforced call (tool_choice "auto") with tools bound does on a user turn (see `ChatRequest.tool_policy`).
 TOOL_POLICIES = ("scored", "model", "user_turn")
@@ -48,6 +52,19 @@ CONTENT_FREE = "N/A"
 TOOL_MARGIN = -7.0
 _BASELINES: dict[tuple, list[float]] = {}  # (profile, content-free prompt ids, options) -> their scores
 _MAX_BASELINES = 64
+
+# `tool_fits`: which tools fit the question at all, before the model scores any (issue 48, item 6: a
+# question no tool fits, "Capital of France?", got a call). The model's shift cannot tell: on
+# bench/agent_questions.py's calibration sets, "Which animal says moo?" moved the model towards
+# `define_word` (shift -0.73) more than "What is 347 multiplied by 29?" moved it towards `calculator`
+# (-5.1). The question's cosine with each tool's "name: description" in the router's sentence embedder
+# does: over CALIBRATION's 12 tool questions the tool they need scored 0.356 to 0.598, over
+# NO_TOOL_CALIBRATION's 6 questions every given tool scored at most 0.294. The floor sits between
+# (0.32); a tool under it is not offered, and with none left the model answers without a call.
+# Per embedder (its weights' SHA-256): an embedder with no measured floor offers every tool, as before.
+TOOL_FIT_FLOORS: dict[str, float] = {MINILM_SHA256: 0.32}
+_TOOL_VECTORS: dict[tuple[str, str], object] = {}  # (embedder sha, tool text) -> its unit vector
+_MAX_TOOL_VECTORS = 512
 
 # How the runner's stop reasons read as a chat response's finish reason.
 _FINISH = {"stop_token": "stop", "stop": "stop", "length": "length"}
@@ -173,11 +190,25 @@ def _decode(req: ChatRequest, dec: Decoder, turns: list[dict]) -> ChatOutcome:
             out.notes = notes
             return out
         return ChatOutcome(step.text, finish_reason=step.finish_reason, notes=notes)
+    choice: dict = {}
     if req.tool_mode and req.tool_policy == "scored" and user_turn:
-        pick = wants_tool(dec, turns, names)
+        fit = tool_fits(dec.memory, turns[-1]["content"], req.tools)
+        offered = names if fit is None else [n for n in names if fit["scores"][n] >= fit["floor"]
+                                             or n in fit["arithmetic"]]
+        choice = {"tool_choice": {"fit": fit, "offered": offered}}
+        pick = wants_tool(dec, turns, offered) if offered else None
+        choice["tool_choice"]["called"] = pick
         if pick is not None:
-            return _tool_outcome("", call_tool(dec, req.tools, "", [pick], req.max_tokens))
+            out = _tool_outcome("", call_tool(dec, req.tools, "", [pick], req.max_tokens))
+            out.notes = choice
+            return out
     ans = dec.free("", max_new_tokens=req.max_tokens, stop=req.held_back, shown=True)
+    if req.tool_mode and choice and not choice["tool_choice"]["offered"]:
+        # No tool fits the question: the answer is the model's text, never a call it began by itself
+        text = ans.text
+        if TOOL_CALL_OPEN in text:
+            text = text[: text.index(TOOL_CALL_OPEN)]
+        return ChatOutcome(text, finish_reason=_FINISH.get(ans.stopped_by, "stop"), notes=choice)
     if req.tool_mode:
         raw = dec.memory.engine.decode(ans.token_ids)
         if TOOL_CALL_OPEN in raw:  # the model began a call by itself: write it out under the schema
@@ -186,7 +217,59 @@ def _decode(req: ChatRequest, dec: Decoder, turns: list[dict]) -> ChatOutcome:
         rest, calls, invalid = parse_tool_calls(ans.text, names)
         if calls or invalid:
             return ChatOutcome(rest, calls, invalid, finish_reason="tool_calls")
-    return ChatOutcome(ans.text, finish_reason=_FINISH.get(ans.stopped_by, "stop"))
+    return ChatOutcome(ans.text, finish_reason=_FINISH.get(ans.stopped_by, "stop"), notes=choice)
+
+
+def tool_fits(memory: KVMemory, question: str, tools: Sequence[dict]) -> dict | None:
+    """How well each tool fits `question`: {"scores": {name: cosine}, "floor": the embedder's measured
+    floor} (see TOOL_FIT_FLOORS), or None when the router's embedder has no measured floor (then every
+    tool is offered). The tools' vectors are kept per embedder, so an agent loop embeds its question only."""
+    import numpy as np
+
+    from kvmemory.routing.embedders import weights_fingerprint
+
+    if not question.strip() or not tools:
+        return None
+    emb = memory.router.embedder
+    try:
+        sha = weights_fingerprint(emb.path, emb.weight_files())
+    except Exception:  # noqa: BLE001 - an embedder without weight files on disk (a test double, a remote one)
+        return None
+    floor = TOOL_FIT_FLOORS.get(sha)
+    if floor is None:
+        return None
+    texts = {t["function"]["name"]: _tool_text(t["function"]) for t in tools}
+    missing = [x for x in dict.fromkeys(texts.values()) if (sha, x) not in _TOOL_VECTORS]
+    vecs = emb.embed([question, *missing])
+    if len(_TOOL_VECTORS) + len(missing) > _MAX_TOOL_VECTORS:
+        _TOOL_VECTORS.clear()
+    for x, v in zip(missing, vecs[1:]):
+        _TOOL_VECTORS[(sha, x)] = v
+    q = vecs[0]
+    # The embedder does not put arithmetic asked in words ("What is 12 times 7?") near an arithmetic
+    # tool's description (0.24 against "multiply: Multiply two integers."): a question that writes a
+    # number and an operation fits every tool whose name or description is about arithmetic.
+    arithmetic = [n for n, x in texts.items() if _ARITH_TOOL.search(x)] if _asks_arithmetic(question) else []
+    return {"scores": {n: round(float(np.dot(q, _TOOL_VECTORS[(sha, x)])), 4) for n, x in texts.items()},
+            "floor": floor, "arithmetic": arithmetic}
+
+
+_ARITH_TOOL = re.compile(r"(?i)\b(multipl|add\b|adds\b|sum|subtract|divi|calculat|arithmetic|math|product|"
+                         r"evaluat|plus|minus|percent)")
+_ARITH_ASK = re.compile(r"(?i)(\d\s*[-+*/x×÷^%]\s*\d|\d\s*%|\b(times|multipl\w*|divided|plus|minus|sum|"
+                        r"product|percent|squared|cubed|add|subtract)\b)")
+
+
+def _asks_arithmetic(question: str) -> bool:
+    """A number and an operation on it ("23 times 19", "15% of 240", "12*7")."""
+    return bool(re.search(r"\d", question)) and bool(_ARITH_ASK.search(question))
+
+
+def _tool_text(fn: dict) -> str:
+    """What a tool is compared with: its name in words and its description ("get weather: Get the ...")."""
+    name = str(fn.get("name", "")).replace("_", " ").strip()
+    desc = " ".join(str(fn.get("description") or "").split())
+    return f"{name}: {desc}" if desc else name
 
 
 def _call_heads(names: list[str]) -> list[str]:

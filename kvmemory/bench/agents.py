@@ -1,7 +1,8 @@
 """`python -m kvmemory.bench.agents`: do real agents on the embedded model finish?
 
-Each question of `agent_questions` (12 held-out by default; `--set calibration` for the set margins
-may be chosen on) is given to a real agent with its two tools (`agent_tools`) and the chat model over
+Each question of `agent_questions` (the 12 held-out tool questions and the 6 held-out questions no tool
+fits, by default; `--set calibration` for the sets margins and floors may be chosen on) is given to a
+real agent with its two tools (`agent_tools`) and the chat model over
 the embedded SmolLM2-135M-Instruct, with an empty store (no stored demonstration, nothing routed):
 
 - LangChain 1.x: `langchain.agents.create_agent(ChatKVGraft(...), tools)`, `invoke` with a recursion
@@ -15,7 +16,10 @@ an identical call (a loop), and whether the final answer states every tool resul
 result, thousands separators aside; the result's text when it has no number), and whether it states
 what the reference calls return (`agent_questions.REFERENCE`: the question answered right; a call
 with wrong arguments gets a wrong result the answer may state faithfully). That check is the
-benchmark's own, written apart from the adapter's. `answer` says whose words the answer is: the
+benchmark's own, written apart from the adapter's. A question no tool fits is answered right when the
+agent calls no tool and its answer says one of the question's words (`agent_questions.NO_TOOL_ANSWERS`);
+the summary gives, per framework, the tool calls made on those questions (the target is 0) and the
+right answers of each kind. `answer` says whose words the answer is: the
 model's, or the model's after an opening holding the results (`adapters/after_tool.py`).
 
 The chat models run with their default settings (max_tokens 256, greedy, tool_policy "scored").
@@ -34,7 +38,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
-from kvmemory.bench.agent_questions import REFERENCE, SETS, ToolQuestion
+from kvmemory.bench.agent_questions import NO_TOOL_ANSWERS, REFERENCE, SETS, ToolQuestion
 from kvmemory.bench.agent_tools import TOOLS
 
 FRAMEWORKS = ("langchain", "llamaindex")
@@ -76,12 +80,22 @@ class AgentRun:
         return bool(self.results) and all(_stated(r, self.answer) for r in self.results)
 
     @property
+    def needs_tool(self) -> bool:
+        return bool(self.expected)
+
+    @property
     def right_answer(self) -> bool:
-        """The final answer states what the reference calls return: the question answered right."""
+        """The final answer states what the reference calls return: the question answered right. A
+        question no tool fits: answered without a call, saying one of its right words."""
+        if not self.needs_tool:
+            words = NO_TOOL_ANSWERS.get(self.question, ())
+            text = self.answer.lower()
+            return self.finished and not self.tool_calls and any(_has_word(w.lower(), text) for w in words)
         return bool(self.reference) and all(_stated(r, self.answer) for r in self.reference)
 
     def to_json(self) -> dict:
-        return {**asdict(self), "right_tool": self.right_tool, "repeated_call": self.repeated_call,
+        return {**asdict(self), "needs_tool": self.needs_tool, "right_tool": self.right_tool,
+                "repeated_call": self.repeated_call,
                 "states_result": self.states_result, "right_answer": self.right_answer}
 
 
@@ -90,6 +104,10 @@ def _stated(result: str, answer: str) -> bool:
     if nums:
         return nums <= {m.group(0).replace(",", "") for m in _NUMBER.finditer(answer)}
     return " ".join(result.lower().split()).strip(" .") in " ".join(answer.lower().split())
+
+
+def _has_word(word: str, text: str) -> bool:
+    return re.search(r"(?<![a-z0-9])" + re.escape(word) + r"(?![a-z0-9])", text) is not None
 
 
 def _reference(q: ToolQuestion) -> list[str]:
@@ -241,7 +259,8 @@ def format_table(runs: Sequence[AgentRun]) -> str:
         for fw in frameworks:
             r = by[(fw, q)]
             loop = " (repeat)" if r.repeated_call else ""
-            cells.append(f"{r.calls}{loop} / {_mark(r.right_tool)} / {_mark(r.finished)} / {_mark(r.states_result)}"
+            states = _mark(r.states_result) if r.needs_tool else ("-" if not r.tool_calls else _mark(False))
+            cells.append(f"{r.calls}{loop} / {_mark(r.right_tool)} / {_mark(r.finished)} / {states}"
                          f" / {_mark(r.right_answer)}")
         lines.append(f"| {q} | " + " | ".join(cells) + " |")
     totals = []
@@ -252,7 +271,35 @@ def format_table(runs: Sequence[AgentRun]) -> str:
                       f"{sum(r.right_tool for r in rs)} of {n} / {sum(r.finished for r in rs)} of {n} / "
                       f"{sum(r.states_result for r in rs)} of {n} / {sum(r.right_answer for r in rs)} of {n}")
     lines.append("| **all** | " + " | ".join(totals) + " |")
+    lines += ["", summary(runs)]
     return "\n".join(lines)
+
+
+def summary(runs: Sequence[AgentRun]) -> str:
+    """Per framework: tool calls on the questions no tool fits (the target is 0), and right answers on
+    each kind of question."""
+    out = ["| framework | tool calls on no-tool questions | no-tool questions answered right | "
+           "tool questions answered right | finished |", "|---|---|---|---|---|"]
+    for fw in dict.fromkeys(r.framework for r in runs):
+        rs = [r for r in runs if r.framework == fw]
+        free = [r for r in rs if not r.needs_tool]
+        tooled = [r for r in rs if r.needs_tool]
+        out.append(f"| {fw} | {sum(len(r.tool_calls) for r in free)} (on {sum(bool(r.tool_calls) for r in free)} "
+                   f"of {len(free)} questions) | {sum(r.right_answer for r in free)} of {len(free)} | "
+                   f"{sum(r.right_answer for r in tooled)} of {len(tooled)} | {sum(r.finished for r in rs)} of {len(rs)} |")
+    return "\n".join(out)
+
+
+def _summary_json(runs: Sequence[AgentRun]) -> dict:
+    out = {}
+    for fw in dict.fromkeys(r.framework for r in runs):
+        rs = [r for r in runs if r.framework == fw]
+        free = [r for r in rs if not r.needs_tool]
+        tooled = [r for r in rs if r.needs_tool]
+        out[fw] = {"no_tool_questions": len(free), "tool_calls_on_no_tool_questions": sum(len(r.tool_calls) for r in free),
+                   "no_tool_right": sum(r.right_answer for r in free), "tool_questions": len(tooled),
+                   "tool_right": sum(r.right_answer for r in tooled), "finished": sum(r.finished for r in rs)}
+    return out
 
 
 def _code_version() -> str:
@@ -290,11 +337,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     runs = run_bench(qs, frameworks, max_calls=args.max_calls, model=args.model)
     if args.json:
         print(json.dumps({"set": args.set, "max_calls": args.max_calls, "code": _code_version(),
-                          "model": args.model or "embedded",
+                          "model": args.model or "embedded", "summary": _summary_json(runs),
                           "runs": [r.to_json() for r in runs]}, indent=1, ensure_ascii=False))
     else:
         print(format_table(runs))
-    ok = all(r.finished and r.calls <= 3 and not r.repeated_call for r in runs)
+    ok = all(r.finished and r.calls <= 3 and not r.repeated_call and (r.needs_tool or not r.tool_calls) for r in runs)
     return 0 if ok else 1
 
 

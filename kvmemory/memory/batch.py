@@ -2,16 +2,16 @@
 
 A batch is read and checked whole before the model loads (`read_jsonl`): a line that is not a JSON
 object, names a field `remember` does not take, or carries text `remember` would refuse is refused
-there, with its line number. `remember_lines` then remembers the lines that passed, one at a time; a
-line the verifier or the store refuses (StoreUnavailable when Redis went away, StoreFull, ...) is
-refused on its own and the rest go on. `BatchReport` says what happened to each line, so a script can
+there, with its line number. `remember_lines` then remembers the lines that passed in one batch
+(`KVMemory.remember_many`: embeddings in one call, the KV computed back to back, one commit); a line
+the verifier or the store refuses (StoreUnavailable when Redis went away, StoreFull, ...) is refused on
+its own and the rest go on. `BatchReport` says what happened to each line, so a script can
 retry exactly the refused ones; its exit status is 0 only when every line was remembered.
 """
 
 from __future__ import annotations
 
 import json
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -137,17 +137,17 @@ def read_jsonl(path: str | Path) -> BatchReport:
     return report
 
 
-def remember_lines(mem, report: BatchReport, *, remember_one, progress: bool = False) -> BatchReport:
-    """Remember every line still pending with `remember_one(mem, item) -> dict` (the caller's reporting
-    of one entry); a line it refuses with a KVMemoryError is refused alone, the others go on."""
-    from tqdm import tqdm
-
+def remember_lines(mem, report: BatchReport, *, describe, defaults: dict | None = None,
+                   progress: bool = False) -> BatchReport:
+    """Remember every line still pending in one batch (`KVMemory.remember_many`: memory/many.py), with
+    `defaults` for the fields a line leaves out; `describe(entry) -> dict` is the caller's report of a
+    remembered entry. A line refused there (its verifier, its proof, the store) is refused alone."""
     todo = report.pending
-    for fate in tqdm(todo, desc="remember", unit="entry", disable=not progress or len(todo) < 2,
-                     file=sys.stderr):
-        try:
-            fate.result = remember_one(mem, fate.item)
-            fate.status = "remembered"
-        except KVMemoryError as exc:
-            fate.refuse(exc)
+    fates = mem.remember_many([f.item for f in todo], progress=progress, **(defaults or {}))
+    for line, fate in zip(todo, fates):
+        if fate.ok:
+            line.result = describe(fate.entry)
+            line.status = "remembered"
+        else:
+            line.refuse(fate.error)
     return report

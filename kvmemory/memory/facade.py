@@ -39,6 +39,8 @@ from kvmemory.memory.routing import TEXT_TEMPLATE, Recalled  # noqa: F401 - re-e
 from kvmemory.engine.runner import GREEDY, Sampling
 from kvmemory.store.local import EntryRecord
 
+_REEXPORTED = (TEXT_TEMPLATE,)  # the public API (kvmemory/__init__.py) imports it from here
+
 DEFAULT_NAMESPACE = "default"
 _log = logging.getLogger("kvmemory.memory")
 
@@ -203,6 +205,26 @@ class KVMemory:
         entry = writes.compute_and_commit(self, plan)
         self._after_remember(entry)
         return entry
+
+    def remember_many(self, items: Sequence[dict], *, verifier=None, namespace: str | None = None,
+                      allow_unverified: bool = False, meta: dict | None = None, progress: bool = False) -> list:
+        """`remember` of many items in one batch: each item a dict of `remember`'s arguments (problem,
+        solution, answer, verifier, namespace, allow_unverified, meta, aliases; no solution: a note);
+        the keyword arguments here are the defaults an item may override.
+
+        The items are checked and verified first, their KV computed and proven back to back, then
+        committed together (one catalogue transaction on a local store) and routed together (one
+        embedder call, one index write): memory/many.py. An item refused (its texts, its verifier, its
+        proof, the store) is refused alone and the others are stored. Returns one `ItemFate` per item,
+        in order: `.status` "remembered" with `.entry`, or "refused" with `.error` (the typed error
+        `remember` would have raised)."""
+        from kvmemory.memory import many
+
+        if isinstance(items, (str, bytes, dict)) or not isinstance(items, Sequence):
+            raise InvalidInput("remember_many takes a list of items (dicts of remember's arguments)")
+        return many.remember_many(self, items, progress=progress, defaults={
+            "verifier": verifier, "namespace": namespace, "allow_unverified": allow_unverified or None,
+            "meta": meta})
 
     def remember_later(self, problem: str, solution: str | None = None, answer: str | None = None, *, verifier=None,
                        namespace: str | None = None, allow_unverified: bool = False, meta: dict | None = None,

@@ -9,7 +9,8 @@ of what the caller passed, and routing):
   proof that grafting them is bit-identical to a recompute; nothing is returned, and nothing
   committed, when it is not;
 - `compute_and_commit`: a planned entry (`KVMemory._plan`) computed and committed in one step,
-  keeping the history of an entry remembered again.
+  keeping the history of an entry remembered again (`compute_entry` is its compute half, which a
+  batch, memory/many.py, runs for every item before one commit).
 """
 
 from __future__ import annotations
@@ -65,6 +66,14 @@ def _prove(mem, probe: Layout, blocks, ref) -> VerifyReport:
 
 def compute_and_commit(mem, plan: dict) -> EntryRecord:
     """Compute a planned entry's KV and commit it (an entry remembered again keeps its history)."""
+    entry, blocks = compute_entry(mem, plan)
+    mem.engine.store.commit_entry(entry, blocks)
+    return entry
+
+
+def compute_entry(mem, plan: dict):
+    """A planned entry's record and blocks (the block files written, the graft proven), not committed:
+    what `compute_and_commit` commits, and what a batch (memory/many.py) commits with the others."""
     eng = mem.engine
     history: list = []
     try:
@@ -91,5 +100,4 @@ def compute_and_commit(mem, plan: dict) -> EntryRecord:
         profile_id=eng.profile_id, chain=tuple(m.hash for m, _ in blocks), attestation=attestation, meta=meta,
         created=cur.created if cur is not None else now, updated=now,
     )
-    eng.store.commit_entry(entry, blocks)
-    return entry
+    return entry, blocks

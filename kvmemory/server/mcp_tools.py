@@ -75,13 +75,27 @@ def build_server(st: ServerState, principal: Principal | None = None) -> MCPServ
     @mcp.tool(description="Store a verified solution (with its exact KV cache) in the caller's scope. The verifier "
                           "runs first (exact-answer when `answer` is given, else none unless `verifier` is set); a "
                           "refused solution is an error and nothing is stored. Without a solution, `problem` is a "
-                          "statement (a fact or preference: 'Alice likes tea.') stored as an unverified note.")
-    async def remember(problem: str, ctx: Context, solution: str | None = None,
+                          "statement (a fact or preference: 'Alice likes tea.') stored as an unverified note. "
+                          "Several at once: `items`, a list of {problem, solution?, answer?, verifier?, "
+                          "allow_unverified?, metadata?, aliases?} (instead of `problem`), remembered as one batch; "
+                          "each item's fate is returned in order (a refused item is refused alone).")
+    async def remember(ctx: Context, problem: str | None = None, solution: str | None = None,
                        answer: str | int | float | None = None,
                        verifier: str | None = None, metadata: dict[str, Any] | None = None,
+                       items: list[dict[str, Any]] | None = None,
                        user_id: str | None = None, agent_id: str | None = None, run_id: str | None = None,
                        namespace: str | None = None) -> dict:
-        return await call(ctx, scope_of(user_id, agent_id, run_id, namespace), lambda ns, _: ops.remember(
+        scope = scope_of(user_id, agent_id, run_id, namespace)
+        if items is not None:
+            if problem is not None or solution is not None or answer is not None or verifier is not None \
+                    or metadata is not None:
+                raise ToolError("give `items` or one item's fields (problem, solution, ...), not both")
+            if not items or len(items) > ops.MAX_BATCH:
+                raise ToolError(f"items must hold 1 to {ops.MAX_BATCH} items")
+            return await call(ctx, scope, lambda ns, _: ops.remember_many(st.memory, ns, items))
+        if problem is None:
+            raise ToolError("give `problem` (one item) or `items` (several)")
+        return await call(ctx, scope, lambda ns, _: ops.remember(
             st.memory, ns, problem=problem, solution=solution, answer=None if answer is None else str(answer),
             verifier=verifier, metadata=metadata))
 

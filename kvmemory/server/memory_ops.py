@@ -61,6 +61,61 @@ def remember(mem: KVMemory, namespace: str, *, problem: str, solution: str | Non
     return {**entry_json(e), "bit_identical": bool(e.attestation.get("bit_identical"))}
 
 
+MAX_BATCH = 256  # items one batch remember takes (each is a full KV computation and proof)
+ITEM_FIELDS = ("problem", "solution", "answer", "verifier", "allow_unverified", "metadata", "aliases")
+
+
+def remember_many(mem: KVMemory, namespace: str, items: Sequence[dict]) -> dict:
+    """`remember` of several items in one batch (KVMemory.remember_many: embeddings in one call, the KV
+    computed back to back, one commit), all in `namespace`. Each item is a dict of `remember`'s fields
+    (problem, solution, answer, verifier, allow_unverified, metadata, aliases). Every item's fate, in
+    order: {"index", "status": "remembered", ...the entry as `remember` returns it} or {"index", "status":
+    "refused", "error": {"message", "type", "code"}, "http_status"} (what the item alone would have got)."""
+    from kvmemory.server.errors import from_kvmemory
+
+    if len(items) > MAX_BATCH:
+        raise InvalidInput(f"{len(items)} items; one call remembers at most {MAX_BATCH}")
+    results: list[dict | None] = [None] * len(items)
+    todo, where = [], []
+    for i, it in enumerate(items):
+        try:
+            if not isinstance(it, dict):
+                raise InvalidInput(f"an item is an object with {', '.join(ITEM_FIELDS)}")
+            unknown = sorted(set(it) - set(ITEM_FIELDS))
+            if unknown:
+                raise InvalidInput(f"unknown field(s) {', '.join(map(repr, unknown))}; an item takes "
+                                   f"{', '.join(ITEM_FIELDS)}")
+            metadata = it.get("metadata")
+            if metadata is not None and not isinstance(metadata, dict):
+                raise InvalidInput("metadata must be an object")
+            if metadata and "aliases" in metadata:
+                raise InvalidInput("metadata may not use the key 'aliases' (give aliases on their own)")
+        except InvalidInput as exc:
+            results[i] = _refused(i, from_kvmemory(exc))
+            continue
+        answer = it.get("answer")
+        todo.append({"problem": it.get("problem"), "solution": it.get("solution"),
+                     "answer": None if answer is None else str(answer), "verifier": it.get("verifier"),
+                     "allow_unverified": it.get("allow_unverified", False), "meta": metadata,
+                     "aliases": it.get("aliases") or []})
+        where.append(i)
+    fates = mem.remember_many(todo, namespace=namespace) if todo else []
+    for i, fate in zip(where, fates):
+        if fate.ok:
+            e = fate.entry
+            results[i] = {"index": i, "status": "remembered", **entry_json(e),
+                          "bit_identical": bool(e.attestation.get("bit_identical"))}
+        else:
+            results[i] = _refused(i, from_kvmemory(fate.error))
+    done = sum(r["status"] == "remembered" for r in results)
+    return {"namespace": namespace, "results": results,
+            "counts": {"items": len(items), "remembered": done, "refused": len(items) - done}}
+
+
+def _refused(i: int, err) -> dict:
+    return {"index": i, "status": "refused", "http_status": err.status, **err.body()}
+
+
 def recall(mem: KVMemory, namespace: str, *, query: str, k: int = 5, threshold: float | None = None,
            where: dict | None = None) -> dict:
     hits = mem.recall(query, k, namespace=namespace, threshold=threshold, where=where)

@@ -7,6 +7,8 @@ confined to the one namespace it maps to (auth.py, memory_ops.py):
 
     POST   /v1/memory/remember        {problem, solution?, answer?, verifier?, allow_unverified?, metadata?, aliases?}
                                       (no solution: the problem is a statement, stored as a note)
+                                      or several: {items: [{problem, ...}, ...]} or [{problem, ...}, ...]:
+                                      one batch, {results: [each item's fate, in order], counts}
     POST   /v1/memory/recall          {query, k?, threshold?, where?}
     POST   /v1/memory/answer          {query, k?, max_tokens?, answer_prefix?, choices?, prior?, memory?, temperature?, top_p?, seed?, where?}
     GET    /v1/memory/entries         ?limit=&offset=&verified=&metadata={"k": "v"}
@@ -38,10 +40,11 @@ import asyncio
 import json
 from typing import Any, Literal
 
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Body, Depends, Query, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse
 from starlette.background import BackgroundTask
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvmemory.engine.runner import Sampling
 from kvmemory.server import memory_ops as ops
@@ -74,7 +77,8 @@ class Scoped(BaseModel):
     namespace: str | None = None
 
 
-class RememberBody(Scoped):
+class RememberItem(BaseModel):
+    model_config = ConfigDict(extra="forbid")
     problem: str
     solution: str | None = None  # none: the problem is a statement, stored as a note (memory/notes.py)
     answer: str | int | float | None = None
@@ -82,6 +86,16 @@ class RememberBody(Scoped):
     allow_unverified: bool = False
     metadata: dict[str, Any] | None = None
     aliases: list[str] = Field(default_factory=list, max_length=16)
+
+
+class RememberBody(Scoped, RememberItem):
+    pass
+
+
+class RememberBatch(Scoped):
+    """Several items in one call (one scope for all): remembered as one batch."""
+
+    items: list[RememberItem] = Field(min_length=1, max_length=ops.MAX_BATCH)
 
 
 class RecallBody(Scoped):
@@ -151,9 +165,47 @@ def _query_scope(user_id, agent_id, run_id, namespace) -> dict:
     return {"user_id": user_id, "agent_id": agent_id, "run_id": run_id, "namespace": namespace}
 
 
-@router.post("/remember")
-async def remember(body: RememberBody, request: Request) -> dict:
-    st, ns = _state(request), _namespace(request, body.model_dump())
+def _validated(model: type[BaseModel], data: Any, loc: tuple = ()) -> Any:
+    """`data` as `model`, a validation error reported as FastAPI reports a body's (a 400 naming the field)."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise RequestValidationError([{**e, "loc": ("body", *loc, *e["loc"])}
+                                      for e in exc.errors(include_url=False)]) from None
+
+
+_REMEMBER_BODY = {"requestBody": {"required": True, "content": {"application/json": {"schema": {"anyOf": [
+    RememberBody.model_json_schema(), RememberBatch.model_json_schema(),
+    {"type": "array", "items": RememberBody.model_json_schema()}]}}}}}
+
+
+@router.post("/remember", openapi_extra=_REMEMBER_BODY)
+async def remember(request: Request, raw: Any = Body(None)) -> dict:
+    """One item (the entry, as before), or several: {"items": [...], scope} or a JSON array of items
+    (every item naming the same scope, or none): remembered as one batch, each item's fate returned."""
+    st = _state(request)
+    if isinstance(raw, list) or (isinstance(raw, dict) and "items" in raw):
+        if isinstance(raw, list):
+            if not raw:
+                raise ApiError(400, "invalid request: an empty list of items", param="items")
+            if len(raw) > ops.MAX_BATCH:
+                raise ApiError(400, f"invalid request: {len(raw)} items; one call remembers at most {ops.MAX_BATCH}",
+                               param="items")
+            bodies = [_validated(RememberBody, x, (i,)) for i, x in enumerate(raw)]
+            named = {tuple(sorted((k, v) for k, v in b.model_dump(include=set(Scoped.model_fields)).items()
+                                  if v is not None)) for b in bodies} - {()}
+            if len(named) > 1:
+                raise ApiError(400, "invalid request: the items of one call name one scope (user_id, agent_id, "
+                               "run_id, namespace); send each scope's items in its own call", param="items")
+            ns = _namespace(request, dict(next(iter(named))) if named else {})
+            items = [b.model_dump(exclude=set(Scoped.model_fields)) for b in bodies]
+        else:
+            batch = _validated(RememberBatch, raw)
+            ns = _namespace(request, batch.model_dump())
+            items = [it.model_dump() for it in batch.items]
+        return await st.compute(lambda: ops.remember_many(st.memory, ns, items))
+    body = _validated(RememberBody, raw)
+    ns = _namespace(request, body.model_dump())
     answer = None if body.answer is None else str(body.answer)
     return await st.compute(lambda: ops.remember(
         st.memory, ns, problem=body.problem, solution=body.solution, answer=answer, verifier=body.verifier,

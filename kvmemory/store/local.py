@@ -38,7 +38,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterable, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,7 +50,7 @@ from kvmemory.store.blocks import BlockMeta, chain_hash, encode_header, read_hea
 from kvmemory.store.feed import LOCAL_FEED_ID, LOCAL_FEED_SCHEMA, Change, FeedHead, local_changes, local_head
 from kvmemory.store.entries import EntryRecord, _is_hex64, entry_from_fields  # noqa: F401 (EntryRecord: re-exported)
 from kvmemory.store.records import RecordFolder, content_sha256, holds_blocks, holds_data
-from kvmemory.errors import (CatalogueLost, IntegrityError, StoreError, StoreFormatError, StoreFull, StoreReadOnly,
+from kvmemory.errors import (CatalogueLost, IntegrityError, InvalidInput, StoreError, StoreFormatError, StoreFull, StoreReadOnly,
                              UnknownEntry)
 
 STORE_FORMAT = 1
@@ -753,6 +753,27 @@ class LocalStore:
         with self._recorded(entry, self._record_signature(entry)), self._tx() as db:
             self._insert_block_rows(db, [m for m, _ in blocks], sizes, verified=entry.verified, pinned=False)
             self.insert_entry_rows(db, entry)
+
+    def commit_entries(self, items: Sequence[tuple[EntryRecord, Sequence[tuple[BlockMeta, torch.Tensor]]]]) -> None:
+        """`commit_entry` of several entries at once (a batch `remember`, memory/many.py): every new block
+        file written (one sync), every entry's record written, then every entry and its chain in ONE
+        transaction: all of them are in the catalogue (and its change feed) after it, or none is."""
+        if not items:
+            return
+        if len({e.id for e, _ in items}) != len(items):
+            raise InvalidInput("an entry appears twice in one commit")
+        unique: dict[str, tuple[BlockMeta, torch.Tensor]] = {}
+        for _, blocks in items:
+            for m, payload in blocks:
+                unique.setdefault(m.hash, (m, payload))
+        sizes = self.write_block_files(list(unique.values()))
+        with ExitStack() as records:
+            for entry, _ in items:
+                records.enter_context(self._recorded(entry, self._record_signature(entry)))
+            with self._tx() as db:
+                for entry, blocks in items:
+                    self._insert_block_rows(db, [m for m, _ in blocks], sizes, verified=entry.verified, pinned=False)
+                    self.insert_entry_rows(db, entry)
 
     @staticmethod
     def insert_entry_rows(db: sqlite3.Connection, entry: EntryRecord) -> None:

@@ -347,6 +347,20 @@ class SignedLocalStore(LocalStore):
         with self._signing(rows):
             super().commit_entry(entry, blocks)
 
+    def commit_entries(self, items) -> None:
+        """`LocalStore.commit_entries` with every row signed, the signatures in the same transaction."""
+        rows = []
+        for entry, blocks in items:
+            if self.namespace is not None and entry.namespace != self.namespace:
+                raise InvalidInput(f"this store is scoped to namespace {self.namespace!r}; "
+                                   f"entry {entry.id} belongs to {entry.namespace!r}")
+            chain_sha = self._chain_sha(entry, blocks)
+            ns = entry.namespace
+            rows += [("block", m.hash, ns, self.signer.sign_block(m, ns), "") for m, _ in blocks]
+            rows.append(("entry", entry.id, ns, self.signer.sign_entry(entry, chain_sha), ",".join(chain_sha)))
+        with self._signing(rows):
+            super().commit_entries(items)
+
     def _record_signature(self, entry: EntryRecord) -> dict | None:
         """The entry's signature as its record keeps it (so a rebuilt catalogue is signed as before)."""
         for kind, key, ns, sig, cs in getattr(self._pending, "rows", None) or ():
