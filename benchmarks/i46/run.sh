@@ -6,9 +6,10 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 K=.venv/bin/kvmemory
 OUT=benchmarks/i46
+$K bench gguf --model embedded:qwen2.5-coder-1.5b-instruct --lengths 512 --repeats 3 --json > $OUT/qwen15-512.json
 $K bench gguf --model embedded:qwen2.5-coder-1.5b-instruct --lengths 512,2048 --repeats 3 --json > $OUT/qwen15-512-2048.json
-$K bench gguf --model embedded:qwen2.5-coder-0.5b-instruct --lengths 512,2048 --repeats 3 --json > $OUT/qwen05-512-2048.json
+$K bench gguf --model embedded:qwen2.5-coder-0.5b-instruct --lengths 512 --repeats 3 --json > $OUT/qwen05-512.json
 $K bench gguf --model "$(.venv/bin/python -c 'from kvmemory.models.loading import embedded_gguf_path; print(embedded_gguf_path())')" \
-    --lengths 512,2048 --repeats 3 --json > $OUT/smollm2-512-2048.json
+    --lengths 512 --repeats 3 --json > $OUT/smollm2-512.json
 $K bench gguf --model embedded:qwen2.5-coder-1.5b-instruct --lengths 8192 --repeats 1 --json > $OUT/qwen15-8192.json
 $K bench gguf --synthetic llama-3.1-8b --lengths 256 --repeats 1 --json > $OUT/llama8b-synthetic-256.json
