@@ -491,3 +491,9 @@ def test_no_tool_fits_and_the_model_answers_without_a_call(memory):
     assert [c["name"] for c in weather.tool_calls] == ["get_weather"]
     assert weather.provenance()["tool_choice"]["offered"] == ["get_weather"]
     assert chat._tool_text(tools[0]["function"]) == "get weather: Get the current weather in a city."
+    # The answer is decoded over the conversation without the tool list (which a model that reads it
+    # writes a call's JSON from): the same text as the same call with no tools bound.
+    plain = run_chat(shared, ChatRequest(turns=to_turns([Message("user", "Who was the first person to walk on the Moon?")]),
+                                         max_tokens=12, route=False))
+    assert free.text == plain.text and free.stats.prompt_tokens == plain.stats.prompt_tokens
+    assert free.stats.passes == plain.stats.passes == 1  # nothing offered: no tool-choice pass

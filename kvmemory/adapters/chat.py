@@ -9,9 +9,9 @@ Then, under the memory's lock:
 - a required tool call (`tool_choice` "any" or a tool's name, or `tool_policy="user_turn"` on a
   user turn): the model picks the tool and decodes its arguments under its schema (`guided.call_tool`);
 - `tool_policy="scored"` (the default) on a user turn with tool_choice "auto": only the tools that fit
-  the question are offered (`tool_fits`: the router's embedder; with none, the model answers without a
-  call), then the model's own likelihoods decide between calling one and answering (`wants_tool`),
-  then as above;
+  the question are offered (`tool_fits`: the router's embedder), then the model's own likelihoods
+  decide between calling one and answering (`wants_tool`), then as above; an answer (no tool fits, or
+  the model prefers answering) is decoded over the conversation without the tool list;
 - after a tool result with tool_choice "auto" (every policy): an answer that states the result,
   unless another call is clearly likelier and is not one already answered (`after_tool`);
 - otherwise free text, read for a tool call the model began by itself when tools are bound.
@@ -153,23 +153,47 @@ def run_chat(shared: SharedMemory, req: ChatRequest, on_text: Callable[[str], No
     checked by every guided pass: `streaming`)."""
     mem = shared.memory
     with shared.lock:
-        turns = with_instructions(req.turns, tools_prompt(req.tools) if req.tool_mode else "",
-                                  schema_prompt(req.response_schema) if req.response_schema is not None else "")
-        prompt = mem.chat_prompt(turns, route=req.route, k=req.k, namespace=req.namespace, threshold=req.threshold)
-        if req.store_blocks is not None:
-            store_new = req.store_blocks and not getattr(mem.store, "readonly", False)
-        else:
-            store_new = prompt.store_new_blocks or (
-                req.cache_prefixes and turns[0]["role"] == "system"
-                and prefix_missing(mem, turns[0], prompt.ids, prompt.cuts))
-        dec = Decoder(mem, prompt.ids, req.sampling, [h.entry for h in prompt.hits],
-                      [h.score for h in prompt.hits], store_new, on_text, prompt.cuts)
+        dec, turns, hits = _open(mem, req, req.tools if req.tool_mode else [], on_text)
         out = _decode(req, dec, turns)
-    out.stats, out.hits, out.profile_id = dec.stats, prompt.hits, mem.engine.profile_id
+        if isinstance(out, _NoCall):
+            # The scored policy decided on an answer, not a call: the answer is decoded over the
+            # conversation without the tool list, which a model that reads it well (Qwen 1.5B) otherwise
+            # answers with a call's JSON written as text ("{"name": "get_weather", ...}").
+            notes = out.notes
+            first = dec.stats
+            dec, turns, hits = _open(mem, req, [], on_text)
+            dec.add_stats(first)
+            ans = dec.free("", max_new_tokens=req.max_tokens, stop=req.stop, shown=True)
+            out = ChatOutcome(ans.text, finish_reason=_FINISH.get(ans.stopped_by, "stop"), notes=notes)
+    out.stats, out.hits, out.profile_id = dec.stats, hits, mem.engine.profile_id
     return out
 
 
-def _decode(req: ChatRequest, dec: Decoder, turns: list[dict]) -> ChatOutcome:
+def _open(mem: KVMemory, req: ChatRequest, tools: list[dict], on_text) -> tuple[Decoder, list[dict], list[Recalled]]:
+    """Lay out the call's prompt with these tools listed (none: a plain conversation) and a decoder over it."""
+    turns = with_instructions(req.turns, tools_prompt(tools) if tools else "",
+                              schema_prompt(req.response_schema) if req.response_schema is not None else "")
+    prompt = mem.chat_prompt(turns, route=req.route, k=req.k, namespace=req.namespace, threshold=req.threshold)
+    if req.store_blocks is not None:
+        store_new = req.store_blocks and not getattr(mem.store, "readonly", False)
+    else:
+        store_new = prompt.store_new_blocks or (
+            req.cache_prefixes and turns[0]["role"] == "system"
+            and prefix_missing(mem, turns[0], prompt.ids, prompt.cuts))
+    dec = Decoder(mem, prompt.ids, req.sampling, [h.entry for h in prompt.hits],
+                  [h.score for h in prompt.hits], store_new, on_text, prompt.cuts)
+    return dec, turns, prompt.hits
+
+
+@dataclass(slots=True)
+class _NoCall:
+    """The scored policy's decision to answer without a call (`notes`: how it was decided)."""
+
+    notes: dict
+
+
+def _decode(req: ChatRequest, dec: Decoder, turns: list[dict]) -> ChatOutcome | _NoCall:
+    """The call's outcome, or `_NoCall` where the scored policy chose to answer without a call."""
     names = tool_names(req.tools)
     if req.response_schema is not None:
         guide = JsonGuide(dec, "", req.response_schema, req.max_tokens)
@@ -198,17 +222,12 @@ def _decode(req: ChatRequest, dec: Decoder, turns: list[dict]) -> ChatOutcome:
         choice = {"tool_choice": {"fit": fit, "offered": offered}}
         pick = wants_tool(dec, turns, offered) if offered else None
         choice["tool_choice"]["called"] = pick
-        if pick is not None:
-            out = _tool_outcome("", call_tool(dec, req.tools, "", [pick], req.max_tokens))
-            out.notes = choice
-            return out
+        if pick is None:
+            return _NoCall(choice)  # answered without the tools: `run_chat`
+        out = _tool_outcome("", call_tool(dec, req.tools, "", [pick], req.max_tokens))
+        out.notes = choice
+        return out
     ans = dec.free("", max_new_tokens=req.max_tokens, stop=req.held_back, shown=True)
-    if req.tool_mode and choice and not choice["tool_choice"]["offered"]:
-        # No tool fits the question: the answer is the model's text, never a call it began by itself
-        text = ans.text
-        if TOOL_CALL_OPEN in text:
-            text = text[: text.index(TOOL_CALL_OPEN)]
-        return ChatOutcome(text, finish_reason=_FINISH.get(ans.stopped_by, "stop"), notes=choice)
     if req.tool_mode:
         raw = dec.memory.engine.decode(ans.token_ids)
         if TOOL_CALL_OPEN in raw:  # the model began a call by itself: write it out under the schema
