@@ -1,0 +1,178 @@
+"""Is it the same question? What a question asks for, compared with what a stored problem asked for.
+
+Routing (memory/routing.py) lets a question reach a stored problem when it writes the same numbers;
+a question that writes the same numbers and asks for another quantity ("how many muffins did it bake
+before selling any?" against "how many muffins are left?") reaches it too, and the stored answer is
+wrong for it (issue 48, item 2). Sentence embeddings cannot tell them apart: all-MiniLM-L6-v2 puts
+"What was the total rainfall over those days?" at 0.90 from "What was the average daily rainfall?",
+above most true rewordings' asks ("Balance in $ = ?" is 0.25 from "How much will she have after 8
+weeks?"). So the ask is compared by what defines a quantity, read from the question sentence alone:
+
+- its **unit** ("in meters" against "in square meters", hours against minutes, dollars against
+  kilowatt-hours), one family of spellings per unit ("m^2", "square meters", "sq m");
+- its **aggregate** (what is left, a total, a share or rate per one, a difference, a count before
+  something happened), only where both asks name one and they differ: "Total in $ = ?" names a total
+  where its problem asked "How much do 2 adults and 3 children pay?", which names none;
+- its **subject**: a word of the problem's situation, outside its ask, that the question's ask is
+  about ("How old will her brother be?" where the problem asked about Mia).
+
+`asks_differ(question, problem)` returns the first difference found, as a short reason, or None (no
+difference seen: the question is taken to ask what the problem asked). The word lists were written
+reading the calibration set (bench/rewordings_calibration.py and its other asks,
+bench/rewordings_other_asks.CALIBRATION); the report set is held out from them (BENCHMARKS.md,
+"Routing rewordings").
+"""
+
+from __future__ import annotations
+
+import re
+
+__all__ = ["asks_differ", "ask_of"]
+
+# Unit families: every spelling of a unit maps to one name. Longer spellings are matched first, so
+# "square meters" is an area, not a length.
+_UNIT_SPELLINGS = {
+    "area_m": ["square meters", "square metres", "sq m", "m^2", "m2", "m²"],
+    "area_cm": ["square centimeters", "square centimetres", "cm^2", "cm²"],
+    "area_km": ["square kilometers", "square kilometres", "km^2", "km²"],
+    "area_ft": ["square feet", "sq ft", "ft^2", "ft²"],
+    "speed_kmh": ["kilometers per hour", "kilometres per hour", "km per hour", "km/h", "kph"],
+    "speed_mph": ["miles per hour", "mph"],
+    "km": ["kilometers", "kilometres", "kilometer", "kilometre", "km"],
+    "m": ["meters", "metres", "meter", "metre", "m"],
+    "cm": ["centimeters", "centimetres", "centimeter", "centimetre", "cm"],
+    "mm": ["millimeters", "millimetres", "millimeter", "millimetre", "mm"],
+    "mile": ["miles", "mile", "mi"],
+    "kg": ["kilograms", "kilogram", "kilos", "kg"],
+    "g": ["grams", "gram", "g"],
+    "l": ["liters", "litres", "liter", "litre", "l"],
+    "ml": ["milliliters", "millilitres", "ml"],
+    "kwh": ["kilowatt-hours", "kilowatt hours", "kilowatt-hour", "kwh"],
+    "h": ["hours", "hour", "hrs", "hr", "h"],
+    "min": ["minutes", "minute", "mins", "min"],
+    "s": ["seconds", "second", "secs", "sec", "s"],
+    "day": ["days", "day"],
+    "week": ["weeks", "week", "wk"],
+    "year": ["years", "year", "yr", "yrs"],
+    "usd": ["us dollars", "dollars", "dollar", "usd", "$"],
+    "eur": ["euros", "euro", "eur", "€"],
+    "degc": ["degrees celsius", "degrees", "°c"],
+    "percent": ["percent", "per cent", "%"],
+}
+_UNIT_OF = {s: name for name, spellings in _UNIT_SPELLINGS.items() for s in spellings}
+# The unit an ask is measured in, by the first of these that matches: "in <unit>" closing the ask
+# ("How far does she walk in two weeks, in kilometers?"), "how many <unit>", then "in <unit>" anywhere.
+_UNIT_ALT = "|".join(sorted((re.escape(s) for s in _UNIT_OF), key=len, reverse=True))
+_UNIT_CUES = [re.compile(rf"\bin\s+({_UNIT_ALT})\s*(?:[?=,)]|$)", re.I),
+              re.compile(rf"\bhow (?:many|much)\s+(?:more\s+|fewer\s+|us\s+)??({_UNIT_ALT})(?![\w^²])", re.I),
+              re.compile(rf"\bin\s+({_UNIT_ALT})(?![\w^²])", re.I),
+              re.compile(rf"(?:^|\s)({_UNIT_ALT})\s*=\s*\?", re.I)]
+_COUNTED = re.compile(r"\bhow many\s+([a-z]+)", re.I)
+
+# Aggregates an ask can name. Each a set of cue patterns; an ask naming two is taken by the first listed.
+_AGGREGATES = [
+    ("difference", r"\b(?:more|less|fewer|longer|shorter|taller|older|younger|cheaper)\b.*\bthan\b|\bdifference\b"),
+    ("before", r"\bbefore\b|\bat first\b|\bto begin with\b|\boriginally\b|\bin all\b.*\bhave\b"),
+    ("remainder", r"\bleft\b|\bremain\w*\b|\bstill\b|\bunread\b|\bempty\b|\bchange\b|\bbalance\b|\bunused\b"),
+    ("saving", r"\bsave[sd]?\b|\bsaving\b|\bdiscount\b"),
+    ("share", r"\beach\b|\bper\b|\bevery\b|\baverage\b|\bmean\b|\ba day\b|\ba week\b"),
+    ("total", r"\btotal\b|\baltogether\b|\bin all\b|\btogether\b|\bcombined\b|\boverall\b|\bwhole\b"),
+]
+# Function words and generic words of an ask: never a subject.
+_STOP = set("""a an the of in on at to for from by with without and or but if then than as is are was were be been
+being will would do does did has have had how many much what which who whom whose when where why it its it's
+this that these those there their they them he him his she her hers you your we our us i me my mine one ones
+can could should shall may might must not no all any some more most less least each per every whole total
+altogether together over into after before during up down out off about total number amount price cost
+get gets got need needs needed take takes make makes made go goes left remain remains still long far
+tall old big high time times use uses used pay pays paid spend spends spent give given buy bought""".split())
+_NOT_NOUNS = set("more fewer less times other different of".split())
+# Aggregates a rewording would not add: asked against a stored ask naming none, they differ.
+_MARKED = ("difference", "before", "saving")
+_NUMBER = re.compile(r"\d|\b(?:two|three|four|five|six|seven|eight|nine|ten|twelve|twenty|thirty|hundred)\b", re.I)
+_WORD = re.compile(r"[a-z]+(?:'[a-z]+)?")
+_LEAD_CLAUSE = re.compile(r"^\s*(?:if|when|after|given that|since|assuming)\b[^,]*,\s*", re.I)
+_TAIL_CLAUSE = re.compile(r"\s+\b(?:if|after|when|given that|since|assuming|who|that|which)\b.*$", re.I)
+
+
+def _ask_sentence(text: str) -> str:
+    """The last sentence of `text` with a question mark, else its last sentence."""
+    sentences = [s for s in re.split(r"(?<=[.?!])\s+", " ".join(text.split())) if s]
+    asks = [s for s in sentences if "?" in s]
+    return asks[-1] if asks else (sentences[-1] if sentences else "")
+
+
+def ask_of(text: str) -> str:
+    """The sentence of `text` that asks: its last one with a question mark (else its last sentence),
+    without a leading or trailing condition ("If 35 students are on the bus, ...", "... if a bakery
+    sells 87 muffins"), which restates the situation rather than the ask."""
+    ask = _LEAD_CLAUSE.sub("", _ask_sentence(text))
+    head = _TAIL_CLAUSE.sub("", ask)
+    return head if len(head.split()) >= 2 else ask
+
+
+def _unit(ask: str) -> str | None:
+    for cue in _UNIT_CUES:
+        m = cue.search(ask)
+        if m:
+            return _UNIT_OF.get(m.group(1).lower())
+    return None
+
+
+def _measure(ask: str) -> str | None:
+    """What the ask is measured in or counts: its unit, else the noun after "how many" (stemmed)."""
+    unit = _unit(ask)
+    if unit:
+        return unit
+    m = _COUNTED.search(ask)
+    if m and m.group(1).lower() not in _STOP and m.group(1).lower() not in _NOT_NOUNS:
+        return _stem(m.group(1))
+    return None
+
+
+def _aggregate(ask: str) -> str | None:
+    low = ask.lower()
+    for name, cue in _AGGREGATES:
+        if re.search(cue, low):
+            return name
+    return None
+
+
+def _stem(word: str) -> str:
+    w = word.lower().removesuffix("'s")
+    for suffix in ("ies", "es", "s"):
+        if w.endswith(suffix) and len(w) - len(suffix) >= 3:
+            return w[: -len(suffix)] + ("y" if suffix == "ies" else "")
+    return w
+
+
+def _content(text: str) -> set[str]:
+    words = {_stem(w) for w in _WORD.findall(text.lower())}
+    return {w for w in words if len(w) >= 3 and w not in _STOP and w not in _UNIT_OF}
+
+
+def asks_differ(question: str, problem: str) -> str | None:
+    """Why `question` asks for another quantity than `problem` did (a short reason), or None."""
+    q_ask, p_ask = ask_of(question), ask_of(problem)
+    qm, pm = _measure(q_ask), _measure(p_ask)
+    if qm and pm and qm != pm:
+        return f"measure: {qm} asked, {pm} stored"
+    qa, pa = _aggregate(q_ask), _aggregate(p_ask)
+    if qa != pa and ((qa and pa) or qa in _MARKED or pa in _MARKED):
+        return f"aggregate: {qa or 'none'} asked, {pa or 'none'} stored"
+    if pa is None and _NUMBER.search(p_ask):
+        # "each week" asked where the stored ask counted weeks ("in 2 weeks"): one part of the whole
+        per = {_stem(w) for w in re.findall(r"\b(?:each|per|every)\s+([a-z]+)", q_ask.lower())}
+        if per & {_stem(w) for w in _WORD.findall(p_ask.lower())}:
+            return "aggregate: share asked, total stored"
+    # A subject: a word of the problem's situation (outside its ask; not a name, which a rewording
+    # writes for the stored ask's pronoun) that the question's ask names while the question also
+    # states its situation apart from its ask (a rewording that moves the situation into the ask,
+    # "How many dollars does Tom earn for working 8 hours on Tuesday ...?", names all of it there).
+    names = {_stem(w) for w in re.findall(r"(?<![.?!]\s)(?<!^)\b[A-Z][a-z]+", problem)}
+    situation = _content(problem) - _content(p_ask) - names
+    rest = _content(" ".join(question.split()).replace(_ask_sentence(question), " "))
+    subject = sorted((_content(q_ask) & situation & rest) - _content(p_ask))
+    if subject:
+        return f"subject: {', '.join(subject)}"
+    return None
