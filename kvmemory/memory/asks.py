@@ -57,16 +57,30 @@ _UNIT_SPELLINGS = {
     "usd": ["us dollars", "dollars", "dollar", "usd", "$"],
     "eur": ["euros", "euro", "eur", "€"],
     "degc": ["degrees celsius", "degrees", "°c"],
-    "percent": ["percent", "per cent", "%"],
+    "percent": ["percentage", "percent", "per cent", "%"],
 }
 _UNIT_OF = {s: name for name, spellings in _UNIT_SPELLINGS.items() for s in spellings}
+# What each unit measures, and the asks that name a dimension without a unit ("How far ...?").
+_DIMENSION = {"area_m": "area", "area_cm": "area", "area_km": "area", "area_ft": "area", "speed_kmh": "speed",
+              "speed_mph": "speed", "km": "length", "m": "length", "cm": "length", "mm": "length",
+              "mile": "length", "kg": "mass", "g": "mass", "l": "volume", "ml": "volume", "kwh": "energy",
+              "h": "time", "min": "time", "s": "time", "day": "time", "week": "time", "year": "time",
+              "usd": "money", "eur": "money", "degc": "temperature", "percent": "percent"}
+_DIMENSION_CUES = [("length", r"\bhow far\b|\bdistance\b|\bperimeter\b|\bhow long is\b|\bhow high\b|\bhow tall\b"),
+                   ("area", r"\barea\b"), ("time", r"\bhow long\b"), ("time", r"\bhow old\b|\bage\b"),
+                   ("speed", r"\bspeed\b"), ("money", r"\bhow much\b.*\b(?:cost|pay|spend|earn|charge)|\bprice\b")]
+# The period an ask is counted over ("in 12 days", "each night", "over a fortnight"): count and noun.
+_PERIOD = re.compile(r"(?:\b(?:in|over|for|during|per|each|every|a|an|one)\s+(?:full\s+|whole\s+)?|(?=\d))(\d+(?:\.\d+)?\s+)?"
+                     r"(minutes?|hours?|days?|nights?|weeks?|fortnights?|months?|years?)\b", re.I)
 # The unit an ask is measured in, by the first of these that matches: "in <unit>" closing the ask
-# ("How far does she walk in two weeks, in kilometers?"), "how many <unit>", then "in <unit>" anywhere.
+# ("How far does she walk in two weeks, in kilometers?"), "how many <unit>" / "what percent", then
+# "in <unit>" anywhere, then a unit before "= ?".
 _UNIT_ALT = "|".join(sorted((re.escape(s) for s in _UNIT_OF), key=len, reverse=True))
 _UNIT_CUES = [re.compile(rf"\bin\s+({_UNIT_ALT})\s*(?:[?=,)]|$)", re.I),
-              re.compile(rf"\bhow (?:many|much)\s+(?:more\s+|fewer\s+|us\s+)??({_UNIT_ALT})(?![\w^²])", re.I),
+              re.compile(rf"\b(?:how (?:many|much)|what)\s+(?:more\s+|fewer\s+|us\s+)??({_UNIT_ALT})(?![\w^²])", re.I),
               re.compile(rf"\bin\s+({_UNIT_ALT})(?![\w^²])", re.I),
-              re.compile(rf"(?:^|\s)({_UNIT_ALT})\s*=\s*\?", re.I)]
+              re.compile(rf"\(({_UNIT_ALT})\)", re.I),
+              re.compile(rf"^({_UNIT_ALT})\b", re.I)]
 _COUNTED = re.compile(r"\bhow many\s+([a-z]+)", re.I)
 
 # Aggregates an ask can name. Each a set of cue patterns; an ask naming two is taken by the first listed.
@@ -75,8 +89,11 @@ _AGGREGATES = [
     ("before", r"\bbefore\b|\bat first\b|\bto begin with\b|\boriginally\b|\bin all\b.*\bhave\b"),
     ("remainder", r"\bleft\b|\bremain\w*\b|\bstill\b|\bunread\b|\bempty\b|\bchange\b|\bbalance\b|\bunused\b"),
     ("saving", r"\bsave[sd]?\b|\bsaving\b|\bdiscount\b"),
-    ("share", r"\beach\b|\bper\b|\bevery\b|\baverage\b|\bmean\b|\ba day\b|\ba week\b"),
+    ("round_trip", r"\bround trip\b|\bboth ways\b|\bthere and back\b"),
+    ("part", r"\bhalf\b|\ba quarter\b|\ba third\b|\bfraction\b"),
+    ("complement", r"\bnot\b|\bother than\b"),
     ("total", r"\btotal\b|\baltogether\b|\bin all\b|\btogether\b|\bcombined\b|\boverall\b|\bwhole\b"),
+    ("share", r"(?<![\d%]\s)\b(?:each|per|every)\b|\baverage\b|\bmean\b"),
 ]
 # Function words and generic words of an ask: never a subject.
 _STOP = set("""a an the of in on at to for from by with without and or but if then than as is are was were be been
@@ -85,14 +102,15 @@ this that these those there their they them he him his she her hers you your we 
 can could should shall may might must not no all any some more most less least each per every whole total
 altogether together over into after before during up down out off about total number amount price cost
 get gets got need needs needed take takes make makes made go goes left remain remains still long far
-tall old big high time times use uses used pay pays paid spend spends spent give given buy bought""".split())
+tall old big high time times use uses used pay pays paid spend spends spent give given buy bought can age
+there then now""".split())
 _NOT_NOUNS = set("more fewer less times other different of".split())
 # Aggregates a rewording would not add: asked against a stored ask naming none, they differ.
-_MARKED = ("difference", "before", "saving")
+_MARKED = ("difference", "before", "saving", "round_trip", "part", "complement")
 _NUMBER = re.compile(r"\d|\b(?:two|three|four|five|six|seven|eight|nine|ten|twelve|twenty|thirty|hundred)\b", re.I)
 _WORD = re.compile(r"[a-z]+(?:'[a-z]+)?")
 _LEAD_CLAUSE = re.compile(r"^\s*(?:if|when|after|given that|since|assuming)\b[^,]*,\s*", re.I)
-_TAIL_CLAUSE = re.compile(r"\s+\b(?:if|after|when|given that|since|assuming|who|that|which)\b.*$", re.I)
+_TAIL_CLAUSE = re.compile(r"\s+\b(?:if|after|when|given that|since|assuming|who|that|which)\s+\S+\s+\S.*$", re.I)
 
 
 def _ask_sentence(text: str) -> str:
@@ -119,15 +137,50 @@ def _unit(ask: str) -> str | None:
     return None
 
 
-def _measure(ask: str) -> str | None:
-    """What the ask is measured in or counts: its unit, else the noun after "how many" (stemmed)."""
+def _measure(ask: str) -> tuple[str, str | set[str]] | None:
+    """What the ask is measured in or counts: ("unit", name), ("counted", the words after "how many"),
+    ("dimension", name) for an ask that names one without a unit ("How far ...?"), or None."""
     unit = _unit(ask)
     if unit:
-        return unit
-    m = _COUNTED.search(ask)
-    if m and m.group(1).lower() not in _STOP and m.group(1).lower() not in _NOT_NOUNS:
-        return _stem(m.group(1))
+        return "unit", unit
+    low = ask.lower()
+    m = re.search(r"\bhow many\s+(.*)", low)
+    if m:
+        words = []
+        for w in _WORD.findall(m.group(1)):
+            if w in _STOP or w in _NOT_NOUNS:
+                break
+            words.append(_stem(w))
+        if words:
+            return "counted", set(words)
+    for name, cue in _DIMENSION_CUES:
+        if re.search(cue, low):
+            return "dimension", name
     return None
+
+
+def _measures_differ(q, p) -> bool:
+    if q is None or p is None:
+        return False
+    (qk, qv), (pk, pv) = q, p
+    if qk == pk == "counted":
+        return not (qv & pv)
+    if qk == pk:
+        return qv != pv
+    if "counted" in (qk, pk):
+        counted, other = (qv, p) if qk == "counted" else (pv, q)
+        unit_words = {_stem(w) for w, name in _UNIT_OF.items() if name == other[1] or _DIMENSION.get(name) == other[1]}
+        return other[0] == "unit" and not (counted & unit_words)
+    dims = [_DIMENSION.get(v, v) if k == "unit" else v for k, v in (q, p)]
+    return dims[0] != dims[1]
+
+
+def _period(ask: str) -> tuple[str, str] | None:
+    m = _PERIOD.search(ask)
+    if not m:
+        return None
+    count = (m.group(1) or "1").strip()
+    return count, _stem(m.group(2)).removesuffix("s")
 
 
 def _aggregate(ask: str) -> str | None:
@@ -155,24 +208,47 @@ def asks_differ(question: str, problem: str) -> str | None:
     """Why `question` asks for another quantity than `problem` did (a short reason), or None."""
     q_ask, p_ask = ask_of(question), ask_of(problem)
     qm, pm = _measure(q_ask), _measure(p_ask)
-    if qm and pm and qm != pm:
-        return f"measure: {qm} asked, {pm} stored"
+    if _measures_differ(qm, pm):
+        return f"measure: {_show(qm)} asked, {_show(pm)} stored"
     qa, pa = _aggregate(q_ask), _aggregate(p_ask)
-    if qa != pa and ((qa and pa) or qa in _MARKED or pa in _MARKED):
+    if qa != pa and ((qa and pa) or qa in _MARKED):
         return f"aggregate: {qa or 'none'} asked, {pa or 'none'} stored"
     if pa is None and _NUMBER.search(p_ask):
         # "each week" asked where the stored ask counted weeks ("in 2 weeks"): one part of the whole
-        per = {_stem(w) for w in re.findall(r"\b(?:each|per|every)\s+([a-z]+)", q_ask.lower())}
-        if per & {_stem(w) for w in _WORD.findall(p_ask.lower())}:
+        per = {_stem(w) for w in re.findall(r"(?<![\d%]\s)\b(?:each|per|every)\s+([a-z]+)", q_ask.lower())}
+        if (per - _STOP) & {_stem(w) for w in _WORD.findall(p_ask.lower())}:
             return "aggregate: share asked, total stored"
-    # A subject: a word of the problem's situation (outside its ask; not a name, which a rewording
-    # writes for the stored ask's pronoun) that the question's ask names while the question also
-    # states its situation apart from its ask (a rewording that moves the situation into the ask,
-    # "How many dollars does Tom earn for working 8 hours on Tuesday ...?", names all of it there).
-    names = {_stem(w) for w in re.findall(r"(?<![.?!]\s)(?<!^)\b[A-Z][a-z]+", problem)}
-    situation = _content(problem) - _content(p_ask) - names
+    qp, pp = _period(q_ask), _period(p_ask)
+    if qp and pp and qp != pp:
+        return f"period: {' '.join(qp)} asked, {' '.join(pp)} stored"
+    # A name the question's ask adds where the stored ask named someone ("How many marbles do Sam and
+    # Ann have together?" against "How many marbles does Sam have?").
+    q_names, p_names = _names(q_ask), _names(p_ask)
+    if p_names and q_names - p_names:
+        return f"subject: {', '.join(sorted(q_names - p_names))}"
+    # A subject: a noun of the problem's situation (outside its ask; not the problem's first actor nor a
+    # name, which a rewording writes for the stored ask's pronoun, nor the stuff its measure counts:
+    # "liters of milk") that the question's ask names while the question also states its situation apart
+    # from its ask (a rewording that moves the situation into the ask, "How many dollars does Tom earn
+    # for working 8 hours on Tuesday ...?", names all of it there).
+    low = " ".join(problem.lower().split())
+    first = re.match(r"(?:a|an|the)\s+([a-z]+)", low)
+    opening = {_stem(first.group(1))} if first else set()
+    stuff = {_stem(w) for w in re.findall(r"\b[a-z]+\s+of\s+([a-z]+)", low)}
+    nouns = {_stem(w) for w in re.findall(r"(?:\b(?:a|an|the|his|her|their|its|each|per|every|at|by|on)|\d%?|'s)\s+([a-z]+)", low)}
+    situation = (_content(problem) - _content(p_ask) - _names(problem) - opening - stuff) & nouns
     rest = _content(" ".join(question.split()).replace(_ask_sentence(question), " "))
     subject = sorted((_content(q_ask) & situation & rest) - _content(p_ask))
     if subject:
         return f"subject: {', '.join(subject)}"
     return None
+
+
+def _names(text: str) -> set[str]:
+    """Capitalised words not opening a sentence: people's and places' names."""
+    return {w.lower() for w in re.findall(r"(?<![.?!]\s)(?<!^)\b[A-Z][a-z]+", text.strip())} - _STOP
+
+
+def _show(measure) -> str:
+    kind, value = measure
+    return ", ".join(sorted(value)) if kind == "counted" else value
