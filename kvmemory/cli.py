@@ -317,7 +317,7 @@ def bench_rewordings(args) -> int:
         mem = _memory(args)
         r = run_rewordings_bench(mem, which=args.set_name, problems=args.problems, unrelated=args.unrelated,
                                  budget=args.budget, prior=args.prior, chat_siblings=args.chat_siblings,
-                                 progress=_progress(args))
+                                 progress=_progress(args), ask_check=not args.no_ask_check)
     _emit(args, r, format_table(r))
     return 0
 
@@ -1328,9 +1328,13 @@ def _bench_parsers(bench: argparse.ArgumentParser) -> None:
                   parents=[_parent(*_STORE_OPTS, *_ENGINE_OPTS, "namespace", "embedder"), json_opt],
                   epilog=_examples("kvmemory bench rewordings --json > rewordings-report.json",
                                    "kvmemory bench rewordings --set calibration --calibrate   # the number threshold",
-                                   "kvmemory bench rewordings --prior 0   # the model's own choice, for comparison"))
-    rw.add_argument("--set", dest="set_name", choices=["report", "calibration"], default="report",
-                    help="the hand-written set: report (held out) or calibration (default: %(default)s)")
+                                   "kvmemory bench rewordings --prior 0   # the model's own choice, for comparison",
+                                   "kvmemory bench rewordings --set fresh --json   # the asks set held out from the ask check"))
+    rw.add_argument("--set", dest="set_name", choices=["report", "calibration", "fresh"], default="report",
+                    help="the hand-written set: report, calibration, or fresh (the asks set held out from the ask "
+                    "check: rewordings and other asks only) (default: %(default)s)")
+    rw.add_argument("--no-ask-check", action="store_true", help="offer a routed entry's stored answer whatever the "
+                    "question asks (answer's ask_check=False), for comparison")
     rw.add_argument("--calibrate", action="store_true", help="embedding scores only (no model, no store): the "
                     "calibration figures and the number threshold the set gives")
     rw.add_argument("--problems", type=_count(), default=None, help="only the first N problems (default: all 40)")

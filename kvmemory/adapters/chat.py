@@ -37,6 +37,7 @@ from kvmemory.adapters.shared import SharedMemory
 from kvmemory.engine.runner import GREEDY, Sampling
 from kvmemory.memory.facade import KVMemory, Recalled
 from kvmemory.memory.prompts import render_ids
+from kvmemory.memory.recurrence import answer as recurrence_answer
 from kvmemory.memory.verifiers import kind_of
 from kvmemory.routing.embedders import MINILM_SHA256
 
@@ -154,7 +155,8 @@ def run_chat(shared: SharedMemory, req: ChatRequest, on_text: Callable[[str], No
     mem = shared.memory
     with shared.lock:
         dec, turns, hits = _open(mem, req, req.tools if req.tool_mode else [], on_text)
-        out = _decode(req, dec, turns)
+        out = None if req.tool_mode else _recurrence(mem, req, turns, hits, dec, on_text)
+        out = out or _decode(req, dec, turns)
         if isinstance(out, _NoCall):
             # The scored policy decided on an answer, not a call: the answer is decoded over the
             # conversation without the tool list, which a model that reads it well (Qwen 1.5B) otherwise
@@ -163,10 +165,40 @@ def run_chat(shared: SharedMemory, req: ChatRequest, on_text: Callable[[str], No
             first = dec.stats
             dec, turns, hits = _open(mem, req, [], on_text)
             dec.add_stats(first)
+            rec = _recurrence(mem, req, turns, hits, dec, on_text)
+            if rec is not None:
+                rec.notes = {**notes, **rec.notes}
+                out = rec
+        if isinstance(out, _NoCall):
             ans = dec.free("", max_new_tokens=req.max_tokens, stop=req.stop, shown=True)
             out = ChatOutcome(ans.text, finish_reason=_FINISH.get(ans.stopped_by, "stop"), notes=notes)
     out.stats, out.hits, out.profile_id = dec.stats, hits, mem.engine.profile_id
     return out
+
+
+def _recurrence(mem: KVMemory, req: ChatRequest, turns: list[dict], hits: list[Recalled], dec: Decoder,
+                on_text) -> ChatOutcome | None:
+    """A plain reply (no schema) to a user turn that asks a routed verified problem again
+    (memory/recurrence.py): the verified working's answer, as `answer(choices="numbers")` gives it."""
+    if req.response_schema is not None or not hits or turns[-1]["role"] != "user" or not req.route:
+        return None
+    ans = recurrence_answer(mem, turns[-1]["content"], hits)
+    if ans is None or not ans.text:
+        return None
+    r, s = ans.report, dec.stats
+    if s.prompt_grafted is None:
+        s.prompt_grafted = 0
+    s.passes += 1
+    s.tokens_grafted += r.tokens_grafted
+    s.tokens_computed += r.tokens_computed + r.tokens_scored
+    s.tokens_forced += r.tokens_decoded
+    s.bytes_read += r.bytes_read
+    s.seconds += ans.seconds
+    if on_text is not None:
+        on_text(ans.text)
+    return ChatOutcome(ans.text, finish_reason="stop",
+                       notes={"recurrence": {"entry": ans.entries[0] if ans.entries else None, "answer": ans.text,
+                                             "choices": ans.choices, "source": ans.source}})
 
 
 def _open(mem: KVMemory, req: ChatRequest, tools: list[dict], on_text) -> tuple[Decoder, list[dict], list[Recalled]]:

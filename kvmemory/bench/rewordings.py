@@ -40,20 +40,39 @@ from tqdm import tqdm
 
 ANSWER_PREFIX = "The answer is"
 KINDS = ("words", "units", "reordered")
-SETS = ("report", "calibration")
+SETS = ("report", "calibration", "fresh")
 
 
 def load_set(which: str):
-    """The module holding PROBLEMS and UNRELATED for `which` ("report" or "calibration")."""
+    """What holds PROBLEMS and UNRELATED for `which` ("report", "calibration" or "fresh": the asks set
+    written after the ask check, `fresh_set`)."""
     from kvmemory.errors import InvalidInput
 
     if which == "report":
         from kvmemory.bench import rewordings_heldout as s
     elif which == "calibration":
         from kvmemory.bench import rewordings_calibration as s
+    elif which == "fresh":
+        return fresh_set()
     else:
         raise InvalidInput(f"set must be one of {SETS}, got {which!r}")
     return s
+
+
+def fresh_set():
+    """bench/data/asks_fresh.json (issue 48, item 2: written by an author who saw neither the ask check,
+    memory/asks.py, nor the other sets, after the check's rules were fixed): 40 problems with three
+    rewordings each (words, units, reordered) and one other ask each; no siblings, no unrelated questions."""
+    import json
+    from importlib import resources
+    from types import SimpleNamespace
+
+    data = json.loads(resources.files("kvmemory.bench").joinpath("data/asks_fresh.json").read_text("utf-8"))
+    problems = [(p["problem"], p["solution"], p["answer"], dict(zip(KINDS, p["rewordings"])), None)
+                for p in data["problems"]]
+    other = [(i, p["other_ask"]["question"], p["other_ask"]["answer"]) for i, p in enumerate(data["problems"])]
+    return SimpleNamespace(__name__="kvmemory/bench/data/asks_fresh.json", PROBLEMS=problems, UNRELATED=[],
+                           OTHER_ASKS=other)
 
 
 def _value(text: str) -> Fraction | None:
@@ -64,14 +83,16 @@ def _value(text: str) -> Fraction | None:
 
 def run_rewordings_bench(mem=None, *, which: str = "report", problems: int | None = None, unrelated: int | None = None,
                          budget: int = 12, prior: float | None = None, chat_siblings: int = 0,
-                         progress: bool = True) -> dict:
+                         progress: bool = True, ask_check: bool = True) -> dict:
     """Run the bench on `mem` (a KVMemory; a temporary one on the embedded model by default). `problems`
     and `unrelated` take the first ones of the set only (a quick look; the figures use the whole set).
     `prior`: `answer`'s (default: its own default). `chat_siblings` > 0: each sibling is also answered by
-    `chat` with that many tokens, routed and not (`_chat_siblings`)."""
+    `chat` with that many tokens, routed and not (`_chat_siblings`). `ask_check`: `answer`'s (False: a
+    routed entry's stored answer is offered whatever the question asks, as before issue 48's item 2)."""
     import tempfile
 
     from kvmemory.bench import rewordings_other_asks
+    from kvmemory.memory.answers import OTHER_ASK, OTHER_ASK_NO_CHOICES
     from kvmemory.memory.facade import DEFAULT_CONTRAST, DEFAULT_PRIOR, KVMemory
     from kvmemory.memory.inputs import check_prior
 
@@ -95,8 +116,7 @@ def run_rewordings_bench(mem=None, *, which: str = "report", problems: int | Non
 
         def ask(q: str, tokens: int = budget):
             return mem.answer(q, answer_prefix=ANSWER_PREFIX, choices="numbers", max_new_tokens=tokens, stop=["\n"],
-                              nothing_to_choose="decode",
-                              prior=prior)
+                              nothing_to_choose="decode", prior=prior, ask_check=ask_check)
 
         def chat_route(q: str) -> str | None:
             """The entry `chat` routes a one-message conversation to (what the server and the framework
@@ -104,16 +124,16 @@ def run_rewordings_bench(mem=None, *, which: str = "report", problems: int | Non
             hits = mem.chat_prompt([{"role": "user", "content": q}]).hits
             return hits[0].entry.id if hits else None
 
-        kinds = {k: {"questions": 0, "routed_right": 0, "answered_right": 0, "used_memory": 0, "routed_in_chat": 0}
-                 for k in KINDS}
+        kinds = {k: {"questions": 0, "routed_right": 0, "answered_right": 0, "used_memory": 0, "routed_in_chat": 0,
+                     "taken_as_other_ask": 0} for k in KINDS}
         failures: list[dict] = []
         siblings = {"questions": 0, "routed_to_original": 0, "leaks": 0, "given_original_answer_without_memory": 0,
                     "answered_right": 0, "routed_to_original_in_chat": 0}
         leaks: list[dict] = []
         questions = [(i, k, p[3][k]) for i, p in enumerate(probs) for k in KINDS] + \
-                    [(i, "sibling", p[4][0]) for i, p in enumerate(probs)]
+                    [(i, "sibling", p[4][0]) for i, p in enumerate(probs) if p[4] is not None]
         for i, kind, q in tqdm(questions, desc="rewordings and siblings", unit="question", **bar):
-            problem, _, answer, _, (_, sib_answer) = probs[i]
+            problem, _, answer, _, sibling = probs[i]
             ans = ask(q)
             got = _value(ans.text)
             first = ans.entries[0] if ans.entries else None
@@ -121,13 +141,13 @@ def run_rewordings_bench(mem=None, *, which: str = "report", problems: int | Non
                 siblings["questions"] += 1
                 on_original = entry_of[i] in ans.entries
                 siblings["routed_to_original"] += int(on_original)
-                siblings["answered_right"] += int(got == Fraction(sib_answer))
+                siblings["answered_right"] += int(got == Fraction(sibling[1]))
                 siblings["routed_to_original_in_chat"] += int(chat_route(q) == entry_of[i])
                 if got == Fraction(answer):
                     if on_original:
                         siblings["leaks"] += 1
                         leaks.append({"question": q, "answer": ans.text, "stored_answer": answer,
-                                      "sibling_answer": sib_answer, "scores": ans.scores})
+                                      "sibling_answer": sibling[1], "scores": ans.scores})
                     elif not ans.entries:
                         siblings["given_original_answer_without_memory"] += 1
                 continue
@@ -139,15 +159,18 @@ def run_rewordings_bench(mem=None, *, which: str = "report", problems: int | Non
             k["routed_right"] += int(right_route)
             k["routed_in_chat"] += int(chat_route(q) == entry_of[i])
             k["answered_right"] += int(right)
+            k["taken_as_other_ask"] += int(ans.outcome in (OTHER_ASK, OTHER_ASK_NO_CHOICES))
             if not (right_route and right):
                 failures.append({"kind": kind, "question": q, "problem": problem, "expected": answer,
                                  "answer": ans.text, "routed": right_route, "entries": ans.entries,
                                  "scores": [round(x, 4) for x in ans.scores],
-                                 "refused": ans.refused})
+                                 "refused": ans.refused, "outcome": ans.outcome, "reason": ans.reason})
         other = {"questions": 0, "routed_to_entry": 0, "given_stored_answer": 0,
-                 "given_stored_answer_without_memory": 0, "answered_right": 0}
+                 "given_stored_answer_without_memory": 0, "answered_right": 0, "taken_as_other_ask": 0,
+                 "answered_from_working": 0, "answered_from_working_right": 0, "nothing_answered": 0}
         other_details = []
-        asks = [a for a in getattr(rewordings_other_asks, which.upper()) if a[0] < len(probs)]
+        asks = [a for a in getattr(s, "OTHER_ASKS", None) or getattr(rewordings_other_asks, which.upper())
+                if a[0] < len(probs)]
         for i, q, right_answer in tqdm(asks, desc="other asks", unit="question", **bar):
             ans = ask(q)
             got = _value(ans.text)
@@ -158,8 +181,13 @@ def run_rewordings_bench(mem=None, *, which: str = "report", problems: int | Non
             other["given_stored_answer"] += int(stored and on_entry)
             other["given_stored_answer_without_memory"] += int(stored and not ans.entries)
             other["answered_right"] += int(got == Fraction(right_answer))
+            other["taken_as_other_ask"] += int(ans.outcome in (OTHER_ASK, OTHER_ASK_NO_CHOICES))
+            other["answered_from_working"] += int(ans.outcome == OTHER_ASK)
+            other["answered_from_working_right"] += int(ans.outcome == OTHER_ASK and got == Fraction(right_answer))
+            other["nothing_answered"] += int(ans.outcome == OTHER_ASK_NO_CHOICES)
             other_details.append({"question": q, "expected": right_answer, "stored_answer": probs[i][2],
-                                  "answer": ans.text, "entries": ans.entries})
+                                  "answer": ans.text, "entries": ans.entries, "outcome": ans.outcome,
+                                  "reason": ans.reason})
         routed_unrelated = []
         unrelated_in_chat = 0
         for q in tqdm(others, desc="unrelated questions", unit="question", **bar):
@@ -169,7 +197,8 @@ def run_rewordings_bench(mem=None, *, which: str = "report", problems: int | Non
                 routed_unrelated.append({"question": q, "entries": ans.entries,
                                          "scores": [round(x, 4) for x in ans.scores]})
         total = {key: sum(k[key] for k in kinds.values()) for key in ("questions", "routed_right", "answered_right",
-                                                                       "used_memory", "routed_in_chat")}
+                                                                       "used_memory", "routed_in_chat",
+                                                                       "taken_as_other_ask")}
         n = max(total["questions"], 1)
         router = mem.router
         return {
@@ -179,7 +208,7 @@ def run_rewordings_bench(mem=None, *, which: str = "report", problems: int | Non
             "number_threshold": getattr(router, "number_threshold", None),
             "answer": f'answer(q, answer_prefix="{ANSWER_PREFIX}", choices="numbers", max_new_tokens={budget}, '
                       f'prior={prior:g})',
-            "contrast": DEFAULT_CONTRAST, "prior": prior,
+            "contrast": DEFAULT_CONTRAST, "prior": prior, "ask_check": ask_check,
             "problems": len(probs),
             "rewordings": {**total, "recall": total["routed_right"] / n, "accuracy": total["answered_right"] / n,
                            "used_memory_rate": total["used_memory"] / n},
@@ -253,8 +282,10 @@ def _chat_siblings(mem, probs, entry_of, tokens: int, bar: dict) -> dict:
     out = {"tokens": tokens, "questions": len(probs)}
     for mode in ("routed", "alone"):
         out[mode] = {"used_the_original": 0, "gave_the_stored_answer": 0, "answered_right": 0}
-    for i, (_, _, answer, _, (sibling, sib_answer)) in enumerate(tqdm(probs, desc="siblings in chat", unit="question",
-                                                                        **bar)):
+    for i, (_, _, answer, _, sib) in enumerate(tqdm(probs, desc="siblings in chat", unit="question", **bar)):
+        if sib is None:  # a set without siblings (fresh)
+            continue
+        sibling, sib_answer = sib
         for mode in ("routed", "alone"):
             ans = mem.chat([{"role": "user", "content": sibling}], route=mode == "routed", max_new_tokens=tokens)
             got = _last_value(ans.text)
@@ -287,7 +318,12 @@ def format_table(r: dict) -> str:
               f"{r['other_asks']['questions']} routed to the entry; given the stored answer (wrong) through memory: "
               f"{r['other_asks']['given_stored_answer']}, without memory: "
               f"{r['other_asks']['given_stored_answer_without_memory']}; answered right: "
-              f"{r['other_asks']['answered_right']}",
+              f"{r['other_asks']['answered_right']}; taken as another ask: {r['other_asks']['taken_as_other_ask']} "
+              f"(answered from the working: {r['other_asks']['answered_from_working']}, right: "
+              f"{r['other_asks']['answered_from_working_right']}; nothing answered: "
+              f"{r['other_asks']['nothing_answered']})",
+              f"rewordings taken as another ask (wrongly): {r['rewordings']['taken_as_other_ask']} of "
+              f"{r['rewordings']['questions']}",
               f"{r['seconds']} s"]
     if "chat_siblings" in r:
         c = r["chat_siblings"]

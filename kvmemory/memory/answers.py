@@ -7,7 +7,9 @@ question alone (`DEFAULT_CONTRAST`), and a routed verified entry's own answer st
 nats ahead (memory/choices.py says which choices those are). `KVMemory.answer`'s docstring says why.
 
 Every answer says where it came from (`Answer.source`): "memory" (a routed solution was in context),
-"note" (only notes were), "model" (nothing routed: the model alone) or "none" (nothing was answered).
+"intermediate" (the question asks another quantity than the routed solution answered, memory/asks.py:
+the answer was chosen among the other numbers of its working, `outcome` OTHER_ASK), "note" (only notes
+were), "model" (nothing routed: the model alone) or "none" (nothing was answered).
 `choices="numbers"` with nothing to choose among (no entry routed, or none writes a number) is not a
 silent free decode: it returns at once with `outcome` NOTHING_ROUTED or NO_CHOICES and a `reason`
 (`nothing_to_choose="return"`, the default), or the model's own answer capped to a sentence
@@ -54,8 +56,12 @@ NOTE_STATEMENT = "note_statement"
 STATEMENT = "statement"  # answer(note_answer=STATEMENT): a routed note's sentence is the answer (default)
 NOTE_DECODE = "decode"  # answer(note_answer=NOTE_DECODE): the model decodes from the grafted note
 NOTE_ANSWERS = (STATEMENT, NOTE_DECODE)  # what `answer(note_answer=...)` takes
+# `Answer.outcome` of a question that asks another quantity than a routed verified entry answered
+# (memory/asks.py): chosen among its working's other numbers, or, with none, nothing answered
+OTHER_ASK = "other_ask"
+OTHER_ASK_NO_CHOICES = "other_ask_no_choices"
 # `Answer.source`
-SOURCES = ("memory", "note", "model", "none")
+SOURCES = ("memory", "intermediate", "note", "model", "none")
 
 
 @dataclass(slots=True)
@@ -77,14 +83,16 @@ class Answer:
     # or the route to them could not be trusted (memory/entry_check.py); the answer did without them.
     refused: list[dict] = field(default_factory=list)
     kinds: list[str] = field(default_factory=list)  # each used entry's kind: "solution" or "note" (memory/notes.py)
-    outcome: str | None = None  # NOTHING_ROUTED, NO_CHOICES or MODEL_ALONE (the module docstring); None otherwise
+    outcome: str | None = None  # NOTHING_ROUTED, NO_CHOICES, MODEL_ALONE, OTHER_ASK... (the module docstring); None otherwise
     reason: str | None = None  # with an outcome: what happened and what to do
 
     @property
     def source(self) -> str:
-        """Where the answer came from: "memory", "note", "model" or "none" (the module docstring)."""
-        if self.outcome in (NOTHING_ROUTED, NO_CHOICES):
+        """Where the answer came from: "memory", "intermediate", "note", "model" or "none" (the module docstring)."""
+        if self.outcome in (NOTHING_ROUTED, NO_CHOICES, OTHER_ASK_NO_CHOICES):
             return "none"
+        if self.outcome == OTHER_ASK:
+            return "intermediate"
         if any(k != "note" for k in self.kinds):
             return "memory"
         return "note" if self.kinds else "model"
@@ -160,10 +168,12 @@ def nothing_to_choose(hits: Sequence) -> Answer:
 
 
 def choose(mem, prompt: Layout, offered: list[str], end: str, answer_prefix: str | None,
-           hits: Sequence, query: str, contrast: float, prior: float) -> Answer:
+           hits: Sequence, query: str, contrast: float, prior: float, other: dict[str, str] | None = None) -> Answer:
     """`KVMemory.answer` with choices: each offered answer (followed by `end`) scored by the model after
     `prompt` (the routed entries grafted), contrasted with its score after the question alone, a routed
-    verified entry's own answer raised by `prior`; the best one is the answer."""
+    verified entry's own answer raised by `prior`, unless the question asks another quantity than that
+    entry answered (`other`: {entry id: why}, memory/asks.py); the best one is the answer."""
+    other = other or {}
     eng = mem.engine
     t0 = time.perf_counter()
     sep = " " if answer_prefix else ""
@@ -177,7 +187,7 @@ def choose(mem, prompt: Layout, offered: list[str], end: str, answer_prefix: str
         scores = [s - contrast * b for s, b in zip(scores, base)]
         report.tokens_scored += rep.tokens_computed + rep.tokens_scored
         adjusted = True
-    if prior and (known := choices.verified_answers(entries)):
+    if prior and (known := choices.verified_answers([e for e in entries if e.id not in other])):
         scores = [s + prior * choices.is_known(c, known) for s, c in zip(scores, offered)]
         adjusted = True
     if adjusted:  # the best of the adjusted scores (the first on a tie, as eng.choose)
@@ -187,4 +197,22 @@ def choose(mem, prompt: Layout, offered: list[str], end: str, answer_prefix: str
     return Answer(text=text, token_ids=tokenized[best], report=report, entries=[e.id for e in entries],
                   scores=[h.score for h in hits], attestations=[e.attestation.get("attestation_id", "") for e in entries],
                   verified=[e.verified for e in entries], seconds=time.perf_counter() - t0, stopped_by="choice",
-                  choices=offered, choice_scores=scores, kinds=[kind_of(e) for e in entries])
+                  choices=offered, choice_scores=scores, kinds=[kind_of(e) for e in entries],
+                  outcome=OTHER_ASK if other else None, reason=_other_reason(other) if other else None)
+
+
+def _other_reason(other: dict[str, str]) -> str:
+    said = "; ".join(f"entry {i}: {why}" for i, why in other.items())
+    return (f"the question asks another quantity than the routed solution answered ({said}): its stored answer "
+            "was not used; the answer was chosen among the other numbers its working writes (pass "
+            "ask_check=False to use the stored answer)")
+
+
+def other_ask_unanswered(hits: Sequence, other: dict[str, str]) -> Answer:
+    """`choices="numbers"` for a question that asks another quantity than the routed solution answered,
+    whose working writes no other number: nothing is answered, at once, with the reason."""
+    ans = nothing_to_choose(hits)
+    ans.outcome = OTHER_ASK_NO_CHOICES
+    ans.reason = (_other_reason(other).split(": its stored")[0] + "; its working writes no other number, so "
+                  "nothing was answered: ask without choices= for the model's own answer")
+    return ans

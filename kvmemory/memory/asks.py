@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["asks_differ", "ask_of"]
+__all__ = ["asks_differ", "ask_of", "other_asks"]
 
 # Unit families: every spelling of a unit maps to one name. Longer spellings are matched first, so
 # "square meters" is an area, not a length.
@@ -252,3 +252,17 @@ def _names(text: str) -> set[str]:
 def _show(measure) -> str:
     kind, value = measure
     return ", ".join(sorted(value)) if kind == "counted" else value
+
+
+def other_asks(question: str, entries) -> dict[str, str]:
+    """{entry id: why} for the routed verified solutions (not notes) whose problem `question` asks another
+    quantity of (`asks_differ`): their stored answers are not the question's."""
+    from kvmemory.memory.verifiers import is_note
+
+    out = {}
+    for e in entries:
+        if e.verified and not is_note(e) and e.answer is not None:
+            why = asks_differ(question, e.problem)
+            if why:
+                out[e.id] = why
+    return out

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from kvmemory.errors import IntegrityError, InvalidInput, KVMemoryError, UnknownEntry, VerificationFailed
 from kvmemory.engine.engine import Engine, VerifyReport
 from kvmemory.models.loading import DEFAULT_MODEL
-from kvmemory.memory import answers, choices as choice_list, notes, router_feed, routing, writes
+from kvmemory.memory import answers, asks, choices as choice_list, notes, router_feed, routing, writes
 from kvmemory.memory.answers import DEFAULT_CONTRAST, DEFAULT_PRIOR, Answer  # noqa: F401 - re-exported
 from kvmemory.memory.background import PendingWrite, Writer
 from kvmemory.memory.filters import check_where
@@ -33,6 +33,7 @@ from kvmemory.memory.entry_check import EntryChecks, refusal
 from kvmemory.memory.inputs import (MAX_TEXT_CHARS, check_answer_options, check_entry_id, check_namespace,
                                      check_text)
 from kvmemory.memory.proof import VerifySummary
+from kvmemory.memory.recurrence import answer as recurrence_answer
 from kvmemory.memory.token_text import TokenText
 from kvmemory.memory.layout import Layout, chat_layout, question_layout
 from kvmemory.memory.routing import TEXT_TEMPLATE, Recalled  # noqa: F401 - re-exported
@@ -677,7 +678,7 @@ class KVMemory:
                choices: str | Sequence[str] | None = None, choice_end: str = ".",
                contrast: float = DEFAULT_CONTRAST, prior: float = DEFAULT_PRIOR, where: dict | None = None,
                number_threshold: float | None = None, nothing_to_choose: str = "return",
-               note_answer: str = answers.STATEMENT) -> Answer:
+               note_answer: str = answers.STATEMENT, ask_check: bool = True) -> Answer:
         """Route `query`, put the best entries before it, graft the longest stored chain, decode.
         `where` routes only to entries whose metadata matches (as in `recall`). Routing checks the
         numbers (`number_check`): an entry whose problem writes other numbers than the question is
@@ -714,6 +715,13 @@ class KVMemory:
         result. The model overrides it only when it prefers another number by more than `prior`; a
         question with the same numbers that asks for another quantity gets the stored answer all the
         same (BENCHMARKS.md, "other asks"). 0 leaves the choice to the model alone.
+        `ask_check` (default) first checks that the question asks what a routed verified entry answered,
+        not only that it writes its numbers (memory/asks.py: the unit, aggregate, period and subject of
+        the ask): where it asks another quantity ("how many did it bake before selling any?" against
+        "how many are left?") that entry's answer gets no prior and, with `choices="numbers"`, is not
+        offered: the answer is chosen among the numbers of its working (`Answer.source` "intermediate",
+        `outcome` "other_ask", `reason` naming the difference), or nothing is answered when its working
+        writes no other number (`outcome` "other_ask_no_choices").
         """
         query = _check_text("query", query)
         check_answer_options(k=k, max_new_tokens=max_new_tokens, threshold=threshold, choices=choices,
@@ -724,7 +732,7 @@ class KVMemory:
         ans = self.answer_from(query, hits, max_new_tokens=max_new_tokens, sampling=sampling, stop=stop,
                                on_text=on_text, answer_prefix=answer_prefix, choices=choices,
                                choice_end=choice_end, contrast=contrast, prior=prior,
-                               nothing_to_choose=nothing_to_choose, note_answer=note_answer)
+                               nothing_to_choose=nothing_to_choose, note_answer=note_answer, ask_check=ask_check)
         ans.refused = refused + ans.refused
         return ans
 
@@ -733,7 +741,7 @@ class KVMemory:
                     answer_prefix: str | None = None, choices: str | Sequence[str] | None = None,
                     choice_end: str = ".", contrast: float = DEFAULT_CONTRAST,
                     prior: float = DEFAULT_PRIOR, nothing_to_choose: str = "return",
-                    note_answer: str = answers.STATEMENT) -> Answer:
+                    note_answer: str = answers.STATEMENT, ask_check: bool = True) -> Answer:
         """`answer` after routing: answer `query` from these routed entries (e.g. the ones a framework's
         retriever returned), the first one's KV grafted; the options are `answer`'s. An entry that does not
         check against itself is left out and named in `Answer.refused`."""
@@ -755,14 +763,14 @@ class KVMemory:
         ans = self._answer_from(query, hits, max_new_tokens=max_new_tokens, sampling=sampling, stop=stop,
                                 on_text=on_text, answer_prefix=answer_prefix, choices=choices, choice_end=choice_end,
                                 contrast=contrast, prior=prior, nothing_to_choose=nothing_to_choose,
-                                note_answer=note_answer)
+                                note_answer=note_answer, ask_check=ask_check)
         ans.refused = refused
         return ans
 
     def _answer_from(self, query: str, hits: Sequence[Recalled], *, max_new_tokens: int, sampling: Sampling,
                      stop: Sequence[str], on_text, answer_prefix: str | None, choices, choice_end: str,
                      contrast: float, prior: float, nothing_to_choose: str = "return",
-                     note_answer: str = answers.STATEMENT) -> Answer:
+                     note_answer: str = answers.STATEMENT, ask_check: bool = True) -> Answer:
         entries = [h.entry for h in hits]
         if (entries and choices is None and note_answer == answers.STATEMENT
                 and all(notes.kind_of(e) == notes.NOTE for e in entries)):
@@ -776,7 +784,15 @@ class KVMemory:
         store_new = self.block_policy == "always" or (self.block_policy == "multi" and len(entries) > 1)
         offered = choice_list.offered(choices, entries)
         if offered:
-            return answers.choose(self, prompt, offered, choice_end, answer_prefix, hits, query, contrast, prior)
+            other = asks.other_asks(query, entries) if ask_check else {}
+            if other and choices == "numbers":
+                # another quantity asked: the stored answer is not among what the working offers
+                stored = choice_list.verified_answers([e for e in entries if e.id in other])
+                offered = [c for c in offered if not choice_list.is_known(c, stored)]
+                if not offered:
+                    return answers.other_ask_unanswered(hits, other)
+            return answers.choose(self, prompt, offered, choice_end, answer_prefix, hits, query, contrast, prior,
+                                  other)
         capped = choices is not None  # nothing to choose among: never a silent free decode (memory/answers.py)
         if capped and nothing_to_choose == "return":
             return answers.nothing_to_choose(hits)
@@ -797,9 +813,13 @@ class KVMemory:
 
     def chat(self, messages: Sequence[dict], *, route: bool = True, k: int = 1, namespace: str | None = None,
              threshold: float | None = None, max_new_tokens: int = 256, sampling: Sampling = GREEDY,
-             stop: Sequence[str] = (), on_text=None, where: dict | None = None) -> Answer:
+             stop: Sequence[str] = (), on_text=None, where: dict | None = None, recurrence: bool = True) -> Answer:
         """Continue a chat (a list of {"role", "content"}), routing on its last user message (to
         entries whose metadata matches `where`, when given).
+
+        A last user message that asks a routed verified problem again (its numbers, its ask:
+        memory/recurrence.py) is answered as `answer(..., choices="numbers")` answers it ("The answer is
+        N.", chosen among the verified working's numbers), unless `recurrence=False`.
 
         Routed entries go before the conversation (after its system message, if any). Without a
         system message the first entry's stored ids are the prompt's prefix and are grafted as is;
@@ -808,6 +828,14 @@ class KVMemory:
         """
         check_answer_options(k=k, max_new_tokens=max_new_tokens, threshold=threshold)
         prompt = self.chat_prompt(messages, route=route, k=k, namespace=namespace, threshold=threshold, where=where)
+        last = messages[-1] if messages else {}
+        if recurrence and prompt.hits and str(last.get("role")) == "user":
+            rec = recurrence_answer(self, str(last.get("content") or ""), prompt.hits)
+            if rec is not None and rec.text:
+                if on_text is not None:
+                    on_text(rec.text)
+                rec.refused = list(prompt.refused) + rec.refused
+                return rec
         ans = self.generate(prompt.ids, max_new_tokens=max_new_tokens, sampling=sampling, stop=stop,
                             store_new_blocks=prompt.store_new_blocks, entries=[h.entry for h in prompt.hits],
                             scores=[h.score for h in prompt.hits], on_text=on_text, cuts=prompt.cuts)
