@@ -317,7 +317,8 @@ def bench_rewordings(args) -> int:
         mem = _memory(args)
         r = run_rewordings_bench(mem, which=args.set_name, problems=args.problems, unrelated=args.unrelated,
                                  budget=args.budget, prior=args.prior, chat_siblings=args.chat_siblings,
-                                 progress=_progress(args), ask_check=not args.no_ask_check)
+                                 progress=_progress(args), ask_check=not args.no_ask_check,
+                                 chat_answers=args.chat_answers, chat_recurrence=not args.chat_free)
     _emit(args, r, format_table(r))
     return 0
 
@@ -1347,6 +1348,11 @@ def _bench_parsers(bench: argparse.ArgumentParser) -> None:
     rw.add_argument("--chat-siblings", type=_count(0), default=0, metavar="TOKENS", help="also answer each sibling "
                     "by chat with TOKENS tokens, routed and not: does a worked example with other numbers mislead "
                     "the model? (default: 0, off)")
+    rw.add_argument("--chat-answers", type=_count(0), default=0, metavar="TOKENS", help="also answer every rewording "
+                    "and other ask by chat (TOKENS tokens of free decode where the reply is not a recurrence's): "
+                    "right, and other asks given the stored answer (default: 0, off)")
+    rw.add_argument("--chat-free", action="store_true", help="with --chat-answers: every chat reply decoded freely "
+                    "(chat's recurrence=False), the routed entry grafted")
     rw.set_defaults(func=bench_rewordings)
 
     ro = _command(sub, "router", "recall latency and memory of the router at growing index sizes",

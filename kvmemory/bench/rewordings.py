@@ -83,12 +83,14 @@ def _value(text: str) -> Fraction | None:
 
 def run_rewordings_bench(mem=None, *, which: str = "report", problems: int | None = None, unrelated: int | None = None,
                          budget: int = 12, prior: float | None = None, chat_siblings: int = 0,
-                         progress: bool = True, ask_check: bool = True) -> dict:
+                         progress: bool = True, ask_check: bool = True, chat_answers: int = 0,
+                         chat_recurrence: bool = True) -> dict:
     """Run the bench on `mem` (a KVMemory; a temporary one on the embedded model by default). `problems`
     and `unrelated` take the first ones of the set only (a quick look; the figures use the whole set).
     `prior`: `answer`'s (default: its own default). `chat_siblings` > 0: each sibling is also answered by
     `chat` with that many tokens, routed and not (`_chat_siblings`). `ask_check`: `answer`'s (False: a
-    routed entry's stored answer is offered whatever the question asks, as before issue 48's item 2)."""
+    routed entry's stored answer is offered whatever the question asks, as before issue 48's item 2).
+    `chat_answers` > 0: every rewording and other ask is also answered by `chat` (`_chat_answers`)."""
     import tempfile
 
     from kvmemory.bench import rewordings_other_asks
@@ -221,6 +223,7 @@ def run_rewordings_bench(mem=None, *, which: str = "report", problems: int | Non
             "siblings": {**siblings, "leak_details": leaks},
             "other_asks": {**other, "details": other_details},
             **({"chat_siblings": _chat_siblings(mem, probs, entry_of, chat_siblings, bar)} if chat_siblings else {}),
+            **({"chat_answers": _chat_answers(mem, probs, asks, chat_answers, bar, chat_recurrence)} if chat_answers else {}),
             "failures": failures,
             "seconds": round(time.perf_counter() - t0, 1),
         }
@@ -296,6 +299,28 @@ def _chat_siblings(mem, probs, entry_of, tokens: int, bar: dict) -> dict:
     return out
 
 
+def _chat_answers(mem, probs, asks, tokens: int, bar: dict, recurrence: bool = True) -> dict:
+    """Every rewording and other ask answered by `chat` (a one-message conversation, `tokens` tokens of
+    free decode where the reply is not a recurrence's: memory/recurrence.py), read as its last number:
+    right, the stored answer (wrong for an other ask), and answered from the verified solution.
+    `recurrence=False`: every reply decoded freely, the routed entry grafted (`chat(recurrence=False)`)."""
+    out = {"tokens": tokens, "recurrence": recurrence, "rewordings": {"questions": 0, "answered_right": 0, "from_verified_solution": 0},
+           "other_asks": {"questions": 0, "answered_right": 0, "given_stored_answer": 0,
+                          "from_verified_solution": 0}}
+    questions = [("rewordings", p[3][k], p[2], p[2]) for p in probs for k in KINDS] + \
+                [("other_asks", q, right, probs[i][2]) for i, q, right in asks]
+    for kind, q, right, stored in tqdm(questions, desc="chat answers", unit="question", **bar):
+        ans = mem.chat([{"role": "user", "content": q}], max_new_tokens=tokens, recurrence=recurrence)
+        got = _last_value(ans.text)
+        row = out[kind]
+        row["questions"] += 1
+        row["answered_right"] += int(got == Fraction(right))
+        row["from_verified_solution"] += int(bool(ans.choices))
+        if kind == "other_asks":
+            row["given_stored_answer"] += int(got == Fraction(stored))
+    return out
+
+
 def format_table(r: dict) -> str:
     lines = [f"set: {r['set']} ({r['problems']} problems); embedder {r['embedder']}, threshold {r['threshold']}, "
              f"number threshold {r['number_threshold']}; choices contrast {r['contrast']:g}, prior {r['prior']:g}", "",
@@ -325,6 +350,13 @@ def format_table(r: dict) -> str:
               f"rewordings taken as another ask (wrongly): {r['rewordings']['taken_as_other_ask']} of "
               f"{r['rewordings']['questions']}",
               f"{r['seconds']} s"]
+    if "chat_answers" in r:
+        c = r["chat_answers"]
+        rw, oa = c["rewordings"], c["other_asks"]
+        lines[-1:-1] = [f"chat ({c['tokens']} tokens{'' if c['recurrence'] else ', free decoding'}): rewordings answered right {rw['answered_right']} of "
+                        f"{rw['questions']} ({rw['from_verified_solution']} from the verified solution); other asks "
+                        f"answered right {oa['answered_right']} of {oa['questions']}, given the stored answer "
+                        f"{oa['given_stored_answer']}"]
     if "chat_siblings" in r:
         c = r["chat_siblings"]
         lines[-1:-1] = [f"siblings in chat ({c['tokens']} tokens), routed / alone: used the original's entry "
