@@ -26,6 +26,12 @@ def test_a_rewording_asks_the_same(question):
     assert asks_differ(question, MUFFINS) is None
 
 
+def test_a_rewording_may_name_what_the_stored_ask_left_unsaid():
+    """The README's example: "How many are left?" stored, "How many eggs remain?" asked."""
+    assert asks_differ("Tom owns 3 boxes with 12 eggs each; 5 break. How many eggs remain?",
+                       "Tom has 3 boxes of 12 eggs and breaks 5. How many are left?") is None
+
+
 @pytest.mark.parametrize("question, problem, why", [
     ("A bakery bakes 24 muffins per tray and fills 5 trays. It sells 87 muffins. "
      "How many muffins did it bake before selling any?", MUFFINS, "aggregate: before"),

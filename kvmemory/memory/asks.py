@@ -238,7 +238,10 @@ def asks_differ(question: str, problem: str) -> str | None:
     nouns = {_stem(w) for w in re.findall(r"(?:\b(?:a|an|the|his|her|their|its|each|per|every|at|by|on)|\d%?|'s)\s+([a-z]+)", low)}
     situation = (_content(problem) - _content(p_ask) - _names(problem) - opening - stuff) & nouns
     rest = _content(" ".join(question.split()).replace(_ask_sentence(question), " "))
-    subject = sorted((_content(q_ask) & situation & rest) - _content(p_ask))
+    # The stored ask may leave what it counts unsaid ("How many are left?"): the question naming it
+    # ("How many eggs remain?") names no other subject.
+    implied = qm[1] if qm and qm[0] == "counted" and pm is None else set()
+    subject = sorted((_content(q_ask) & situation & rest) - _content(p_ask) - implied)
     if subject:
         return f"subject: {', '.join(subject)}"
     return None
