@@ -186,13 +186,16 @@ def _recurrence(mem: KVMemory, req: ChatRequest, turns: list[dict], hits: list[R
     if ans is None or not ans.text:
         return None
     r, s = ans.report, dec.stats
-    if s.prompt_grafted is None:
-        s.prompt_grafted = 0
+    # The answer's prompt (the entry, then the question: memory/layout.py) is what the model read
+    s.prompt_tokens = r.tokens_grafted + r.tokens_computed
+    s.prompt_grafted = r.tokens_grafted
     s.passes += 1
     s.tokens_grafted += r.tokens_grafted
-    s.tokens_computed += r.tokens_computed + r.tokens_scored
-    s.tokens_forced += r.tokens_decoded
+    s.tokens_computed += r.tokens_computed
+    s.tokens_scored += r.tokens_scored
+    s.tokens_decoded += r.tokens_decoded
     s.bytes_read += r.bytes_read
+    s.stopped_by = "choice"
     s.seconds += ans.seconds
     if on_text is not None:
         on_text(ans.text)

@@ -61,6 +61,7 @@ class DecodeStats:
     seconds: float = 0.0
     stopped_by: str = "stop"
     blocks_stored: int = 0
+    tokens_scored: int = 0  # tokens computed only to score choices (a recurrence's answer: memory/recurrence.py)
 
     def to_json(self) -> dict:
         return {
@@ -71,6 +72,7 @@ class DecodeStats:
             "tokens_computed": self.tokens_computed,
             "tokens_decoded": self.tokens_decoded,
             "tokens_forced": self.tokens_forced,
+            "tokens_scored": self.tokens_scored,
             "bytes_read": self.bytes_read,
             "blocks_stored": self.blocks_stored,
             "seconds": round(self.seconds, 4),
@@ -220,6 +222,7 @@ class Decoder:
         s.tokens_forced += other.tokens_forced
         s.bytes_read += other.bytes_read
         s.blocks_stored += other.blocks_stored
+        s.tokens_scored += other.tokens_scored
         s.seconds += other.seconds
 
     def force(self, text: str) -> str:
