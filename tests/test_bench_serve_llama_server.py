@@ -49,7 +49,7 @@ def test_the_cli_refuses_a_missing_llama_server_before_loading_a_model(tmp_path,
 
 
 def test_llama_server_command_has_one_slot_per_client(tmp_path):
-    s = bench_serve.llama_server(tmp_path, "/bin/llama-server", "/m.gguf", 2, 16, "n16-r0")
+    s = bench_serve.llama_server_process(tmp_path, "/bin/llama-server", "/m.gguf", 2, 16, "n16-r0")
     cmd = s.cmd
     assert cmd[cmd.index("-np") + 1] == "16" and cmd[cmd.index("-c") + 1] == str(16 * bench_serve.LLAMA_SERVER_CTX_PER_SLOT)
     assert cmd[cmd.index("-t") + 1] == "2" and cmd[cmd.index("-tb") + 1] == "2" and "-cb" in cmd

@@ -326,7 +326,7 @@ def llama_server_version(binary: str) -> str:
         return f"unknown ({type(exc).__name__}: {exc})"
 
 
-def llama_server(tmp: Path, binary: str, gguf: str, threads: int, clients: int, tag: str) -> Server:
+def llama_server_process(tmp: Path, binary: str, gguf: str, threads: int, clients: int, tag: str) -> Server:
     """llama.cpp's C++ server with one slot per client and continuous batching (module docstring)."""
     port = free_port()
     cmd = [binary, "-m", gguf, "--alias", SERVED_MODEL, "-np", str(clients),
@@ -707,7 +707,7 @@ def run_serve_bench(clients=DEFAULT_CLIENTS, *, per_kind: int = 3, repeats: int 
         say(f"llama-server side {sides['llama-server']['reason']}")
     else:
         sides["llama-server"] = {
-            "ran": True, "command": llama_server(tmp_path, llama_server_bin, gguf, threads, 1, "n1").cmd, "runs": [],
+            "ran": True, "command": llama_server_process(tmp_path, llama_server_bin, gguf, threads, 1, "n1").cmd, "runs": [],
             "server": {"binary": llama_server_bin, "gguf": gguf, "gguf_bytes": os.path.getsize(gguf),
                        "threads": threads, "slots": "one per client (-np N), started afresh per run",
                        "n_ctx": f"N x {LLAMA_SERVER_CTX_PER_SLOT} (-c)", "continuous_batching": True,
@@ -795,7 +795,7 @@ def _llama_server_run(tmp: Path, binary: str, gguf: str, threads: int, n: int, r
     """One run against a llama-server started for it (-np n), warmed up, then stopped; returns its errors."""
     import httpx
 
-    s = llama_server(tmp, binary, gguf, threads, n, f"n{n}-r{repeat}")
+    s = llama_server_process(tmp, binary, gguf, threads, n, f"n{n}-r{repeat}")
     live.append(s)
     run: dict = {"clients": n, "repeat": repeat, "tag": wl.tag, "command": s.cmd}
     try:
