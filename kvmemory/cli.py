@@ -397,13 +397,14 @@ def bench_capacity(args) -> int:
 
 
 def bench_serve(args) -> int:
-    _quiet_transformers()
-    from kvmemory.bench.serve import DEFAULT_CLIENTS, format_table, plot, run_serve_bench
+    from kvmemory.bench.serve import DEFAULT_CLIENTS, format_table, plot, resolve_llama_server, run_serve_bench
 
+    llama_server = resolve_llama_server(args.llama_server)  # a bad path fails here, before any model loads
+    _quiet_transformers()
     r = run_serve_bench(args.clients or DEFAULT_CLIENTS, per_kind=args.per_kind, repeats=args.repeats,
                         max_tokens=args.max_tokens, threads=args.threads, seed=args.seed,
                         check_per_kind=args.check_per_kind, llamacpp=not args.no_llamacpp, progress=_progress(args),
-                        batch_slots=args.batch_slots)
+                        batch_slots=args.batch_slots, llama_server=llama_server)
     _plot(args, r, plot)
     _emit(args, r, format_table(r))
     return 0 if r["ok"] else 1  # a failed request or an answer whose logits differ from the recompute
@@ -1400,7 +1401,11 @@ def _bench_parsers(bench: argparse.ArgumentParser) -> None:
     sv.add_argument("--check-per-kind", type=_count(0), default=1,
                     help="kvmemory answers per kind and run whose logits are checked against a recompute "
                          "(default: %(default)s)")
-    sv.add_argument("--no-llamacpp", action="store_true", help="leave out llama.cpp's server")
+    sv.add_argument("--no-llamacpp", action="store_true", help="leave out llama-cpp-python's server")
+    sv.add_argument("--llama-server", metavar="PATH", default=None,
+                    help="llama.cpp's C++ llama-server binary (scripts/build_llama_server.sh builds one): also run "
+                         "it, one slot per client (-np N) with continuous batching, on the same GGUF "
+                         "(default: $KVMEMORY_LLAMA_SERVER; neither: that side is not run)")
     sv.add_argument("--batch-slots", type=_count(), default=1,
                     help="kvmemory serve's --batch-slots: requests whose forwards share steps (default: %(default)s)")
     seed(sv)

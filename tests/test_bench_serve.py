@@ -82,6 +82,12 @@ def test_bench_serve_tiny(tmp_path):
     else:  # not faked: the report says it was not run, and why
         assert lc == {"ran": False, "reason": why} and why.startswith("not run")
         assert ("llamacpp", 1) not in rows and "llamacpp: not run" in format_table(r)
+    assert run["completion_tokens"] == sum(x["usage"]["completion_tokens"] for x in run["records"])
+    assert run["decode_tokens_per_s"] == pytest.approx(run["completion_tokens"] / run["wall_s"])
+    ls = r["sides"]["llama-server"]
+    if r["settings"]["llama_server"] is None:  # no binary given: not run, and the report says why
+        assert ls["ran"] is False and ls["reason"].startswith("not run") and ("llama-server", 1) not in rows
+        assert "llama-server: not run" in format_table(r)
     assert "| 1 | kvmemory |" in format_table(r)
     plot(r, str(tmp_path / "serve.png"))
     assert (tmp_path / "serve.png").read_bytes()[:4] == b"\x89PNG"

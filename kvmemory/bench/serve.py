@@ -1,7 +1,7 @@
 """`kvmemory bench serve`: `kvmemory serve` under load, side by side with llama.cpp's own server.
 
-What is compared. Two HTTP servers of the same model, each started by the bench as a subprocess on a
-free port and driven only through the OpenAI chat completions API (streaming):
+What is compared. Up to three HTTP servers of the same model, each started by the bench as a subprocess on
+a free port and driven only through the OpenAI chat completions API (streaming):
 
 - **kvmemory**: `kvmemory serve` (the CLI, so the bench never imports the server layer) over a fresh
   temporary store, the default profile, `--threads` torch threads (default 2): the embedded
@@ -16,6 +16,15 @@ free port and driven only through the OpenAI chat completions API (streaming):
   serves one request at a time (one model behind a lock); `--interrupt_requests false`, else it cuts a
   stream short whenever another request waits. Needs the optional `llamacpp` extra; without it the
   report says the side was not run, and why.
+- **llama-server**: llama.cpp's C++ server (`llama-server`, built from the llama.cpp sources that
+  llama-cpp-python's sdist vendors: scripts/build_llama_server.sh), only when its binary is given
+  (`--llama-server PATH` or the environment variable `KVMEMORY_LLAMA_SERVER`; else the report says the
+  side was not run, and why). On the same GGUF, `-t` / `-tb` equal to kvmemory's threads, started
+  afresh for every run with one parallel slot per client (`-np N`, `-c` = N x 4096 so that every slot
+  has the llamacpp side's context) and continuous batching (its default, `-cb`): its N slots' forwards
+  share each step. Its own prompt reuse stays at its defaults (each slot's KV prefix, and its RAM prompt
+  cache, `--cache-ram`). Its requests carry no extra field (its `repeat_penalty` is off by default), so
+  its request bodies are byte-identical to kvmemory's.
 
 How. For each number of concurrent clients N (default 1, 4, 16) and each repeat, a fixed workload is
 generated from the seed, N and the repeat (problems.py): every client sends, one after another in a
@@ -32,21 +41,26 @@ seeded order, `per_kind` requests of each of three kinds:
   requests). Turn k's prompt starts with turn k-1's: kvmemory grafts the blocks turn k-1 stored;
   llama.cpp reuses its cached prefix.
 
-Both sides get the same requests (the JSON bodies' SHA-256 are in the report) in the same order per
+Every side gets the same requests (the JSON bodies' SHA-256 are in the report) in the same order per
 client: greedy (`temperature` 0; llama.cpp's requests also carry `repeat_penalty` 1.0, which it applies
 before its greedy pick otherwise, and which kvmemory's server refuses as a field OpenAI's API lacks), the same `max_tokens`, `stream` on. The scope goes in the `X-KVMemory-User-Id` header
 (one per run, so runs do not see each other's entries; llama.cpp ignores it). Each run's content is
 new (seeded by N and the repeat) and each side runs right after the other, interleaved, so drift in a
-shared machine's speed hits both. One untimed warm-up request per side comes first.
+shared machine's speed hits all of them. One untimed warm-up request per side comes first (for
+llama-server, whose server starts per run, before each run).
 
 Reported per side and N (median [min-max] over the repeats, every request's record kept): requests/s
-(requests / the run's wall time), p50 / p99 of time to first token (the first non-empty content delta)
-and to the last token (the end of the stream), tokens computed per request, errors. Tokens computed:
+(requests / the run's wall time), aggregate decode tokens/s (the completion tokens of all requests / the
+run's wall time; completion tokens as each response's `usage` reports them, so n/a for a server whose
+stream reports no usage: llama-cpp-python's), p50 / p99 of time to first token (the first non-empty
+content delta) and to the last token (the end of the stream), tokens computed per request, errors.
+Tokens computed:
 kvmemory's from each response's `kvmemory` object (prompt tokens computed, not grafted); llama.cpp's API
 reports no cached tokens, so they come from its own log (`--verbose`): per request, the prompt tokens
 left to evaluate after its prefix match ("remaining M prompt tokens to eval"), else its `prompt eval`
 count; with concurrent clients its log cannot be matched to requests, so only their distribution is
-reported.
+reported. llama-server's from each response's `usage` (`prompt_tokens` less
+`prompt_tokens_details.cached_tokens`, the prompt tokens its slot or prompt cache already held).
 
 Why the exactness check. A faster server is only interesting if its answers are still the canonical
 computation's. The chat route does not return logits, so for a seeded sample of kvmemory's answers
@@ -286,6 +300,41 @@ def llamacpp_server(tmp: Path, gguf: str, threads: int, n_ctx: int) -> Server:
                   body_extra={"repeat_penalty": 1.0})
 
 
+LLAMA_SERVER_ENV = "KVMEMORY_LLAMA_SERVER"  # the llama-server binary, when --llama-server is not given
+LLAMA_SERVER_CTX_PER_SLOT = 4096  # each slot's context: the llamacpp side's n_ctx
+
+
+def resolve_llama_server(path: str | None) -> str | None:
+    """The llama-server binary to run: `path`, else $KVMEMORY_LLAMA_SERVER, else None (the side is not run).
+    Raises InvalidInput when the one named is not an executable file (checked before any model loads)."""
+    path = path or os.environ.get(LLAMA_SERVER_ENV) or None
+    if path is None:
+        return None
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise InvalidInput(f"--llama-server: {path} is not a file (build it with scripts/build_llama_server.sh OUTDIR)")
+    if not os.access(p, os.X_OK):
+        raise InvalidInput(f"--llama-server: {path} is not executable")
+    return str(p.resolve())
+
+
+def llama_server_version(binary: str) -> str:
+    try:
+        out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=60)
+        return " ".join((out.stdout + out.stderr).split()) or f"exit {out.returncode}, no output"
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"unknown ({type(exc).__name__}: {exc})"
+
+
+def llama_server_process(tmp: Path, binary: str, gguf: str, threads: int, clients: int, tag: str) -> Server:
+    """llama.cpp's C++ server with one slot per client and continuous batching (module docstring)."""
+    port = free_port()
+    cmd = [binary, "-m", gguf, "--alias", SERVED_MODEL, "-np", str(clients),
+           "-c", str(clients * LLAMA_SERVER_CTX_PER_SLOT), "-t", str(threads), "-tb", str(threads),
+           "-cb", "--no-webui", "--host", "127.0.0.1", "--port", str(port)]
+    return Server("llama-server", cmd, port, tmp / f"llama-server-{tag}.log", "/health")
+
+
 # ---------------------------------------------------------------------- one request, one run
 def send(client, url: str, req: Request, max_tokens: int, headers: dict, t0: float,
          extra: dict | None = None) -> dict:
@@ -407,8 +456,14 @@ def llamacpp_tokens_from_log(text: str) -> list[dict]:
 def summarize_run(records: list[dict], wall: float) -> dict:
     ok = [r for r in records if r["ok"]]
     ttft, total = [r["ttft_s"] for r in ok], [r["total_s"] for r in ok]
+    # aggregate decode: every completion token the run streamed over its wall time (n/a unless every
+    # answer's usage reports its completion tokens)
+    comp = [r["usage"].get("completion_tokens") for r in ok if isinstance(r.get("usage"), dict)]
+    comp_known = bool(ok) and len(comp) == len(ok) and all(isinstance(c, int) for c in comp)
     out = {"requests": len(records), "errors": len(records) - len(ok), "wall_s": wall,
            "requests_per_s": len(records) / wall if wall > 0 else None,
+           "completion_tokens": sum(comp) if comp_known else None,
+           "decode_tokens_per_s": sum(comp) / wall if comp_known and wall > 0 else None,
            "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
            "last_token_p50_s": percentile(total, 50), "last_token_p99_s": percentile(total, 99),
            "empty_answers": sum(1 for r in ok if r.get("empty")),
@@ -458,6 +513,29 @@ def llamacpp_tokens(log_text: str, records: list[dict], out: dict) -> None:
                               "prefix match (else its prompt eval count); its API reports no cached tokens"
                               if matched else f"not reported: its log shows {len(served)} requests for "
                               f"{len(records)} sent, so it cannot be read per request"))
+
+
+def llama_server_tokens(records: list[dict], out: dict) -> None:
+    """Tokens computed per request as llama-server's usage reports them: prompt tokens less cached ones."""
+    import statistics
+
+    ok = [r for r in records if r["ok"] and isinstance(r.get("usage"), dict)]
+
+    def computed(r: dict) -> int | None:
+        cached = (r["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
+        p = r["usage"].get("prompt_tokens")
+        return p - cached if isinstance(p, int) and isinstance(cached, int) else None
+
+    comp = [c for c in map(computed, ok) if c is not None]
+    prompt = [r["usage"]["prompt_tokens"] for r in ok if isinstance(r["usage"].get("prompt_tokens"), int)]
+    out.update(tokens_computed_mean=statistics.fmean(comp) if comp else None,
+               tokens_computed_p50=percentile(comp, 50), prompt_tokens_mean=statistics.fmean(prompt) if prompt else None,
+               tokens_grafted_mean=None,
+               tokens_source="llama-server's usage of each response: prompt_tokens less "
+                             "prompt_tokens_details.cached_tokens (reused from its slot or prompt cache)")
+    for kind in KINDS:
+        ks = [c for c in (computed(r) for r in ok if r["kind"] == kind) if c is not None]
+        out["by_kind"][kind].update(tokens_computed_mean=statistics.fmean(ks) if ks else None)
 
 
 # ---------------------------------------------------------------------- the exactness sample
@@ -569,9 +647,10 @@ def git_commit() -> str | None:
 
 def run_serve_bench(clients=DEFAULT_CLIENTS, *, per_kind: int = 3, repeats: int = 3, max_tokens: int = 32,
                     threads: int = 2, seed: int = 0, check_per_kind: int = 1, llamacpp: bool = True,
-                    progress: bool = True, batch_slots: int = 1) -> dict:
+                    progress: bool = True, batch_slots: int = 1, llama_server: str | None = None) -> dict:
     """The load test (module docstring). Returns the report; `ok` is false if any request failed or
-    any sampled answer's logits differ from the recompute."""
+    any sampled answer's logits differ from the recompute. `llama_server`: the llama-server binary
+    (else $KVMEMORY_LLAMA_SERVER; neither: that side is not run)."""
     from kvmemory.engine.profile import kvmemory_version
     from kvmemory.models.loading import DEFAULT_MODEL, embedded_gguf_path
 
@@ -588,6 +667,7 @@ def run_serve_bench(clients=DEFAULT_CLIENTS, *, per_kind: int = 3, repeats: int 
                         ("threads", threads, 1), ("check_per_kind", check_per_kind, 0)):
         if v < lo:
             raise InvalidInput(f"{name} must be at least {lo}, got {v}")
+    llama_server_bin = resolve_llama_server(llama_server)
 
     def say(msg: str) -> None:
         if progress:
@@ -597,7 +677,7 @@ def run_serve_bench(clients=DEFAULT_CLIENTS, *, per_kind: int = 3, repeats: int 
         "bench": "serve", "model": DEFAULT_MODEL, "kvmemory_version": kvmemory_version(), "commit": git_commit(),
         "settings": {"clients": clients, "per_kind": per_kind, "repeats": repeats, "max_tokens": max_tokens,
                      "threads": threads, "seed": seed, "check_per_kind": check_per_kind, "greedy": True,
-                     "batch_slots": batch_slots,
+                     "batch_slots": batch_slots, "llama_server": llama_server_bin,
                      "stream": True, "kinds": list(KINDS)},
         "machine": machine_and_software(), "started_at": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
     }
@@ -621,8 +701,21 @@ def run_serve_bench(clients=DEFAULT_CLIENTS, *, per_kind: int = 3, repeats: int 
             "gguf": gguf, "gguf_bytes": os.path.getsize(gguf), "threads": threads, "n_ctx": 4096,
             "prompt_cache": "ram (llama_cpp.server --cache true --cache_type ram, default cache_size)",
             "build": f"llama-cpp-python {llama_cpp.__version__}; {llama_cpp.llama_print_system_info().decode().strip()}"}
+    if llama_server_bin is None:
+        sides["llama-server"] = {"ran": False, "reason": "not run: no llama-server binary given (--llama-server PATH "
+                                 f"or ${LLAMA_SERVER_ENV}; build one with scripts/build_llama_server.sh OUTDIR)"}
+        say(f"llama-server side {sides['llama-server']['reason']}")
+    else:
+        sides["llama-server"] = {
+            "ran": True, "command": llama_server_process(tmp_path, llama_server_bin, gguf, threads, 1, "n1").cmd, "runs": [],
+            "server": {"binary": llama_server_bin, "gguf": gguf, "gguf_bytes": os.path.getsize(gguf),
+                       "threads": threads, "slots": "one per client (-np N), started afresh per run",
+                       "n_ctx": f"N x {LLAMA_SERVER_CTX_PER_SLOT} (-c)", "continuous_batching": True,
+                       "prompt_cache": "its defaults (slot KV prefix reuse, --cache-ram)",
+                       "build": llama_server_version(llama_server_bin)}}
     samples: list[dict] = []
     errors = 0
+    live: list[Server] = []  # a llama-server running now, stopped in `finally` should a run raise
     try:
         for name, s in servers.items():
             say(f"starting the {name} server: {' '.join(s.cmd)}")
@@ -668,6 +761,9 @@ def run_serve_bench(clients=DEFAULT_CLIENTS, *, per_kind: int = 3, repeats: int 
                     say(f"    {run['requests_per_s']:.3f} req/s, TTFT p50 {run['ttft_p50_s'] or float('nan'):.3f} s, "
                         f"errors {run['errors']}")
                     sides[name]["runs"].append(run)
+                if llama_server_bin is not None:
+                    errors += _llama_server_run(tmp_path, llama_server_bin, gguf, threads, n, repeat, wl, max_tokens,
+                                                headers, sides["llama-server"], live, say)
         report["load_average_after_load"] = list(os.getloadavg())
         if "llamacpp" in servers:
             servers["llamacpp"].stop()
@@ -683,6 +779,8 @@ def run_serve_bench(clients=DEFAULT_CLIENTS, *, per_kind: int = 3, repeats: int 
             rc = s.stop()
             if name in sides and sides[name].get("ran"):
                 sides[name]["exit_code"] = rc
+        for s in live:
+            s.stop()
         tmp.cleanup()
     report["sides"] = sides
     report["summary"] = summary(sides, clients)
@@ -692,7 +790,38 @@ def run_serve_bench(clients=DEFAULT_CLIENTS, *, per_kind: int = 3, repeats: int 
     return report
 
 
-_METRICS = ("requests_per_s", "ttft_p50_s", "ttft_p99_s", "last_token_p50_s", "last_token_p99_s",
+def _llama_server_run(tmp: Path, binary: str, gguf: str, threads: int, n: int, repeat: int, wl: Workload,
+                      max_tokens: int, headers: dict, side: dict, live: list, say) -> int:
+    """One run against a llama-server started for it (-np n), warmed up, then stopped; returns its errors."""
+    import httpx
+
+    s = llama_server_process(tmp, binary, gguf, threads, n, f"n{n}-r{repeat}")
+    live.append(s)
+    run: dict = {"clients": n, "repeat": repeat, "tag": wl.tag, "command": s.cmd}
+    try:
+        say(f"starting the llama-server server: {' '.join(s.cmd)}")
+        s.start()
+        run["start_s"] = s.started_s
+        with httpx.Client(timeout=REQUEST_TIMEOUT_S) as http:  # one untimed warm-up request
+            warm = send(http, s.url, Request(-1, 0, "warmup", 0, WARMUP), max_tokens, {SCOPE_HEADER: "bench-warmup"},
+                        time.perf_counter(), s.body_extra)
+        if not warm["ok"]:
+            raise KVMemoryError(f"the llama-server server's warm-up request failed: {warm['error']}\n{s.tail()}")
+        say(f"[repeat {repeat + 1}] llama-server: {n} client(s), {sum(len(c) for c in wl.clients)} requests")
+        records, wall = run_load(s.url, wl, max_tokens, headers, s.body_extra)
+        run.update(summarize_run(records, wall))
+        llama_server_tokens(records, run)
+        run["records"] = records
+        say(f"    {run['requests_per_s']:.3f} req/s, TTFT p50 {run['ttft_p50_s'] or float('nan'):.3f} s, "
+            f"errors {run['errors']}")
+    finally:
+        run["exit_code"] = s.stop()
+        live.remove(s)
+    side["runs"].append(run)
+    return run["errors"]
+
+
+_METRICS = ("requests_per_s", "decode_tokens_per_s", "ttft_p50_s", "ttft_p99_s", "last_token_p50_s", "last_token_p99_s",
             "tokens_computed_mean", "prompt_tokens_mean", "tokens_grafted_mean")
 
 
@@ -723,13 +852,14 @@ def _fmt(sp: dict | None, digits: int = 3) -> str:
 
 def format_table(r: dict) -> str:
     s = r["settings"]
-    head = ("| clients | server | requests/s | TTFT p50 s | TTFT p99 s | last token p50 s | last token p99 s | "
+    head = ("| clients | server | requests/s | decode tokens/s | TTFT p50 s | TTFT p99 s | last token p50 s | last token p99 s | "
             "tokens computed / request | prompt tokens / request | errors |")
     out = [f"{r['model']}: {s['per_kind']} requests of each kind ({', '.join(s['kinds'])}) per client, "
            f"max_tokens {s['max_tokens']}, greedy, streamed, {s['threads']} threads per server; "
            f"median [min-max] over {s['repeats']} repeat(s)", "", head, "|" + "---|" * (head.count("|") - 1)]
     for row in r["summary"]:
-        out.append(f"| {row['clients']} | {row['side']} | {_fmt(row['requests_per_s'])} | {_fmt(row['ttft_p50_s'])} | "
+        out.append(f"| {row['clients']} | {row['side']} | {_fmt(row['requests_per_s'])} | "
+                   f"{_fmt(row['decode_tokens_per_s'], 1)} | {_fmt(row['ttft_p50_s'])} | "
                    f"{_fmt(row['ttft_p99_s'])} | {_fmt(row['last_token_p50_s'])} | {_fmt(row['last_token_p99_s'])} | "
                    f"{_fmt(row['tokens_computed_mean'], 1)} | {_fmt(row['prompt_tokens_mean'], 1)} | {row['errors']} |")
     out.append("")
@@ -738,6 +868,8 @@ def format_table(r: dict) -> str:
             out.append(f"{name}: {side['reason']}")
         elif name == "llamacpp":
             out.append(f"llama.cpp: {side['server']['build']}")
+        elif name == "llama-server":
+            out.append(f"llama-server: {side['server']['binary']}: {side['server']['build']}")
     e = r["exactness"]
     out.append(f"exactness: {e.get('equal', 0)} of {e['checked']} sampled kvmemory answers' logits equal a recompute "
                f"here ({e.get('not_checkable', 0)} not checkable; {e.get('stream_text_differs', 0)} whose streamed text "
@@ -757,12 +889,14 @@ def plot(r: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = (("requests_per_s", "requests / s"), ("ttft_p50_s", "time to first token, p50 (s)"),
+    panels = (("requests_per_s", "requests / s"), ("decode_tokens_per_s", "aggregate decode tokens / s"),
+              ("ttft_p50_s", "time to first token, p50 (s)"),
               ("last_token_p50_s", "time to last token, p50 (s)"), ("tokens_computed_mean", "prompt tokens computed / request"))
-    fig, axes = plt.subplots(1, len(panels), figsize=(15, 4))
-    labels = {"kvmemory": "kvmemory serve", "llamacpp": "llama.cpp server (prompt cache on)"}
+    fig, axes = plt.subplots(1, len(panels), figsize=(18, 4))
+    labels = {"kvmemory": "kvmemory serve", "llamacpp": "llama-cpp-python server (prompt cache on)",
+              "llama-server": "llama.cpp llama-server (-np N, continuous batching)"}
     for ax, (key, title) in zip(axes, panels):
-        for side, marker in (("kvmemory", "D-"), ("llamacpp", "^-")):
+        for side, marker in (("kvmemory", "D-"), ("llamacpp", "^-"), ("llama-server", "s-")):
             rows = [x for x in r["summary"] if x["side"] == side and x[key] is not None]
             if not rows:
                 continue
@@ -777,7 +911,7 @@ def plot(r: dict, path: str) -> None:
         ax.grid(True, which="both", alpha=0.3)
     axes[0].legend(fontsize=8)
     m = r["machine"]
-    fig.suptitle(f"kvmemory serve vs llama.cpp's server, {r['model']}; {m['cpu']} ({m.get('cpu_isa', '?')}), "
+    fig.suptitle(f"kvmemory serve vs llama.cpp's servers, {r['model']}; {m['cpu']} ({m.get('cpu_isa', '?')}), "
                  f"{r['settings']['threads']} threads each; median, bars min-max over {r['settings']['repeats']} repeats",
                  fontsize=9)
     fig.tight_layout()
