@@ -75,6 +75,10 @@ or any mismatch makes the report `ok: false` (and the CLI exit non-zero). A stre
 from the answer's text only because it shows U+FFFD (a character whose bytes span two tokens, streamed
 half-decoded) is reported (`stream_text_differs`, and per run `answers_with_replacement_char`), not
 counted as a mismatch: the tokens and logits are the same, the stream's rendering of them is not.
+A chat answer to a recurring problem (memory/recurrence.py: "The answer is 31.", chosen among the verified
+working's numbers after the answer's own prompt) is checked on that prompt instead: the answer is chosen
+again in this process and must be the served one, and the prompt with the chosen tokens appended goes
+through `/v1/completions` (one decode step) and the recompute as above.
 """
 
 from __future__ import annotations
@@ -572,17 +576,23 @@ def check_exactness(url: str, store: Path, threads: int, samples: list[dict], pr
                 try:
                     ns = s["kvmemory"]["namespace"]
                     entries = [mem.store.get_entry(e, ns) for e in row["entries"]]
-                    ids = mem.chat_ids(s["messages"], entries)
+                    recurrence = s["kvmemory"].get("recurrence")
+                    if recurrence:
+                        ids, tail = _recurrence_prompt(mem, s, entries, recurrence, row)
+                    else:
+                        ids, tail = mem.chat_ids(s["messages"], entries), []
                     text = engine.tokenizer.decode(ids, skip_special_tokens=False)
                     row["prompt_tokens"] = len(ids)
-                    row["served_prompt_tokens"] = s["usage"]["prompt_tokens"]
+                    row["served_prompt_tokens"] = s["usage"]["prompt_tokens"] + len(tail)
                     if engine.encode(text) != ids:
                         row.update(equal=None, why="the prompt's text does not re-encode to its ids: not checkable "
                                    "through /v1/completions")
                         continue
+                    # a recurrence's answer was chosen, not decoded: its prompt with the chosen answer appended
+                    # is checked with one decode step (its logits cover every chosen token)
                     r = http.post(url + "/v1/completions", headers={SCOPE_HEADER: s["user_id"]},
-                                  json={"model": SERVED_MODEL, "prompt": text, "max_tokens": s["max_tokens"],
-                                        "temperature": 0})
+                                  json={"model": SERVED_MODEL, "prompt": text,
+                                        "max_tokens": 1 if recurrence else s["max_tokens"], "temperature": 0})
                     r.raise_for_status()
                     c = r.json()
                     k = c["kvmemory"]
@@ -590,8 +600,10 @@ def check_exactness(url: str, store: Path, threads: int, samples: list[dict], pr
                                completion_tokens=c["usage"]["completion_tokens"],
                                served_logits_sha256=k["logits_sha256"],
                                profile_equal=k["profile_id"] == engine.profile_id,
-                               same_tokens_as_served=c["usage"]["completion_tokens"] == s["usage"]["completion_tokens"],
-                               streamed_text_equal=c["choices"][0]["text"].strip() == s["text"].strip())
+                               same_tokens_as_served=(len(tail) if recurrence else c["usage"]["completion_tokens"])
+                               == s["usage"]["completion_tokens"],
+                               streamed_text_equal=(row["chosen_text"] if recurrence else c["choices"][0]["text"]).strip()
+                               == s["text"].strip())
                     # kvmemory's stream can show U+FFFD where a character's bytes span two tokens, and then
                     # differ from the answer's text (a defect of the stream's text, not of what was computed)
                     stream_defect = not row["streamed_text_equal"] and "\ufffd" in s["text"]
@@ -620,11 +632,31 @@ def check_exactness(url: str, store: Path, threads: int, samples: list[dict], pr
     return {"checked": len(rows), "equal": equal, "not_checkable": sum(1 for r in rows if r.get("equal") is None),
             "stream_text_differs": sum(1 for r in rows if "stream_defect" in r),
             "ok": bool(rows) and equal == len(rows), "profile_id": profile_id, "samples": rows,
-            "how": "the prompt each sampled chat answer decoded (its routed entries + messages, KVMemory.chat_ids) "
+            "how": "the prompt each sampled chat answer decoded (its routed entries + messages, KVMemory.chat_ids; "
+                   "for a recurrence's chosen answer, the answer's prompt and the answer chosen again here, appended) "
                    "sent as raw text to /v1/completions (same greedy max_tokens); it must decode as many tokens as "
                    "the chat answer and the same text (unless the stream's text shows U+FFFD: stream_defect), its "
                    "logits' SHA-256 (from the graft point: prefill rows, then every decode step) must equal this "
                    "process's recompute from scratch under the same profile, whose text must be the completion's"}
+
+
+def _recurrence_prompt(mem, sample: dict, entries: list, recurrence: dict, row: dict) -> tuple[list[int], list[int]]:
+    """A chat answer to a recurring problem (memory/recurrence.py) was chosen among the verified working's
+    numbers after the answer's own prompt (the entry, the question, "The answer is"), not decoded after
+    the chat's. Rebuilt here: that prompt, and the answer chosen again in this process (`answer_from` on
+    the same entry); the prompt with the chosen tokens appended is what is checked. Returns (ids, the
+    chosen tokens), and records the choice in `row`."""
+    from kvmemory.memory.recurrence import ANSWER_PREFIX
+    from kvmemory.memory.routing import Recalled
+
+    question = next(m["content"] for m in reversed(sample["messages"]) if m["role"] == "user")
+    entry = next(e for e in entries if e.id == recurrence["entry"])
+    local = mem.answer_from(question, [Recalled(entry, 1.0, entry.problem)], answer_prefix=ANSWER_PREFIX,
+                            choices="numbers")
+    row["recurrence"] = {"served": recurrence["answer"], "chosen_here": local.text}
+    row["chosen_text"] = local.text
+    prompt = mem.question_layout(question, [entry], ANSWER_PREFIX).ids
+    return list(prompt) + list(local.token_ids), list(local.token_ids)
 
 
 # ---------------------------------------------------------------------- the bench

@@ -300,6 +300,8 @@ def chat_kvmemory(outcome: ChatOutcome, namespace: str) -> dict:
         "passes": s.passes if s else 0,
         "blocks_stored": s.blocks_stored if s else 0,
         "profile_id": outcome.profile_id,
+        # a recurring problem answered from its verified solution (memory/recurrence.py): the entry and answer
+        **({"recurrence": outcome.notes["recurrence"]} if "recurrence" in outcome.notes else {}),
     }
 
 
