@@ -104,7 +104,7 @@ _AGGREGATES = [
     ("total", r"\btotal\b|\baltogether\b|\bin all\b|\btogether\b|\bcombined\b|\boverall\b|\bwhole\b"),
     ("share", r"(?<![\d%]\s)\b(?:each|per|every)\b|\baverage\b|\bmean\b"),
 ]
-# Function words and generic words of an ask: never a subject.
+# Function words and generic words of an ask: never what it counts, nor a share's noun.
 _STOP = set("""a an the of in on at to for from by with without and or but if then than as is are was were be been
 being will would do does did has have had how many much what which who whom whose when where why it its it's
 this that these those there their they them he him his she her hers you your we our us i me my mine one ones
@@ -214,11 +214,6 @@ def _stem(word: str) -> str:
         if w.endswith(suffix) and len(w) - len(suffix) >= 3:
             return w[: -len(suffix)] + ("y" if suffix == "ies" else "")
     return w
-
-
-def _content(text: str) -> set[str]:
-    words = {_stem(w) for w in _WORD.findall(text.lower())}
-    return {w for w in words if len(w) >= 3 and w not in _STOP and w not in _UNIT_OF}
 
 
 def asks_differ(question: str, problem: str) -> str | None:
