@@ -67,7 +67,7 @@ class Build:
 
 
 _ATTENTION = ("few_query_attention.cpp", ("bfloat16.h", "parallel.h", "simd.h"))
-_QLINEAR = ("quantized_linear.cpp", ("parallel.h", "simd.h"))
+_QLINEAR = ("quantized_linear.cpp", ("parallel.h", "simd.h", "q8_dot.h"))
 _SHA256 = ("sha256_lanes.cpp", ())
 _DECODE = ("decode_ops.cpp", ("bfloat16.h",))
 

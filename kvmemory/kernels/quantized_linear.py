@@ -13,6 +13,9 @@ of a row. With K-quant scales (Q2_K ... Q6_K, as compact as the file's own) d is
 [N/16, K/256, super-block bytes] and m is empty: per super-block of 256 weights and panel, D [16]
 float32, DMIN [16] float32 where the format has a minimum, then an int8 scale [K/sub per 256][16] and
 an int8 min alike; the kernel takes d = D * scale and m = -(DMIN * min), gguf-py's own products.
+With the q8 flag (512, `to_q8`) the same d and m go with q re-laid for integer dot products against
+activations quantized to 8 bits per block of 32, as llama.cpp computes (csrc/q8_dot.h has the layout and
+the sums): not gguf-py's float32 weights summed in float32, but a sum as fixed, row by row, as that one.
 Every weight is expanded to exactly gguf-py's `dequantize` value: d * q is rounded once as gguf-py
 rounds it, and where a minimum follows, d * q is exact (d has at most 17 significant bits, checked
 here) so the kernel's one FMA equals gguf-py's product-then-sum. Each output is one fixed sum (k
@@ -39,6 +42,7 @@ _FORMAT_NAMES = ("nib", "nibmin", "byte", "bytemin", "f32")
 
 
 KSCALES = 256  # the kind's flag for K-quant scales
+Q8 = 512  # the kind's flag for q re-laid for 8-bit activations (csrc/q8_dot.h)
 SUPER = 256  # weights per K-quant super-block
 
 
@@ -61,7 +65,7 @@ KINDS = {name: kind_code(*f) for name, f in FORMATS.items()}  # GGUF block type 
 def decode_kind(kind: int) -> tuple[int, int, int]:
     """(format, sub-block, bias) of a kind code; ValueError for one the kernel does not take."""
     fmt, sub, bias = kind & 7, 16 if kind & 8 else 32, (kind >> 4) & 15
-    if kind < 0 or kind >> 9 or fmt > F32 or (bias and fmt != NIB) or (kind & KSCALES and fmt == F32):
+    if kind < 0 or kind >> 10 or fmt > F32 or (bias and fmt != NIB) or (kind & (KSCALES | Q8) and fmt == F32):
         raise ValueError(f"kind {kind} is not one the GGUF-block kernel takes")
     return fmt, sub, bias
 
@@ -69,6 +73,11 @@ def decode_kind(kind: int) -> tuple[int, int, int]:
 def kscales(kind: int) -> bool:
     """Whether the kind keeps K-quant scales (d: bytes per super-block; no m tensor)."""
     return bool(decode_kind(kind) and kind & KSCALES)
+
+
+def is_q8(kind: int) -> bool:
+    """Whether the kind computes with 8-bit activations (its q laid out by `to_q8`)."""
+    return bool(decode_kind(kind) and kind & Q8)
 
 
 def has_min(kind: int) -> bool:
@@ -89,7 +98,8 @@ def super_bytes(kind: int) -> int:
 
 def describe(kind: int) -> str:
     fmt, sub, bias = decode_kind(kind)
-    return f"{_FORMAT_NAMES[fmt]}/{sub}" + (f"-{bias}" if bias else "") + ("+k" if kind & KSCALES else "")
+    return (f"{_FORMAT_NAMES[fmt]}/{sub}" + (f"-{bias}" if bias else "") + ("+k" if kind & KSCALES else "")
+            + ("+q8" if kind & Q8 else ""))
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -98,6 +108,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kvm_qlinear_dequantize.restype = c_int
     lib.kvm_qlinear_linear.argtypes = [c_int, vp, i64, vp, vp, vp, i64, i64, vp, c_int]
     lib.kvm_qlinear_linear.restype = c_int
+    lib.kvm_qlinear_q8_vnni.argtypes = [c_int]
+    lib.kvm_qlinear_q8_vnni.restype = c_int
 
 
 KERNEL_LIB = native.Kernel(KERNEL, _declare)
@@ -115,6 +127,14 @@ def in_features(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, kind: int) ->
     """K, after checking the panels against the kernel's layout (csrc/quantized_linear.cpp); raises
     ValueError saying what is wrong."""
     fmt, sub, _ = decode_kind(kind)
+    if is_q8(kind):
+        per = 8 if fmt in (NIB, NIBMIN) else 4
+        if q.dim() != 4 or q.shape[2:] != (PANEL, 4) or q.dtype != torch.uint8 or not _on_cpu(q):
+            raise ValueError(f"q8 panels must be [N/16, K/{per}, 16, 4] uint8 contiguous on the CPU")
+        K = q.shape[1] * per
+        if K % BLOCK:
+            raise ValueError("K must be a multiple of 32")
+        return _scales_checked(q, d, m, kind, K, sub)
     if q.dim() != 3 or q.shape[2] != PANEL or not _on_cpu(q):
         raise ValueError("q must be [N/16, K/2 or K, 16] contiguous on the CPU")
     if q.dtype != _Q_DTYPES[fmt]:
@@ -124,6 +144,11 @@ def in_features(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, kind: int) ->
         raise ValueError("K must be a multiple of 32")
     if fmt == F32:
         return K
+    return _scales_checked(q, d, m, kind, K, sub)
+
+
+def _scales_checked(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, kind: int, K: int, sub: int) -> int:
+    fmt = decode_kind(kind)[0]
     if kscales(kind):
         sb = super_bytes(kind)
         if K % SUPER or d.dtype != torch.uint8 or not _on_cpu(d) or tuple(d.shape) != (q.shape[0], K // SUPER, sb):
@@ -182,3 +207,26 @@ def linear(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, k
     check_rc(lib.kvm_qlinear_linear(kind, x.data_ptr(), x.shape[0], q.data_ptr(), dp, mp, q.shape[0], K,
                                     y.data_ptr(), torch.get_num_threads()))
     return y
+
+
+def to_q8(q: torch.Tensor, kind: int) -> tuple[torch.Tensor, int]:
+    """The panels' q re-laid for the q8 kind (csrc/q8_dot.h), and that kind; d and m stay as they are.
+    A new tensor: the float path's q (an embedding may share it) is left untouched."""
+    fmt = decode_kind(kind)[0]
+    if fmt == F32 or is_q8(kind):
+        raise ValueError(f"a {describe(kind)} kind has no float-path quants to re-lay for q8")
+    P = q.shape[0]
+    if fmt in (NIB, NIBMIN):  # [P, K/2, 16] nibble pairs -> [P, K/8, 16, 4]: k 8g+b low, 8g+4+b high
+        u = torch.stack((q & 0x0F, q >> 4), dim=2).reshape(P, -1, 2, 4, PANEL)  # [P, K/8, half, b, 16]
+        out = (u[:, :, 0] | (u[:, :, 1] << 4)).permute(0, 1, 3, 2)
+    else:  # [P, K, 16] int8 -> [P, K/4, 16, 4] uint8 holding q + 128
+        u = (q.to(torch.int16) + 128).to(torch.uint8).reshape(P, -1, 4, PANEL)
+        out = u.permute(0, 1, 3, 2)
+    return out.contiguous(), kind | Q8
+
+
+def q8_vnni(want: bool | None = None, lib: ctypes.CDLL | None = None) -> bool:
+    """Whether q8 kinds use AVX-512 VNNI here; `want` False turns it off (tests: both paths give the same
+    bits), True back on where the CPU has it."""
+    lib = lib if lib is not None else load()
+    return bool(lib.kvm_qlinear_q8_vnni(-1 if want is None else int(want)))

@@ -39,7 +39,9 @@
 
 #include <algorithm>
 #include <array>
+#include <cmath>
 #include <cstring>
+#include <limits>
 #include <utility>
 #include <vector>
 
@@ -77,7 +79,9 @@ constexpr int kTileVecs = 2;              // vectors of output features per tile
 constexpr int kTilePanels = kTileVecs * kLanes / kPanel;  // ... which is this many panels (AVX-512: 2, AVX2: 1)
 
 // A kind (the C entry points' `kind`) packs a format, a sub-block size, a bias and the scale layout:
-//   kind = format | (sub == 16 ? 8 : 0) | bias << 4 | (K-quant scales ? 256 : 0)
+//   kind = format | (sub == 16 ? 8 : 0) | bias << 4 | (K-quant scales ? 256 : 0) | (q8 ? 512 : 0)
+// q8 (not F32): the same d and m, q re-laid for integer dot products with 8-bit activations (q8_dot.h):
+// a different sum from the float32 one below, as llama.cpp's is (`linears="q8"`).
 // format  q holds                 a weight is            GGUF types it carries
 //   0 NIB     nibble pairs (u4)   (q - bias) * d         Q4_0 (bias 8), Q3_K (bias 4)
 //   1 NIBMIN  nibble pairs (u4)   fma(q, d, m)           Q4_1, Q4_K, Q2_K
@@ -98,6 +102,7 @@ constexpr int64_t kSuper = 256;  // weights per K-quant super-block
 struct Kind {
     int format, sub_shift, bias;
     bool kscales;
+    bool q8;  // the weights laid out for integer dot products with 8-bit activations (q8_dot.h)
     int64_t q_panel(int64_t K) const {  // bytes of q per panel
         return format == kF32 ? K * kPanel * 4 : nibbles(format) ? K / 2 * kPanel : K * kPanel;
     }
@@ -113,10 +118,11 @@ struct Kind {
 
 bool decode_kind(int code, int64_t K, Kind* out) {
     const int format = code & 7, sub_shift = (code & 8) ? 4 : 5, bias = (code >> 4) & 15;
-    const bool kscales = (code >> 8) & 1;
-    if (code < 0 || code >> 9 || format > kF32 || (bias && format != kNib) || K % kBlock || K < 0) return false;
+    const bool kscales = (code >> 8) & 1, q8 = (code >> 9) & 1;
+    if (code < 0 || code >> 10 || format > kF32 || (bias && format != kNib) || K % kBlock || K < 0) return false;
     if (kscales && (format == kF32 || K % kSuper)) return false;
-    *out = Kind{format, sub_shift, bias, kscales};
+    if (q8 && format == kF32) return false;  // float weights have no integer quants
+    *out = Kind{format, sub_shift, bias, kscales, q8};
     return true;
 }
 
@@ -387,10 +393,111 @@ bool row_linear(const Kind& kd, const float* xp, const uint8_t* qp, const uint8_
     }
 }
 
+// ---- q8: integer dot products with 8-bit activations (q8_dot.h says what is computed) ----
+#define KVM_Q8_NS q8_plain
+#include "q8_dot.h"
+#undef KVM_Q8_NS
+#ifndef KVM_AVX2
+#pragma GCC push_options
+#pragma GCC target("avx512vnni")
+#define KVM_Q8_VNNI
+#define KVM_Q8_NS q8_vnni
+#include "q8_dot.h"
+#undef KVM_Q8_NS
+#undef KVM_Q8_VNNI
+#pragma GCC pop_options
+// vpdpbusd where the CPU has it (chosen once; kvm_qlinear_q8_vnni can turn it off to test the other path:
+// both give the same integers, so the same bits)
+bool cpu_has_vnni() {
+    __builtin_cpu_init();  // a static initializer may run before libgcc's own
+    return __builtin_cpu_supports("avx512vnni");
+}
+int g_q8_vnni = cpu_has_vnni() ? 1 : 0;
+#else
+int g_q8_vnni = 0;
+#endif
+
+constexpr int64_t kQ8RowGroup = 64;  // rows per work item: their quantized activations stay in L1 / L2
+constexpr int64_t kQ8PanelGroup = 4;  // panels per work item
+
+// Each row's activations quantized per block of 32 (q8_dot.h): xq [M, K] int8, dx [M, K/32], xs [M, K/16].
+struct Q8Rows {
+    std::vector<int8_t> xq;
+    std::vector<float> dx;
+    std::vector<int32_t> xs;
+};
+
+bool quantize_rows(const float* x, int64_t M, int64_t K, Q8Rows& out, int threads) {
+    out.xq.resize(M * K);
+    out.dx.resize(M * K / 32);
+    out.xs.resize(M * K / 16);
+    return parallel_for(threads, 0, M, 1, [&](int64_t m0, int64_t m1) {
+        for (int64_t r = m0; r < m1; ++r)
+            for (int64_t b = 0; b < K / 32; ++b) {
+                const float* xb = x + r * K + b * 32;
+                int8_t* qb = out.xq.data() + r * K + b * 32;
+                float amax = 0.0f;
+                bool finite = true;
+                for (int i = 0; i < 32; ++i) {
+                    finite = finite && std::isfinite(xb[i]);
+                    amax = std::max(amax, std::fabs(xb[i]));
+                }
+                const float dx = finite ? amax / 127.0f : std::numeric_limits<float>::quiet_NaN();
+                const float id = finite && dx != 0.0f ? 1.0f / dx : 0.0f;
+                for (int h = 0; h < 2; ++h) {
+                    int32_t sum = 0;
+                    for (int i = 16 * h; i < 16 * h + 16; ++i) {
+                        const float v = std::nearbyint(xb[i] * id);  // round half to even (the default mode)
+                        qb[i] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, v)));
+                        sum += qb[i];
+                    }
+                    out.xs[r * K / 16 + b * 2 + h] = sum;
+                }
+                out.dx[r * K / 32 + b] = dx;
+            }
+    });
+}
+
+bool q8_linear(const Kind& kd, const float* xp, int64_t M, const uint8_t* qp, const uint8_t* dp, const uint8_t* mp,
+               int64_t P, int64_t K, float* yp, int threads) {
+    if (M == 0) return true;
+    Q8Rows rows;
+    if (!quantize_rows(xp, M, K, rows, threads)) return false;
+    std::vector<const int8_t*> xq(M);
+    std::vector<const float*> dx(M);
+    std::vector<const int32_t*> xs(M);
+    for (int64_t r = 0; r < M; ++r) {
+        xq[r] = rows.xq.data() + r * K;
+        dx[r] = rows.dx.data() + r * K / 32;
+        xs[r] = rows.xs.data() + r * K / 16;
+    }
+#ifndef KVM_AVX2
+    const auto fn = g_q8_vnni ? q8_vnni::rows_panels_fn(kd) : q8_plain::rows_panels_fn(kd);
+#else
+    const auto fn = q8_plain::rows_panels_fn(kd);
+#endif
+    const int64_t N = P * kPanel, q_panel = kd.q_panel(K), s_panel = kd.s_panel(K);
+    const int64_t groups = (M + kQ8RowGroup - 1) / kQ8RowGroup;
+    const int64_t pgroups = (P + kQ8PanelGroup - 1) / kQ8PanelGroup;
+    // Work items (row group, group of panels), panels consecutive per thread; which thread computes one
+    // moves no bit.
+    return parallel_for(threads, 0, groups * pgroups, 1, [&](int64_t i0, int64_t i1) {
+        std::vector<float*> y(kQ8RowGroup);
+        for (int64_t i = i0; i < i1; ++i) {
+            const int64_t g = i / pgroups, p = (i % pgroups) * kQ8PanelGroup, r0 = g * kQ8RowGroup;
+            const int64_t R = std::min(kQ8RowGroup, M - r0), panels = std::min(kQ8PanelGroup, P - p);
+            for (int64_t r = 0; r < R; ++r) y[r] = yp + (r0 + r) * N + p * kPanel;
+            fn(kd, R, xq.data() + r0, dx.data() + r0, xs.data() + r0, qp + p * q_panel, dp ? dp + p * s_panel : nullptr,
+               mp ? mp + p * s_panel : nullptr, q_panel, s_panel, K, panels, y.data());
+        }
+    });
+}
+
 // y [M, N] = x [M, K] . W.T, W held as the blocks (N = P * 16).
 bool linear(const Kind& kd, const float* xp, int64_t M, const uint8_t* qp, const uint8_t* dp, const uint8_t* mp, int64_t P,
             int64_t K, float* yp, int threads) {
     const int64_t N = P * kPanel;
+    if (kd.q8) return q8_linear(kd, xp, M, qp, dp, mp, P, K, yp, threads);
     if (M == 0) return true;
     if (M == 1) return row_linear(kd, xp, qp, dp, mp, P, K, yp, threads);
     const int64_t q_panel = kd.q_panel(K), s_panel = kd.s_panel(K);
@@ -452,7 +559,19 @@ bool linear(const Kind& kd, const float* xp, int64_t M, const uint8_t* qp, const
 extern "C" {
 
 // The version of the calling convention below; quantized_linear.py refuses a library of another.
-int kvm_qlinear_abi_version() { return 3; }
+int kvm_qlinear_abi_version() { return 4; }
+
+// Whether the q8 kind uses AVX-512 VNNI's vpdpbusd: `want` 0 turns it off, 1 on where the CPU has it, -1
+// asks. Both paths give the same integers (tests/test_q8_linear.py compares them).
+int kvm_qlinear_q8_vnni(int want) {
+#ifndef KVM_AVX2
+    if (want == 0) g_q8_vnni = 0;
+    if (want == 1) g_q8_vnni = cpu_has_vnni() ? 1 : 0;
+#else
+    (void)want;
+#endif
+    return g_q8_vnni;
+}
 
 // Returns 0 when done, -2 for sizes that are not whole panels and blocks, a kind that is not one of
 // the formats above or misses its d or m, -1 when a thread failed (out of memory). Python checks the
@@ -475,7 +594,7 @@ static const uint8_t* m_of(const Kind& kd, const void* m) {
 int kvm_qlinear_dequantize(int kind, const void* q, const void* d, const void* m, int64_t P, int64_t K, float* out,
                            int threads) {
     Kind kd;
-    if (!args_ok(kind, q, d, m, P, K, &kd)) return -2;
+    if (!args_ok(kind, q, d, m, P, K, &kd) || kd.q8) return -2;  // q8 panels hold no float weights to expand
     try {
         return dequantize(kd, static_cast<const uint8_t*>(q), d_of(kd, d), m_of(kd, m), P, K, out, threads) ? 0 : -1;
     } catch (...) {
