@@ -820,9 +820,11 @@ def _shared_options() -> dict[str, tuple[str, tuple[str, ...], dict]]:
             "auto (default): bfloat16 under a float32 model on the CPU (half the bytes per block), else the "
             "model's dtype; float32 keeps a float32 model's K/V unrounded")),
         "linears": (_PROFILE, ("--linears",), dict(
-            choices=["auto", "gguf", "packed", "plain"], default="auto", help="what computes the linear layers. "
-            "auto (default): the embedded model's own GGUF blocks where the kernel runs, else oneDNN-packed "
-            "float32 copies; plain: torch's own (no second copy in memory)")),
+            choices=["auto", "gguf", "q8", "packed", "plain"], default="auto", help="what computes the linear layers. "
+            "auto (default): the model's own GGUF blocks where the kernel runs (each weight gguf-py's float32 "
+            "value, float32 sums), else oneDNN-packed float32 copies; q8: the same blocks with 8-bit activations "
+            "and integer dot products, as llama.cpp computes (faster, exact graft = recompute too, but another "
+            "profile: its own blocks); plain: torch's own (no second copy in memory)")),
         "profile": (_PROFILE, ("--profile",), dict(
             choices=["default", "stock"], default="default", help="default: kvmemory's kernels where they run "
             "(the options above). stock: transformers' own sdpa attention and torch's linears, float32 model and "

@@ -5,7 +5,9 @@ the kernel's output equals a torch computation of q8_dot.h's formulas (activatio
 of 32, integer sums per sub-block, then one fixed sequence of float32 operations), in the AVX-512 build
 with and without VNNI and in the AVX2 build; a row has the same bytes computed alone or among others,
 with any thread count. The reference shares no code with the kernel: it reads the integer quants and
-scales from the float path's panels (models/gguf_blocks.py), not from the q8 layout.
+scales from the float path's panels (models/gguf_blocks.py), not from the q8 layout. A model opened with
+`linears="q8"` grafts exactly (graft = recompute byte for byte) for every block type and architecture,
+batches exactly (every row of a shared step equal to its sequence alone), and is its own profile.
 """
 
 from __future__ import annotations
@@ -14,9 +16,16 @@ import numpy as np
 import pytest
 import torch
 
+from gguf_files import write_tiny_gguf
+from test_batched_step import _check, _pool
+from test_gguf_blocks import QUANTIZED, random_blocks
+from tiny_models import ARCHS, assert_graft_equals_recompute
+
+from kvmemory.engine.batched_step import why_not
+from kvmemory.engine.engine import Engine
+from kvmemory.errors import ProfileMismatch
 from kvmemory.kernels import cpu, native, quantized_linear as ql
 from kvmemory.models import gguf_blocks
-from tests.test_gguf_blocks import QUANTIZED, random_blocks
 
 needs_kernel = pytest.mark.skipif(native.choose("qlinear")[0] is None,
                                   reason="the GGUF-block kernel runs on AVX-512 and AVX2 CPUs only")
@@ -154,3 +163,63 @@ def test_a_nan_activation_gives_nan_outputs_not_numbers():
     x[1, 5] = float("nan")
     y = ql.linear(x, q8, d, m, code8)
     assert torch.isfinite(y[0]).all() and torch.isnan(y[1]).all()
+
+
+TEXT = "Hello there, the world is a wide place and the sea is deep. " * 3
+
+
+def _q8_engine(path, tmp_path) -> Engine:
+    eng = Engine.open(str(path), tmp_path / "store", chunk=16, linears="q8")
+    assert eng.profile.linear_impl == "gguf-blocks-q8"
+    return eng
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", QUANTIZED)
+def test_q8_graft_equals_recompute_for_every_block_type(kind, tmp_path):
+    path = write_tiny_gguf(tmp_path / "m.gguf", "llama", linear_type=kind, embedding_type=kind,
+                           tied=kind != "Q6_K", seed=1)[0]
+    eng = _q8_engine(path, tmp_path)
+    assert_graft_equals_recompute(eng, eng.loaded.tokenizer(TEXT)["input_ids"], 48, 4)
+
+
+@needs_kernel
+@pytest.mark.parametrize("arch", ARCHS)
+def test_q8_graft_equals_recompute_for_every_architecture(arch, tmp_path):
+    path = write_tiny_gguf(tmp_path / "m.gguf", arch, linear_type="Q4_K", embedding_type="Q6_K", seed=2)[0]
+    eng = _q8_engine(path, tmp_path)
+    assert_graft_equals_recompute(eng, eng.loaded.tokenizer(TEXT)["input_ids"], 48, 4)
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0", "Q4_K", "Q6_K"])
+def test_q8_rows_batch_exactly(kind, tmp_path):
+    path = write_tiny_gguf(tmp_path / "m.gguf", "llama", linear_type=kind, embedding_type=kind, seed=1)[0]
+    eng = _q8_engine(path, tmp_path)
+    assert why_not(eng.runner) is None
+    _check(eng, _pool(eng, 16, eng.runner.vocab_size, seed=1)[:8], budget=64, late=False)
+
+
+@needs_kernel
+def test_q8_is_its_own_profile_and_says_how_to_open_the_other(tmp_path):
+    path = write_tiny_gguf(tmp_path / "m.gguf", "llama", linear_type="Q4_K", embedding_type="Q6_K", seed=2)[0]
+    plain = Engine.open(str(path), tmp_path / "store", chunk=16)
+    q8 = _q8_engine(path, tmp_path)
+    assert plain.profile.linear_impl == "gguf-blocks" and plain.profile.profile_id != q8.profile.profile_id
+    with pytest.raises(ProfileMismatch, match="--linears gguf"):
+        q8.profile.require_same(plain.profile)
+    ids = q8.loaded.tokenizer(TEXT)["input_ids"]
+    a, b = plain.forward(ids, graft=False, max_new_tokens=0)[0], q8.forward(ids, graft=False, max_new_tokens=0)[0]
+    assert a.logits_sha256 != b.logits_sha256  # another sum, not a relabelled one
+
+
+@needs_kernel
+def test_the_embedded_model_runs_q8_and_batches_exactly(tmp_path):
+    from kvmemory.models.loading import load_model
+    from kvmemory.store.local import LocalStore
+
+    loaded = load_model(linears="q8")
+    eng = Engine(loaded, LocalStore(tmp_path / "store"))
+    assert eng.profile.linear_impl == "gguf-blocks-q8"
+    assert why_not(eng.runner) is None, why_not(eng.runner)
+    _check(eng, _pool(eng, 64, eng.runner.vocab_size, seed=3)[:8], budget=256, late=False)

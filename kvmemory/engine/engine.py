@@ -133,8 +133,10 @@ class Engine:
         before anything loads). `step`: "auto", "dynamic", "static", "cuda-graph" (static_step.py).
         `linears`: what computes the linear layers on the CPU
         (loading.LINEARS; each is its own profile): "auto" = from the embedded model's GGUF blocks
-        where the kernel runs (gguf_linear.py), else oneDNN-packed (packed_linear.py); "plain" keeps
-        torch's (slower, no second copy of the weights in memory).
+        where the kernel runs (gguf_linear.py), else oneDNN-packed (packed_linear.py); "q8" = the same
+        blocks with 8-bit activations and integer dot products, as llama.cpp computes (faster; not
+        gguf-py's float32 sums, so blocks of its own); "plain" keeps torch's (slower, no second copy of
+        the weights in memory).
         `kv_dtype`: the dtype the cache keeps K/V in. "auto": bfloat16 under a float32 model on the
         CPU where kvmemory's attention runs and every layer attends fully (runner.resolve_kv_dtype:
         half the bytes per block to store, read and verify), else the model's; "float32" /

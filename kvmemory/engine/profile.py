@@ -87,7 +87,7 @@ COMPUTE_PATH = (
 )
 # Which native kernel each attention / linear implementation runs (the profile records their builds).
 _KERNEL_OF_ATTENTION = {attention.FEWQ: few_query_attention.KERNEL_LIB}
-_KERNEL_OF_LINEARS = {gguf_linear.NAME: quantized_linear.KERNEL_LIB}
+_KERNEL_OF_LINEARS = {gguf_linear.NAME: quantized_linear.KERNEL_LIB, gguf_linear.NAME_Q8: quantized_linear.KERNEL_LIB}
 # A build's manifest fields that decide its bits (not the file's path or its own SHA-256).
 _BUILD_IDENTITY = ("variant", "isa", "sources", "source_digest", "flags", "compiler", "compiler_version")
 # Environment variables that change the code paths of torch's math libraries.
@@ -218,7 +218,8 @@ class ExecutionProfile:
             hint = ""
             if "kv_dtype" in d:  # the fields a user picks when opening (Engine.open / --kv-dtype, --linears)
                 hint = f" (or open with kv_dtype={d['kv_dtype'][1]!r}, --kv-dtype {d['kv_dtype'][1]} on the command line)"
-            linears = {gguf_linear.NAME: "gguf", packed_linear.NAME: "packed", packed_linear.PLAIN: "plain"}  # loading.LINEARS
+            linears = {gguf_linear.NAME: "gguf", gguf_linear.NAME_Q8: "q8", packed_linear.NAME: "packed",
+                       packed_linear.PLAIN: "plain"}  # loading.LINEARS
             if "linear_impl" in d and d["linear_impl"][1] in linears:
                 choice = linears[d["linear_impl"][1]]
                 hint += f" (or open with linears={choice!r}, --linears {choice} on the command line)"

@@ -44,6 +44,10 @@ from kvmemory.models import gguf_blocks
 log = logging.getLogger(__name__)
 
 NAME = "gguf-blocks"
+# `linears="q8"`: the same blocks, multiplied as llama.cpp does (8-bit activations, integer dot products:
+# kernels/csrc/q8_dot.h). Another sum, so another `linear_impl`; exact graft = recompute and
+# batch-invariant rows as gguf-blocks, but no longer gguf-py's float32 weights summed in float32.
+NAME_Q8 = "gguf-blocks-q8"
 
 
 class GGUFLinear(torch.nn.Linear):
@@ -94,6 +98,24 @@ class GGUFLinear(torch.nn.Linear):
     def dequantized(self) -> torch.Tensor:
         """The float32 weight the blocks hold, expanded by the kernel's own code."""
         return qlinear.dequantize(self.q, self.d, self.m, self.kind)
+
+
+def to_q8(model: torch.nn.Module) -> int:
+    """Make every GGUF-block linear of `model` with quantized blocks compute as `linears="q8"` (in place:
+    its q re-laid for 8-bit activations, d and m kept); float weights (F32 / F16 / BF16) stay float
+    sums. Returns how many. Run before the lean step fuses layers (it fuses what it finds)."""
+    n = 0
+    for module in model.modules():
+        if isinstance(module, GGUFLinear) and qlinear.decode_kind(module.kind)[0] != qlinear.F32 \
+                and not qlinear.is_q8(module.kind):
+            module.q, module.kind = qlinear.to_q8(module.q, module.kind)
+            n += 1
+    return n
+
+
+def implementation(module: GGUFLinear) -> str:
+    """The `linear_impl` a GGUF-block linear computes as."""
+    return NAME_Q8 if qlinear.is_q8(module.kind) else NAME
 
 
 def fuse(layers: list[GGUFLinear]) -> GGUFLinear:

@@ -38,9 +38,12 @@ from kvmemory.paths import cache_dir
 DEFAULT_MODEL = embedded.DEFAULT.name  # "embedded:smollm2-135m-instruct"
 EMBEDDED_MODELS = tuple(m.name for m in embedded.MODELS)  # every `embedded:...` name --model takes
 # What computes the linear layers (each its own `linear_impl` in the execution profile):
-# "gguf" from the embedded GGUF's quantized blocks (gguf_linear.py), "packed" from oneDNN-packed
-# float32 copies (packed_linear.py), "plain" torch's own; "auto" = gguf where it can run, else packed.
-LINEARS = ("auto", "gguf", "packed", "plain")
+# "gguf" from the embedded GGUF's quantized blocks (gguf_linear.py), "q8" from the same blocks with 8-bit
+# activations and integer dot products as llama.cpp computes (faster; kernels/csrc/q8_dot.h), "packed"
+# from oneDNN-packed float32 copies (packed_linear.py), "plain" torch's own; "auto" = gguf where it can
+# run, else packed.
+LINEARS = ("auto", "gguf", "q8", "packed", "plain")
+FROM_BLOCKS = ("auto", "gguf", "q8")  # the choices that compute from a GGUF file's blocks
 # Execution profiles a user picks by name (Engine.open / KVMemory / --profile):
 # "default": kvmemory's kernels where they run (attention.for_device, LINEARS "auto", bfloat16 K/V);
 # "stock": transformers' own computation, untouched: its `sdpa` attention (or `eager`, its other own
@@ -346,11 +349,11 @@ def load_model(
     if gf is not None:
         return _load_gguf(gf, name_or_path, dtype=dtype, attn_implementation=attn_implementation, device=device,
                           linears=linears, profile=profile)
-    if linears == "gguf" and em is None:
-        raise InvalidInput("linears='gguf' computes a model from its GGUF file; "
+    if linears in ("gguf", "q8") and em is None:
+        raise InvalidInput(f"linears={linears!r} computes a model from its GGUF file; "
                            f"{name_or_path!r} is not read from one")
-    if linears == "gguf" and not em.gguf_linears:  # refused before the weights are read
-        raise InvalidInput(f"linears='gguf' cannot run {em.name}: its GGUF blocks are not ones the GGUF-block "
+    if linears in ("gguf", "q8") and not em.gguf_linears:  # refused before the weights are read
+        raise InvalidInput(f"linears={linears!r} cannot run {em.name}: its GGUF blocks are not ones the GGUF-block "
                            "kernel computes (Q4_1 / Q8_0 linears of the llama architecture)")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -367,15 +370,17 @@ def load_model(
     model, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True, **kwargs)
     model.eval().requires_grad_(False).to(device)
     files = weights_files(Path(path), before, info)
-    if linears in ("auto", "gguf") and em is not None:
+    if linears in FROM_BLOCKS and em is not None:
         try:
             if not em.gguf_linears:
                 raise KVMemoryError(f"{em.name}'s GGUF blocks are not ones the GGUF-block kernel computes "
                                     "(Q4_1 / Q8_0 linears of the llama architecture)")
             gguf_linear.gguf_linears(model, embedded.part_paths(em)[0], Path(path) / GGUF_PANELS)
+            if linears == "q8":
+                gguf_linear.to_q8(model)
         except KVMemoryError as exc:
-            if linears == "gguf":
-                raise InvalidInput(f"linears='gguf' cannot run here: {exc}") from exc
+            if linears != "auto":
+                raise InvalidInput(f"linears={linears!r} cannot run here: {exc}") from exc
             linears = "packed"  # the profile says which ran
     if linears in ("auto", "packed"):
         packed_linear.pack_linears(model)
@@ -401,8 +406,10 @@ def _load_gguf(gf: gguf_file.GGUFFile, source: str, *, dtype, attn_implementatio
         raise InvalidInput(f"a GGUF file computes in float32 (from its blocks), not {dtype}")
     folder = gguf_model.prepare(gf)  # refuses an architecture or a block type kvmemory lacks, before loading
     files = gguf_model.file_digests(gf)
-    if linears in ("auto", "gguf"):
+    if linears in FROM_BLOCKS:
         model = gguf_model.build(gf, folder, attention.for_device(attn_implementation, device))
+        if linears == "q8":
+            gguf_linear.to_q8(model)
     else:
         if len(gf.parts) > 1:
             raise InvalidInput(f"linears={linears!r} / the stock profile dequantize with transformers' GGUF loader, "
@@ -499,9 +506,15 @@ def stock_options(*, dtype=None, linears: str = "auto", attn_implementation: str
 
 
 def linear_implementation(model: torch.nn.Module) -> str:
-    """What computes the model's linear layers: `gguf-blocks`, `onednn-packed`, `aten`, or `mixed`
-    (recorded in the execution profile)."""
-    names = {packed_linear.NAME: packed_linear.PackedLinear, gguf_linear.NAME: gguf_linear.GGUFLinear}
-    kinds = {next((n for n, cls in names.items() if type(m) is cls), packed_linear.PLAIN)
-             for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    """What computes the model's linear layers: `gguf-blocks`, `gguf-blocks-q8`, `onednn-packed`, `aten`,
+    or `mixed` (recorded in the execution profile). A q8 model's float-weight layers (F32 / F16 / BF16
+    tensors, summed in float32 as gguf-blocks sums them) count as q8: `to_q8` leaves them so by design."""
+    def impl(m: torch.nn.Module) -> str:
+        if type(m) is gguf_linear.GGUFLinear:
+            return gguf_linear.implementation(m)
+        return packed_linear.NAME if type(m) is packed_linear.PackedLinear else packed_linear.PLAIN
+
+    kinds = {impl(m) for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    if gguf_linear.NAME_Q8 in kinds:
+        kinds.discard(gguf_linear.NAME)
     return kinds.pop() if len(kinds) == 1 else ("mixed" if kinds else packed_linear.PLAIN)
