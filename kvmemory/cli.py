@@ -338,7 +338,8 @@ def bench_gguf(args) -> int:
 
     if args.synthetic is None:
         r = run_gguf_bench(args.model, lengths=args.lengths or DEFAULT_LENGTHS, repeats=args.repeats,
-                           threads=args.threads, llama=not args.no_llamacpp, progress=_progress(args))
+                           threads=args.threads, llama=not args.no_llamacpp, progress=_progress(args),
+                           linears=args.linears)
     else:  # a random-weight file of a real model's shape, written for this run and removed after it
         import tempfile
 
@@ -347,7 +348,7 @@ def bench_gguf(args) -> int:
         with tempfile.TemporaryDirectory(prefix="kvmemory-synthetic-") as tmp:
             _note(args, f"writing a random {args.synthetic} Q4_K_M file")
             path = synthetic_gguf.write(Path(tmp) / f"random-{args.synthetic}-q4_k_m.gguf", args.synthetic)
-            r = run_gguf_bench(str(path), lengths=args.lengths or DEFAULT_LENGTHS, repeats=args.repeats,
+            r = run_gguf_bench(str(path), lengths=args.lengths or DEFAULT_LENGTHS, repeats=args.repeats, linears=args.linears,
                                threads=args.threads, llama=not args.no_llamacpp, progress=_progress(args))
             r["synthetic"] = args.synthetic
     _emit(args, r, format_table(r))
@@ -1269,7 +1270,7 @@ def _bench_parsers(bench: argparse.ArgumentParser) -> None:
 
     gg = _command(sub, "gguf", "a GGUF file computed from its blocks vs llama.cpp on the same file and threads: decode "
                   "and prefill tokens/s, graft time to first token vs llama.cpp's prefill and state restore, resident "
-                  "memory, the decode floor", parents=[_parent("model"), json_opt],
+                  "memory, the decode floor", parents=[_parent("model", "linears"), json_opt],
                   epilog=_examples("kvmemory bench gguf --model ./qwen2.5-1.5b-instruct-q4_k_m.gguf --json > gguf.json",
                                    "kvmemory bench gguf --model embedded:qwen2.5-coder-0.5b-instruct --lengths 512,2048"))
     gg.add_argument("--lengths", type=_counts, metavar="L1,L2,...", help="prefix lengths in tokens (default: 512,2048)")

@@ -222,6 +222,36 @@ def test_a_qwen2_model_from_gguf_blocks_decodes_transformers_bits(tmp_path, monk
         _prefill_both_ways(runner, prompt, chunk)
 
 
+def test_the_c_layer_loop_runs_unfused_linears_side_by_side(tmp_path, monkeypatch):
+    """Where q/k/v or gate/up are not one fused linear (a Q4_K_M file's v is Q6_K in some layers, so they
+    cannot fuse), the C loop still runs (decode_ops.cpp's run_side_by_side), each linear into its own
+    columns: transformers' bits, byte for byte, decoding and for a several-row chunk."""
+    from gguf_files import write_tiny_gguf
+
+    from kvmemory.models.loading import load_model
+
+    if native_qlinear() is None or decode_ops.load() is None:
+        pytest.skip("the GGUF-block and decode-step kernels do not run here")
+    monkeypatch.setenv("KVMEMORY_CACHE", str(tmp_path / "cache"))
+    model = load_model(str(write_tiny_gguf(tmp_path / "q.gguf", "qwen2", linear_type="Q8_0")[0])).model
+    model.config.layer_types = ["full_attention"] * model.config.num_hidden_layers
+    runner = CanonicalRunner(model, chunk=16)
+    lean = runner._lean_step
+    n = len(lean.layers)
+    lean.qkv, lean.gate_up = [None] * n, [None] * n  # as if the block types differed
+    lean.c_layers = lean._c_layers()
+    assert lean.c_layers is not None and all(layer.k.q and layer.v.q and layer.up.q for layer in lean.c_layers)
+    taken = []
+    c_step = lean._c_step
+    monkeypatch.setattr(lean, "_c_step", lambda *a: taken.append(a) or c_step(*a))
+    prompt = torch.randint(0, 272, (37,), generator=torch.Generator().manual_seed(1)).tolist()
+    _decode_both_ways(runner, prompt, steps=4)
+    assert len(taken) >= 4
+    taken.clear()
+    _prefill_both_ways(runner, prompt, 3)  # 3-row steps through the C loop: rows copied into place
+    assert taken
+
+
 def native_qlinear():
     from kvmemory.kernels import quantized_linear
 

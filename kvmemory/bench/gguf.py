@@ -80,7 +80,7 @@ def _prompt(tokenizer, n: int) -> list[int]:
 
 
 def run_gguf_bench(model: str, *, lengths=DEFAULT_LENGTHS, repeats: int = 3, threads: int = 2,
-                   llama: bool = True, progress: bool = False) -> dict:
+                   llama: bool = True, progress: bool = False, linears: str = "auto") -> dict:
     from kvmemory.engine.engine import Engine
     from kvmemory.models import gguf_file
     from kvmemory.models.loading import gguf_of
@@ -89,7 +89,8 @@ def run_gguf_bench(model: str, *, lengths=DEFAULT_LENGTHS, repeats: int = 3, thr
     before = _rss()
     with tempfile.TemporaryDirectory(prefix="kvmemory-bench-gguf-") as tmp:
         t = time.perf_counter()
-        eng = Engine.open(model, Path(tmp) / "store", threads=threads, max_positions=max(lengths) + 128)
+        eng = Engine.open(model, Path(tmp) / "store", threads=threads, max_positions=max(lengths) + 128,
+                          linears=linears)
         load_s = time.perf_counter() - t
         resident = _rss() - before
         tok = eng.loaded.tokenizer
@@ -97,6 +98,7 @@ def run_gguf_bench(model: str, *, lengths=DEFAULT_LENGTHS, repeats: int = 3, thr
         bandwidth = read_bandwidth(threads)
         report = {"model": model, "file": str(gf.path) if gf else None, "file_bytes": gf.size if gf else None,
                   "threads": threads, "repeats": repeats, "load_s": load_s, "resident_bytes": resident,
+                  "linear_impl": eng.profile.linear_impl,
                   "panel_bytes": panels, "read_bandwidth_bytes_s": bandwidth,
                   "decode_floor_tokens_s": bandwidth / panels if panels else None,
                   "cpu": _cpu_name(), "kvmemory": {}, "llamacpp": {}}
@@ -197,7 +199,8 @@ def _cpu_name() -> str:
 def format_table(r: dict) -> str:
     mb = 1 / 2**20
     k, lc = r["kvmemory"], r["llamacpp"]
-    lines = [f"{r['model']}  ({r['cpu']}, {r['threads']} threads, medians of {r['repeats']})",
+    lines = [f"{r['model']}  ({r['cpu']}, {r['threads']} threads, medians of {r['repeats']}, "
+             f"linears {r.get('linear_impl', '?')})",
              f"file {r['file_bytes'] * mb:.0f} MB; resident {r['resident_bytes'] * mb:.0f} MB; panels read per decode "
              f"step {r['panel_bytes'] * mb:.0f} MB; read bandwidth {r['read_bandwidth_bytes_s'] / 1e9:.1f} GB/s; "
              f"decode floor {r['decode_floor_tokens_s']:.1f} tokens/s",

@@ -50,7 +50,9 @@ class Linear(ctypes.Structure):
 class Layer(ctypes.Structure):
     """KvmLayer: what a layer's calls need that no step changes (norm weights, linears)."""
     _fields_ = [("norm1", ctypes.c_void_p), ("norm2", ctypes.c_void_p), ("eps1", ctypes.c_double),
-                ("eps2", ctypes.c_double), ("qkv", Linear), ("o", Linear), ("gate_up", Linear), ("down", Linear)]
+                ("eps2", ctypes.c_double), ("qkv", Linear), ("o", Linear), ("gate_up", Linear), ("down", Linear),
+                # where q/k/v (gate/up) are not fused: k, v (up) beside q (gate); all-zero where they are
+                ("k", Linear), ("v", Linear), ("up", Linear)]
 
 
 class Step(ctypes.Structure):

@@ -138,12 +138,19 @@ class LlamaLeanStep:
 
         out = []
         for i, layer in enumerate(self.layers):
-            lin = [linear(x) for x in (self.qkv[i], layer.self_attn.o_proj, self.gate_up[i], layer.mlp.down_proj)]
+            a, mlp = layer.self_attn, layer.mlp
+            # unfused (block types differ): q / gate in the fused slot, k, v / up beside it (decode_ops.cpp)
+            qkv = [self.qkv[i]] if self.qkv[i] is not None else [a.q_proj, a.k_proj, a.v_proj]
+            gate_up = [self.gate_up[i]] if self.gate_up[i] is not None else [mlp.gate_proj, mlp.up_proj]
+            lin = [linear(x) for x in (qkv[0], a.o_proj, gate_up[0], mlp.down_proj, *qkv[1:], *gate_up[1:])]
             if any(x is None for x in lin):
                 return None
+            none = decode_ops.Linear()  # q null: the slot is fused
+            k, v = lin[4:6] if len(qkv) == 3 else (none, none)
+            up = lin[-1] if len(gate_up) == 2 else none
             n1, n2 = layer.input_layernorm, layer.post_attention_layernorm
             out.append(decode_ops.Layer(n1.weight.data_ptr(), n2.weight.data_ptr(), n1.variance_epsilon,
-                                        n2.variance_epsilon, *lin))
+                                        n2.variance_epsilon, *lin[:4], k, v, up))
         # the entry points the Python path calls, handed to the C loop (the builds native.py chose)
         self._c_fns = (ctypes.cast(qlib.kvm_qlinear_linear, ctypes.c_void_p).value,
                        ctypes.cast(alib.kvm_fewq_attention, ctypes.c_void_p).value)

@@ -22,9 +22,11 @@
 //
 // Plain C entry points over raw pointers (no torch headers); decode_ops.py checks the tensors.
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 
 #include "bfloat16.h"
 
@@ -134,6 +136,10 @@ struct KvmLayer {
     const float* norm2;  // post_attention_layernorm.weight
     double eps1, eps2;   // their variance_epsilon (passed on as float, as ctypes passes it to the norm)
     KvmLinear qkv, o, gate_up, down;
+    // Where q/k/v (or gate/up) are not one fused linear (their block types differ: a Q4_K_M file's v is
+    // Q6_K in some layers), qkv is q alone and k, v the others (gate_up is gate, up the other); each
+    // output is the same sum whether fused or not. Unfused: k.q (up.q) is set; fused: null.
+    KvmLinear k, v, up;
 };
 
 // One step's shapes, positions and scratch, the same for every layer of the step.
@@ -160,7 +166,7 @@ struct KvmStep {
 
 int64_t layer_scratch_floats(const KvmStep& s) {
     const int64_t T = s.T, qkv = (s.hq + 2 * s.hkv) * s.D;
-    return T * s.hidden * 2 + T * qkv + T * s.hq * s.D * 2 + s.hidden + s.hkv * s.D;
+    return T * s.hidden * 2 + T * qkv + T * s.hq * s.D * 2 + s.hidden + s.hkv * s.D + T * std::max(qkv, 2 * s.ffn);
 }
 
 int run_linear(const KvmStep& s, const KvmLinear& l, const float* x, float* y) {
@@ -174,13 +180,32 @@ int run_linear(const KvmStep& s, const KvmLinear& l, const float* x, float* y) {
     return rc;
 }
 
+// Linears side by side as one (`parts`, the null ones left out) into y [T, width]: each writes its own
+// columns, computing into `tmp` [T, its outputs] first where rows are more than one.
+int run_side_by_side(const KvmStep& s, std::initializer_list<const KvmLinear*> parts, const float* x, float* y,
+                     int64_t width, float* tmp) {
+    int64_t col = 0;
+    for (const KvmLinear* l : parts) {
+        if (l->q == nullptr) continue;
+        const int64_t N = l->panels * 16;
+        if (s.T == 1) {
+            if (const int rc = run_linear(s, *l, x, y + col)) return rc;
+        } else {
+            if (const int rc = run_linear(s, *l, x, tmp)) return rc;
+            for (int64_t t = 0; t < s.T; ++t) std::memcpy(y + t * width + col, tmp + t * N, sizeof(float) * N);
+        }
+        col += N;
+    }
+    return col == width ? 0 : -2;
+}
+
 }  // namespace
 
 #pragma GCC visibility push(default)
 extern "C" {
 
 // The version of the calling convention below; decode_ops.py refuses a library of another.
-int kvm_decode_abi_version() { return 3; }
+int kvm_decode_abi_version() { return 4; }
 
 // For each of `rows` rows of n floats: h += delta where delta is not null (the residual add, in place),
 // then out = the RMS norm of h with weight w. `sq` is n floats of scratch (h * h). Returns 0, or -2 for
@@ -260,12 +285,13 @@ int kvm_decode_layer(const KvmStep* sp, const KvmLayer* prev, const float* act, 
     float* att = q + T * s.hq * s.D;          // [T, hq * D]
     float* sq = att + T * s.hq * s.D;         // [hidden]
     float* rope_scratch = sq + s.hidden;      // [hkv * D]
+    float* parts = rope_scratch + s.hkv * s.D;  // [T, max(qkv_width, 2 ffn)]: unfused linears' rows
     int rc;
     if (prev != nullptr && (rc = run_linear(s, prev->down, act, delta))) return rc;
     if ((rc = kvm_decode_add_rms_norm(s.h, prev != nullptr ? delta : nullptr, cur->norm1, T, s.hidden,
                                       static_cast<float>(cur->eps1), static_cast<int>(s.lanes), sq, x)))
         return rc;
-    if ((rc = run_linear(s, cur->qkv, x, qkv))) return rc;
+    if ((rc = run_side_by_side(s, {&cur->qkv, &cur->k, &cur->v}, x, qkv, qkv_width, parts))) return rc;
     const int64_t elem = s.kv_bf16 ? 2 : 4, at = s.position * s.D * elem;
     if ((rc = kvm_decode_rope_write(qkv, s.cos, s.sin, T, s.hq, s.hkv, s.D, q, static_cast<char*>(k_buf) + at,
                                     static_cast<char*>(v_buf) + at, s.head_stride, static_cast<int>(s.kv_bf16),
@@ -280,7 +306,7 @@ int kvm_decode_layer(const KvmStep* sp, const KvmLayer* prev, const float* act, 
     if ((rc = kvm_decode_add_rms_norm(s.h, delta, cur->norm2, T, s.hidden, static_cast<float>(cur->eps2),
                                       static_cast<int>(s.lanes), sq, x)))
         return rc;
-    return run_linear(s, cur->gate_up, x, s.gate_up);
+    return run_side_by_side(s, {&cur->gate_up, &cur->up}, x, s.gate_up, 2 * s.ffn, parts);
 }
 
 // The floats of scratch kvm_decode_layer needs for a step of these sizes (KvmStep's).
