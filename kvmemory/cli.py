@@ -405,7 +405,7 @@ def bench_serve(args) -> int:
     r = run_serve_bench(args.clients or DEFAULT_CLIENTS, per_kind=args.per_kind, repeats=args.repeats,
                         max_tokens=args.max_tokens, threads=args.threads, seed=args.seed,
                         check_per_kind=args.check_per_kind, llamacpp=not args.no_llamacpp, progress=_progress(args),
-                        batch_slots=args.batch_slots, llama_server=llama_server)
+                        batch_slots=args.batch_slots, llama_server=llama_server, linears=args.linears)
     _plot(args, r, plot)
     _emit(args, r, format_table(r))
     return 0 if r["ok"] else 1  # a failed request or an answer whose logits differ from the recompute
@@ -1391,7 +1391,7 @@ def _bench_parsers(bench: argparse.ArgumentParser) -> None:
 
     sv = _command(sub, "serve", "kvmemory serve under concurrent streaming clients, side by side with llama.cpp's "
                   "own server; exits 1 on a failed request or logits that differ from a recompute",
-                  parents=[json_opt], epilog=_examples("kvmemory bench serve --clients 1,4 --per-kind 1 --repeats 1"))
+                  parents=[_parent("linears"), json_opt], epilog=_examples("kvmemory bench serve --clients 1,4 --per-kind 1 --repeats 1"))
     sv.add_argument("--clients", type=_counts, metavar="N1,N2,...",
                     help="concurrent clients per run, comma separated (default: 1,4,16)")
     sv.add_argument("--per-kind", type=_count(), default=3,

@@ -2,6 +2,7 @@
 sequence decoding alone through the canonical runner, on the default embedded model.
 
     PYTHONPATH=. python scripts/bench_batched_step.py [--sizes 1 4 16] [--tokens 32] [--repeats 3] [--threads N]
+        [--linears auto|q8]
 
 Each sequence has its own cold prompt (~40 tokens); the prompts are prefilled first (not timed), then
 every decode step of the batch is timed until each sequence has decoded `--tokens` tokens. Decode
@@ -26,6 +27,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--store", default="/tmp/kvm-bench-batched-store")
     ap.add_argument("--threads", type=int, default=None, help="the engine's threads (default: the cores)")
+    ap.add_argument("--linears", default="auto", help="the engine's linears (loading.LINEARS; q8: 8-bit activations)")
     args = ap.parse_args()
 
     import torch
@@ -33,8 +35,9 @@ def main() -> None:
     from kvmemory.engine.batched_step import why_not
     from kvmemory.engine.engine import Engine
 
-    eng = Engine.open(store=args.store, threads=args.threads)
-    print(f"model {eng.loaded.source}, threads {eng.determinism.threads}, torch {torch.__version__}, "
+    eng = Engine.open(store=f"{args.store}-{args.linears}", threads=args.threads, linears=args.linears)
+    print(f"model {eng.loaded.source}, linears {eng.profile.linear_impl}, threads {eng.determinism.threads}, "
+          f"torch {torch.__version__}, "
           f"shared step: {why_not(eng.runner) or 'yes'}")
     rng = random.Random(0)
     vocab = eng.runner.vocab_size

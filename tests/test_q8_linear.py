@@ -119,6 +119,28 @@ def test_q8_sums_equal_a_torch_computation_in_every_build(kind):
 
 
 @needs_kernel
+@pytest.mark.parametrize("kind", ["Q6_K", "Q5_0"])
+def test_6_bit_quants_keep_6_bits_and_give_the_bytes_of_the_byte_layout(kind):
+    n, k = 32, 512
+    q, d, m, code = gguf_blocks.panels(kind, random_blocks(kind, n, k, seed=8), n, k)
+    six, six_code = ql.to_q8(q, code)
+    full, full_code = ql.to_q8(q, code, six=False)
+    assert six_code & ql.SIX and not full_code & ql.SIX
+    assert six.numel() * 4 == full.numel() * 3  # 6 bits a weight, not 8
+    x = torch.randn(9, k, generator=torch.Generator().manual_seed(9))
+    for name, lib, vnni in _libs():
+        ql.q8_vnni(vnni, lib=lib)
+        try:
+            for rows in (1, 9):
+                a = ql.linear(x[:rows].contiguous(), six, d, m, six_code, lib=lib)
+                assert _bytes(a).equal(_bytes(ql.linear(x[:rows].contiguous(), full, d, m, full_code, lib=lib))), name
+        finally:
+            ql.q8_vnni(True)
+    q8_0 = gguf_blocks.panels("Q8_0", random_blocks("Q8_0", n, k, seed=8), n, k)
+    assert not ql.to_q8(q8_0[0], q8_0[3])[1] & ql.SIX  # full-range bytes stay bytes
+
+
+@needs_kernel
 @pytest.mark.parametrize("kind", ["Q4_1", "Q8_0", "Q4_K", "Q6_K"])
 def test_a_q8_row_has_the_same_bytes_alone_among_rows_and_on_any_threads(kind):
     n, k = 64, 768

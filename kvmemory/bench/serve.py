@@ -273,12 +273,12 @@ class Server:
         return self.proc.returncode
 
 
-def kvmemory_server(tmp: Path, threads: int, clients: int, batch_slots: int = 1) -> Server:
+def kvmemory_server(tmp: Path, threads: int, clients: int, batch_slots: int = 1, linears: str = "auto") -> Server:
     port = free_port()
     # the default queue depth (32) unless more clients could be waiting at once than that
     cmd = [sys.executable, "-m", "kvmemory.cli", "serve", "--store", str(tmp / "store"), "--port", str(port),
            "--threads", str(threads), "--queue-depth", str(max(32, clients)), "--log-level", "warning", "--no-mcp",
-           "--batch-slots", str(batch_slots)]
+           "--batch-slots", str(batch_slots), "--linears", linears]
     return Server("kvmemory", cmd, port, tmp / "kvmemory-serve.log", "/healthz")
 
 
@@ -551,7 +551,8 @@ def pick_checks(records: list[dict], per_kind: int, rng: random.Random) -> list[
     return out
 
 
-def check_exactness(url: str, store: Path, threads: int, samples: list[dict], progress: bool) -> dict:
+def check_exactness(url: str, store: Path, threads: int, samples: list[dict], progress: bool,
+                    linears: str = "auto") -> dict:
     """For each sampled kvmemory answer (module docstring): the prompt it decoded, rebuilt here; its
     logits through /v1/completions (the server's SHA-256); a recompute from scratch in this process
     under the same profile; the bytes compared."""
@@ -563,7 +564,7 @@ def check_exactness(url: str, store: Path, threads: int, samples: list[dict], pr
     from kvmemory.store.local import LocalStore
 
     saved_threads = torch.get_num_threads()
-    engine = Engine.open(store=LocalStore(store, readonly=True), threads=threads)
+    engine = Engine.open(store=LocalStore(store, readonly=True), threads=threads, linears=linears)
     try:
         mem = KVMemory(engine=engine)
         eos = set(engine.eos_token_ids)
@@ -679,10 +680,12 @@ def git_commit() -> str | None:
 
 def run_serve_bench(clients=DEFAULT_CLIENTS, *, per_kind: int = 3, repeats: int = 3, max_tokens: int = 32,
                     threads: int = 2, seed: int = 0, check_per_kind: int = 1, llamacpp: bool = True,
-                    progress: bool = True, batch_slots: int = 1, llama_server: str | None = None) -> dict:
+                    progress: bool = True, batch_slots: int = 1, llama_server: str | None = None,
+                    linears: str = "auto") -> dict:
     """The load test (module docstring). Returns the report; `ok` is false if any request failed or
     any sampled answer's logits differ from the recompute. `llama_server`: the llama-server binary
-    (else $KVMEMORY_LLAMA_SERVER; neither: that side is not run)."""
+    (else $KVMEMORY_LLAMA_SERVER; neither: that side is not run). `linears`: kvmemory serve's (and the
+    recompute's) --linears."""
     from kvmemory.engine.profile import kvmemory_version
     from kvmemory.models.loading import DEFAULT_MODEL, embedded_gguf_path
 
@@ -709,7 +712,7 @@ def run_serve_bench(clients=DEFAULT_CLIENTS, *, per_kind: int = 3, repeats: int 
         "bench": "serve", "model": DEFAULT_MODEL, "kvmemory_version": kvmemory_version(), "commit": git_commit(),
         "settings": {"clients": clients, "per_kind": per_kind, "repeats": repeats, "max_tokens": max_tokens,
                      "threads": threads, "seed": seed, "check_per_kind": check_per_kind, "greedy": True,
-                     "batch_slots": batch_slots, "llama_server": llama_server_bin,
+                     "batch_slots": batch_slots, "llama_server": llama_server_bin, "linears": linears,
                      "stream": True, "kinds": list(KINDS)},
         "machine": machine_and_software(), "started_at": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
     }
@@ -718,7 +721,7 @@ def run_serve_bench(clients=DEFAULT_CLIENTS, *, per_kind: int = 3, repeats: int 
     why_not = why_not or llamacpp_missing()
     tmp = tempfile.TemporaryDirectory(prefix="kvmemory-bench-serve-")
     tmp_path = Path(tmp.name)
-    servers: dict[str, Server] = {"kvmemory": kvmemory_server(tmp_path, threads, max(clients), batch_slots)}
+    servers: dict[str, Server] = {"kvmemory": kvmemory_server(tmp_path, threads, max(clients), batch_slots, linears)}
     if why_not is None:
         servers["llamacpp"] = llamacpp_server(tmp_path, gguf, threads, n_ctx=4096)
     sides: dict = {name: {"ran": True, "command": s.cmd, "runs": []} for name, s in servers.items()}
@@ -802,7 +805,7 @@ def run_serve_bench(clients=DEFAULT_CLIENTS, *, per_kind: int = 3, repeats: int 
         if check_per_kind and samples:
             say(f"exactness: {len(samples)} sampled answers, recomputed here")
             report["exactness"] = check_exactness(servers["kvmemory"].url, tmp_path / "store", threads, samples,
-                                                  progress)
+                                                  progress, linears)
         else:
             report["exactness"] = {"checked": 0, "ok": check_per_kind == 0, "samples": [],
                                    "how": "not checked (check_per_kind 0)" if check_per_kind == 0 else "no answers"}

@@ -43,6 +43,7 @@ _FORMAT_NAMES = ("nib", "nibmin", "byte", "bytemin", "f32")
 
 KSCALES = 256  # the kind's flag for K-quant scales
 Q8 = 512  # the kind's flag for q re-laid for 8-bit activations (csrc/q8_dot.h)
+SIX = 1024  # with Q8 and BYTE: quants in [-32, 32) kept in 6 bits (csrc/q8_dot.h's "six" layout)
 SUPER = 256  # weights per K-quant super-block
 
 
@@ -65,7 +66,8 @@ KINDS = {name: kind_code(*f) for name, f in FORMATS.items()}  # GGUF block type 
 def decode_kind(kind: int) -> tuple[int, int, int]:
     """(format, sub-block, bias) of a kind code; ValueError for one the kernel does not take."""
     fmt, sub, bias = kind & 7, 16 if kind & 8 else 32, (kind >> 4) & 15
-    if kind < 0 or kind >> 10 or fmt > F32 or (bias and fmt != NIB) or (kind & (KSCALES | Q8) and fmt == F32):
+    if kind < 0 or kind >> 11 or fmt > F32 or (bias and fmt != NIB) or (kind & (KSCALES | Q8) and fmt == F32) \
+            or (kind & SIX and (fmt != BYTE or not kind & Q8)):
         raise ValueError(f"kind {kind} is not one the GGUF-block kernel takes")
     return fmt, sub, bias
 
@@ -99,7 +101,7 @@ def super_bytes(kind: int) -> int:
 def describe(kind: int) -> str:
     fmt, sub, bias = decode_kind(kind)
     return (f"{_FORMAT_NAMES[fmt]}/{sub}" + (f"-{bias}" if bias else "") + ("+k" if kind & KSCALES else "")
-            + ("+q8" if kind & Q8 else ""))
+            + ("+q8" if kind & Q8 else "") + ("+six" if kind & SIX else ""))
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -128,10 +130,11 @@ def in_features(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, kind: int) ->
     ValueError saying what is wrong."""
     fmt, sub, _ = decode_kind(kind)
     if is_q8(kind):
-        per = 8 if fmt in (NIB, NIBMIN) else 4
-        if q.dim() != 4 or q.shape[2:] != (PANEL, 4) or q.dtype != torch.uint8 or not _on_cpu(q):
-            raise ValueError(f"q8 panels must be [N/16, K/{per}, 16, 4] uint8 contiguous on the CPU")
-        K = q.shape[1] * per
+        per = "K/8" if fmt in (NIB, NIBMIN) else "3K/16" if kind & SIX else "K/4"
+        if q.dim() != 4 or q.shape[2:] != (PANEL, 4) or q.dtype != torch.uint8 or not _on_cpu(q) \
+                or (kind & SIX and q.shape[1] % 3):
+            raise ValueError(f"q8 panels must be [N/16, {per}, 16, 4] uint8 contiguous on the CPU")
+        K = q.shape[1] * 8 if fmt in (NIB, NIBMIN) else q.shape[1] // 3 * 16 if kind & SIX else q.shape[1] * 4
         if K % BLOCK:
             raise ValueError("K must be a multiple of 32")
         return _scales_checked(q, d, m, kind, K, sub)
@@ -209,9 +212,11 @@ def linear(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, k
     return y
 
 
-def to_q8(q: torch.Tensor, kind: int) -> tuple[torch.Tensor, int]:
+def to_q8(q: torch.Tensor, kind: int, six: bool = True) -> tuple[torch.Tensor, int]:
     """The panels' q re-laid for the q8 kind (csrc/q8_dot.h), and that kind; d and m stay as they are.
-    A new tensor: the float path's q (an embedding may share it) is left untouched."""
+    A new tensor: the float path's q (an embedding may share it) is left untouched. A BYTE format whose
+    quants all lie in [-32, 32) (Q6_K, Q5_0) keeps 6 bits a weight (the "six" layout) unless `six` is
+    False: the same integers, so the same sums."""
     fmt = decode_kind(kind)[0]
     if fmt == F32 or is_q8(kind):
         raise ValueError(f"a {describe(kind)} kind has no float-path quants to re-lay for q8")
@@ -219,6 +224,13 @@ def to_q8(q: torch.Tensor, kind: int) -> tuple[torch.Tensor, int]:
     if fmt in (NIB, NIBMIN):  # [P, K/2, 16] nibble pairs -> [P, K/8, 16, 4]: k 8g+b low, 8g+4+b high
         u = torch.stack((q & 0x0F, q >> 4), dim=2).reshape(P, -1, 2, 4, PANEL)  # [P, K/8, half, b, 16]
         out = (u[:, :, 0] | (u[:, :, 1] << 4)).permute(0, 1, 3, 2)
+    elif six and fmt == BYTE and bool(((q >= -32) & (q < 32)).all()):  # six: u = q + 32, low nibbles, high 2 bits
+        u = (q.to(torch.int16) + 32).to(torch.uint8)  # [P, K, 16]
+        lo = (u & 0x0F).reshape(P, -1, 2, 4, PANEL)  # [P, K/8, half, b, 16]
+        hi = (u >> 4).reshape(P, -1, 4, 4, PANEL)  # [P, K/16, c, b, 16]
+        nib = (lo[:, :, 0] | (lo[:, :, 1] << 4)).permute(0, 1, 3, 2)
+        high = (hi[:, :, 0] | (hi[:, :, 1] << 2) | (hi[:, :, 2] << 4) | (hi[:, :, 3] << 6)).permute(0, 1, 3, 2)
+        return torch.cat((nib, high), dim=1).contiguous(), kind | Q8 | SIX
     else:  # [P, K, 16] int8 -> [P, K/4, 16, 4] uint8 holding q + 128
         u = (q.to(torch.int16) + 128).to(torch.uint8).reshape(P, -1, 4, PANEL)
         out = u.permute(0, 1, 3, 2)

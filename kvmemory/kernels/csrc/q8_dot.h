@@ -22,6 +22,9 @@
 // of 16 output rows, in groups of 4 bytes per row (one 32-bit lane of a vector):
 //   nibble formats: [K/8, 16, 4] bytes: byte (g, j, b) = q(j, 8g + b) | q(j, 8g + 4 + b) << 4 (unsigned)
 //   byte formats:   [K/4, 16, 4] bytes: byte (g, j, b) = q(j, 4g + b) + 128 (unsigned)
+//   six (byte formats whose quants lie in [-32, 32): Q6_K, Q5_0 ...; u = q + 32, 6 bits): the low
+//     nibbles of u as the nibble formats' [K/8, 16, 4], then the high 2 bits [K/16, 16, 4]: byte (g, j, b)
+//     holds those of k = 16g + 4c + b at bits 2c, 2c + 1 (c = 0..3). 6 bits a weight, as in the file.
 
 namespace KVM_Q8_NS {
 
@@ -79,14 +82,40 @@ constexpr int kQ8Panels = 4;
 // (see the header for the sums). G panels give a row G independent chains of dot products (one row's
 // chain alone waits on each instruction's latency). xq [R rows of K] int8, dx [rows][K/32], xs
 // [rows][K/16]: each row's own; q, d, m: the first panel's, the others q_panel / s_panel bytes apart.
+constexpr int kSix = 5;  // the "six" layout of a byte format (not one of quantized_linear.cpp's formats)
+
+// The bits 4 and 5 of 6-bit weights: quarter c's 2 high bits from h (each byte's bits 2c, 2c + 1)
+template <int C>
+inline iv high2(iv h) {
+#ifdef KVM_AVX2
+    const iv m = _mm256_set1_epi8(0x30);
+    if constexpr (C == 0) return _mm256_and_si256(_mm256_slli_epi16(h, 4), m);
+    if constexpr (C == 1) return _mm256_and_si256(_mm256_slli_epi16(h, 2), m);
+    if constexpr (C == 2) return _mm256_and_si256(h, m);
+    return _mm256_and_si256(_mm256_srli_epi16(h, 2), m);
+#else
+    const iv m = _mm512_set1_epi8(0x30);
+    if constexpr (C == 0) return _mm512_and_si512(_mm512_slli_epi16(h, 4), m);
+    if constexpr (C == 1) return _mm512_and_si512(_mm512_slli_epi16(h, 2), m);
+    if constexpr (C == 2) return _mm512_and_si512(h, m);
+    return _mm512_and_si512(_mm512_srli_epi16(h, 2), m);
+#endif
+}
+#ifdef KVM_AVX2
+inline iv ior(iv a, iv b) { return _mm256_or_si256(a, b); }
+#else
+inline iv ior(iv a, iv b) { return _mm512_or_si512(a, b); }
+#endif
+
 template <int F, bool KS, int R, int G>
 void tile(const Kind& kd, const int8_t* const* xq, const float* const* dx, const int32_t* const* xs,
           const uint8_t* q, const uint8_t* d, const uint8_t* m, int64_t q_panel, int64_t s_panel, int64_t K, int v,
           float* const* y) {
     constexpr bool kNibbles = nibbles(F);
-    constexpr int64_t kGroupK = kNibbles ? 8 : 4;  // k per 4-byte group of a row
+    constexpr int64_t kGroupK = F == kSix ? 16 : kNibbles ? 8 : 4;  // k per 4-byte group of a row
     const int64_t sub = int64_t(1) << kd.sub_shift, nsub = K >> kd.sub_shift;
-    const int corr_per_xs = F == kNib ? kd.bias : (F == kByte || F == kByteMin) ? kByteOffset : 0;
+    const int corr_per_xs = F == kSix ? 32 : F == kNib ? kd.bias : (F == kByte || F == kByteMin) ? kByteOffset : 0;
+    const uint8_t* hv = q + K / 2 * kPanel + v * kLanes * 4;  // six: the high bits, after the nibbles
     vec acc[R][G];
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r)
@@ -100,14 +129,30 @@ void tile(const Kind& kd, const int8_t* const* xq, const float* const* dx, const
 #pragma GCC unroll 4
             for (int g = 0; g < G; ++g) ia[r][g] = izero();
         for (int64_t k = s * sub; k < (s + 1) * sub; k += kGroupK) {
-            int32_t x0[R], x1[R];
+            int32_t x0[R], x1[R], x2[R], x3[R];
 #pragma GCC unroll 16
             for (int r = 0; r < R; ++r) {
                 std::memcpy(&x0[r], xq[r] + k, 4);
-                if constexpr (kNibbles) std::memcpy(&x1[r], xq[r] + k + 4, 4);
+                if constexpr (kNibbles || F == kSix) std::memcpy(&x1[r], xq[r] + k + 4, 4);
+                if constexpr (F == kSix) {
+                    std::memcpy(&x2[r], xq[r] + k + 8, 4);
+                    std::memcpy(&x3[r], xq[r] + k + 12, 4);
+                }
             }
 #pragma GCC unroll 4
             for (int g = 0; g < G; ++g) {
+                if constexpr (F == kSix) {  // 16 k: two nibble groups and their high bits
+                    const iv lo0 = iload(qv + g * q_panel + (k / 8) * kPanel * 4);
+                    const iv lo1 = iload(qv + g * q_panel + (k / 8 + 1) * kPanel * 4);
+                    const iv h = iload(hv + g * q_panel + (k / 16) * kPanel * 4);
+                    const iv w0 = ior(lo4(lo0), high2<0>(h)), w1 = ior(hi4(lo0), high2<1>(h));
+                    const iv w2 = ior(lo4(lo1), high2<2>(h)), w3 = ior(hi4(lo1), high2<3>(h));
+#pragma GCC unroll 16
+                    for (int r = 0; r < R; ++r)
+                        ia[r][g] = dot_nib(dot_nib(dot_nib(dot_nib(ia[r][g], w0, ibcast(x0[r])), w1, ibcast(x1[r])),
+                                                   w2, ibcast(x2[r])), w3, ibcast(x3[r]));
+                    continue;
+                }
                 const iv w = iload(qv + g * q_panel + (k / kGroupK) * kPanel * 4);
                 if constexpr (kNibbles) {
                     const iv wl = lo4(w), wh = hi4(w);
@@ -183,6 +228,7 @@ using RowsPanelsFn = void (*)(const Kind&, int64_t, const int8_t* const*, const 
                               float* const*);
 
 inline RowsPanelsFn rows_panels_fn(const Kind& kd) {
+    if (kd.six) return kd.kscales ? &rows_panels<kSix, true> : &rows_panels<kSix, false>;
     if (kd.kscales) {
         switch (kd.format) {
             case kNib: return &rows_panels<kNib, true>;

@@ -80,7 +80,8 @@ constexpr int kTilePanels = kTileVecs * kLanes / kPanel;  // ... which is this m
 
 // A kind (the C entry points' `kind`) packs a format, a sub-block size, a bias and the scale layout:
 //   kind = format | (sub == 16 ? 8 : 0) | bias << 4 | (K-quant scales ? 256 : 0) | (q8 ? 512 : 0)
-// q8 (not F32): the same d and m, q re-laid for integer dot products with 8-bit activations (q8_dot.h):
+// q8 (not F32): the same d and m, q re-laid for integer dot products with 8-bit activations (q8_dot.h);
+// | 1024 with q8 and BYTE: quants in [-32, 32) kept in 6 bits (q8_dot.h's "six" layout):
 // a different sum from the float32 one below, as llama.cpp's is (`linears="q8"`).
 // format  q holds                 a weight is            GGUF types it carries
 //   0 NIB     nibble pairs (u4)   (q - bias) * d         Q4_0 (bias 8), Q3_K (bias 4)
@@ -102,9 +103,10 @@ constexpr int64_t kSuper = 256;  // weights per K-quant super-block
 struct Kind {
     int format, sub_shift, bias;
     bool kscales;
-    bool q8;  // the weights laid out for integer dot products with 8-bit activations (q8_dot.h)
+    bool q8;   // the weights laid out for integer dot products with 8-bit activations (q8_dot.h)
+    bool six;  // q8 byte formats whose quants fit 6 bits (Q6_K): a nibble and 2 high bits a weight
     int64_t q_panel(int64_t K) const {  // bytes of q per panel
-        return format == kF32 ? K * kPanel * 4 : nibbles(format) ? K / 2 * kPanel : K * kPanel;
+        return format == kF32 ? K * kPanel * 4 : nibbles(format) ? K / 2 * kPanel : six ? K / 4 * 3 * kPanel : K * kPanel;
     }
     int64_t subs_per_super() const { return kSuper >> sub_shift; }
     // bytes of one super-block's K-quant scales per panel: D[16] f32, (DMIN[16] f32), scale[nsub][16] int8, (min[nsub][16])
@@ -118,11 +120,12 @@ struct Kind {
 
 bool decode_kind(int code, int64_t K, Kind* out) {
     const int format = code & 7, sub_shift = (code & 8) ? 4 : 5, bias = (code >> 4) & 15;
-    const bool kscales = (code >> 8) & 1, q8 = (code >> 9) & 1;
-    if (code < 0 || code >> 10 || format > kF32 || (bias && format != kNib) || K % kBlock || K < 0) return false;
+    const bool kscales = (code >> 8) & 1, q8 = (code >> 9) & 1, six = (code >> 10) & 1;
+    if (code < 0 || code >> 11 || format > kF32 || (bias && format != kNib) || K % kBlock || K < 0) return false;
     if (kscales && (format == kF32 || K % kSuper)) return false;
     if (q8 && format == kF32) return false;  // float weights have no integer quants
-    *out = Kind{format, sub_shift, bias, kscales, q8};
+    if (six && (!q8 || format != kByte)) return false;
+    *out = Kind{format, sub_shift, bias, kscales, q8, six};
     return true;
 }
 
