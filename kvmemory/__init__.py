@@ -105,6 +105,7 @@ _EXPORTS = {
     # what the framework adapters share (kvmemory.adapters)
     "shared_memory": "kvmemory.adapters.shared",
     "memory_lock": "kvmemory.adapters.shared",
+    "share_steps": "kvmemory.adapters.shared",
     "SharedMemory": "kvmemory.adapters.shared",
     "borrow_memory": "kvmemory.adapters.shared",
     "env_store": "kvmemory.adapters.shared",

@@ -1212,7 +1212,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "(default: %(default)s)")
     sv.add_argument("--queue-depth", type=_count(0), default=32,
                     help="requests that may wait for the model before new ones get 429 (default: %(default)s)")
-    sv.add_argument("--batch-slots", type=_count(), default=1,
+    sv.add_argument("--batch-slots", type=_count(), default=16,
                     help="requests whose forwards share each step (continuous batching; every answer is the "
                          "bits of the request alone; 1: one request at a time) (default: %(default)s)")
     sv.add_argument("--batch-kv-tokens", type=_count(), default=65536,
@@ -1409,8 +1409,9 @@ def _bench_parsers(bench: argparse.ArgumentParser) -> None:
                     help="llama.cpp's C++ llama-server binary (scripts/build_llama_server.sh builds one): also run "
                          "it, one slot per client (-np N) with continuous batching, on the same GGUF "
                          "(default: $KVMEMORY_LLAMA_SERVER; neither: that side is not run)")
-    sv.add_argument("--batch-slots", type=_count(), default=1,
-                    help="kvmemory serve's --batch-slots: requests whose forwards share steps (default: %(default)s)")
+    sv.add_argument("--batch-slots", type=_count(), default=16,
+                    help="kvmemory serve's --batch-slots: requests whose forwards share steps (default: %(default)s, "
+                         "the server's own)")
     seed(sv)
     plot(sv)
     sv.set_defaults(func=bench_serve)

@@ -44,7 +44,8 @@ APPLES = ("A farmer has 7 crates of 9 apples and sells 20. How many apples remai
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    srv = start_server(tmp_path_factory.mktemp("serve"), "--queue-depth", str(QUEUE_DEPTH),
+    # one request at a time (--batch-slots 1): the queue tests below count on a single running request
+    srv = start_server(tmp_path_factory.mktemp("serve"), "--batch-slots", "1", "--queue-depth", str(QUEUE_DEPTH),
                        "--max-body-bytes", str(MAX_BODY), "--max-prompt-tokens", str(MAX_PROMPT),
                        "--max-tokens-limit", str(MAX_TOKENS), keys={"admin": ADMIN}, keys_file=KEYS_FILE)
     yield srv

@@ -1,4 +1,4 @@
-"""Continuous batching in `kvmemory serve --batch-slots N` (server/scheduler.py), against a real server
+"""Continuous batching in `kvmemory serve --batch-slots N` (engine/scheduler.py), against a real server
 process with the embedded model: concurrent requests share steps (the metrics say so) and every answer
 is byte-equal to the same request sent alone (its logits' hash included); chats batch too; a stream
 whose client goes away leaves the batch and the server keeps answering.
@@ -7,6 +7,7 @@ whose client goes away leaves the batch and the server keeps answering.
 from __future__ import annotations
 
 import threading
+import time
 
 import httpx
 import pytest
@@ -107,3 +108,33 @@ def test_a_stream_that_goes_away_leaves_the_batch(server):
                     break  # the client leaves after the first event
     # the server answers the next request (the cancelled sequence freed its row)
     assert _complete(server, PROMPTS[0], 4)["choices"][0]["text"]
+
+
+def test_a_full_batch_and_queue_give_429_and_a_cancelled_stream_makes_room(tmp_path):
+    """`--batch-slots 2 --queue-depth 1`: two streams decoding in the batch and one request waiting fill
+    it; the next gets a JSON 429 at once. When the streams' clients go away their rows free at once and
+    the waiting request is answered."""
+    srv = start_server(tmp_path, "--batch-slots", "2", "--queue-depth", "1", keys={"admin": ADMIN})
+    body = {"model": "kvmemory", "prompt": "Count: 1, 2, 3,", "max_tokens": 400, "stream": True, "temperature": 0}
+    try:
+        with srv.client(ADMIN) as c1, srv.client(ADMIN) as c2, \
+                c1.stream("POST", "/v1/completions", json=body) as s1, \
+                c2.stream("POST", "/v1/completions", json=body) as s2:
+            for s in (s1, s2):
+                assert s.status_code == 200
+                assert next(line for line in s.iter_lines() if line.startswith("data:"))  # both decoding
+            waited: list = []
+            waiter = threading.Thread(target=lambda: waited.append(_complete(srv, PROMPTS[1], 3)))
+            waiter.start()
+            with srv.client(ADMIN) as c:
+                deadline = time.monotonic() + 60
+                while _metric(srv, "kvmemory_queue_waiting") < 1:
+                    assert time.monotonic() < deadline, "the third request never waited"
+                r = c.post("/v1/completions", json={"model": "kvmemory", "prompt": "Hi", "max_tokens": 2})
+            assert r.status_code == 429, r.text
+            assert r.json()["error"]["code"] == "queue_full"
+        # both streams closed: their sequences leave the batch, the waiting request runs
+        waiter.join(120)
+        assert waited and waited[0]["choices"][0]["text"]
+    finally:
+        srv.stop()

@@ -163,7 +163,7 @@ def run_chat(shared: SharedMemory, req: ChatRequest, on_text: Callable[[str], No
             # answers with a call's JSON written as text ("{"name": "get_weather", ...}").
             notes = out.notes
             first = dec.stats
-            dec, turns, hits = _open(mem, req, [], on_text)
+            dec, turns, hits = _open(mem, req, [], on_text, hits)  # the same last turn: routed once
             dec.add_stats(first)
             rec = _recurrence(mem, req, turns, hits, dec, on_text)
             if rec is not None:
@@ -185,18 +185,7 @@ def _recurrence(mem: KVMemory, req: ChatRequest, turns: list[dict], hits: list[R
     ans = recurrence_answer(mem, turns[-1]["content"], hits)
     if ans is None or not ans.text:
         return None
-    r, s = ans.report, dec.stats
-    # The answer's prompt (the entry, then the question: memory/layout.py) is what the model read
-    s.prompt_tokens = r.tokens_grafted + r.tokens_computed
-    s.prompt_grafted = r.tokens_grafted
-    s.passes += 1
-    s.tokens_grafted += r.tokens_grafted
-    s.tokens_computed += r.tokens_computed
-    s.tokens_scored += r.tokens_scored
-    s.tokens_decoded += r.tokens_decoded
-    s.bytes_read += r.bytes_read
-    s.stopped_by = "choice"
-    s.seconds += ans.seconds
+    dec.add_answer(ans.report, ans.seconds)
     if on_text is not None:
         on_text(ans.text)
     return ChatOutcome(ans.text, finish_reason="stop",
@@ -204,11 +193,14 @@ def _recurrence(mem: KVMemory, req: ChatRequest, turns: list[dict], hits: list[R
                                              "choices": ans.choices, "source": ans.source}})
 
 
-def _open(mem: KVMemory, req: ChatRequest, tools: list[dict], on_text) -> tuple[Decoder, list[dict], list[Recalled]]:
-    """Lay out the call's prompt with these tools listed (none: a plain conversation) and a decoder over it."""
+def _open(mem: KVMemory, req: ChatRequest, tools: list[dict], on_text,
+          hits: list[Recalled] | None = None) -> tuple[Decoder, list[dict], list[Recalled]]:
+    """Lay out the call's prompt with these tools listed (none: a plain conversation) and a decoder over it
+    (`hits`: the entries the call's last user turn already routed to, not routed again)."""
     turns = with_instructions(req.turns, tools_prompt(tools) if tools else "",
                               schema_prompt(req.response_schema) if req.response_schema is not None else "")
-    prompt = mem.chat_prompt(turns, route=req.route, k=req.k, namespace=req.namespace, threshold=req.threshold)
+    prompt = mem.chat_prompt(turns, route=req.route, k=req.k, namespace=req.namespace, threshold=req.threshold,
+                             hits=hits)
     if req.store_blocks is not None:
         store_new = req.store_blocks and not getattr(mem.store, "readonly", False)
     else:

@@ -212,6 +212,17 @@ class Decoder:
         self.stats.seconds += time.perf_counter() - t0
         return float(sum(logp[j, t] for j, t in enumerate(tail))), rows[0].clone()
 
+    def add_answer(self, report, seconds: float) -> None:
+        """Count an `answer(choices=...)` that replies in this decoder's place (a recurrence:
+        memory/recurrence.py): its prompt, the entry then the question, is what the model read."""
+        s = self.stats
+        s.prompt_tokens = report.tokens_grafted + report.tokens_computed
+        s.prompt_grafted = report.tokens_grafted
+        self._account(report, report.tokens_decoded)
+        s.tokens_scored += report.tokens_scored
+        s.stopped_by = "choice"
+        s.seconds += seconds
+
     def add_stats(self, other: DecodeStats) -> None:
         """Count another decoder's passes (over another prompt, e.g. a calibration) in this call's cost."""
         s = self.stats

@@ -67,6 +67,32 @@ def shared_memory(model: str | None = None, store: str | os.PathLike[str] | None
         return mem
 
 
+def share_steps(memory: KVMemory, on: bool = True, *, kv_tokens: int | None = None) -> None:
+    """Let concurrent callers of `memory` share forward steps (continuous batching: engine/batch.py,
+    engine/scheduler.py): LangChain's `batch` / `abatch`, LlamaIndex's async calls, your own threads
+    calling `run_chat` or the adapters. Every answer keeps the bits it has computed alone. A caller's
+    forward joins the batch only while another forward runs or waits; while it is in the batch, the
+    caller gives up the memory's lock (`memory_lock`), so the next caller routes and lays out its prompt
+    and joins the same steps. A lone caller runs as before. `on=False` ends it (the batch finishes first).
+    `kv_tokens`: K/V positions the batched calls may hold together (more wait)."""
+    import contextlib
+
+    from kvmemory.engine.scheduler import DEFAULT_KV_TOKENS, BatchScheduler, released
+
+    engine, lock = memory.engine, memory_lock(memory)
+    with _registry_lock:
+        current = getattr(engine, "batcher", None)
+        if on and current is None:
+            engine.batcher = BatchScheduler(engine, kv_tokens=kv_tokens or DEFAULT_KV_TOKENS, when_busy=True,
+                                            while_waiting=lambda: released(contextlib.nullcontext, lock))
+        elif not on and current is not None:
+            engine.batcher = None
+        else:
+            current = None
+    if not on and current is not None:
+        current.close()
+
+
 def memory_lock(memory: KVMemory) -> threading.RLock:
     """The lock every caller holds while `memory` computes; one per engine, so two `KVMemory`
     objects over the same engine share it."""

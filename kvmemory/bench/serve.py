@@ -6,9 +6,10 @@ a free port and driven only through the OpenAI chat completions API (streaming):
 - **kvmemory**: `kvmemory serve` (the CLI, so the bench never imports the server layer) over a fresh
   temporary store, the default profile, `--threads` torch threads (default 2): the embedded
   SmolLM2-135M-Instruct. Every call routes its last user turn to verified entries of its scope and
-  grafts the longest stored chain of its prompt's blocks; one compute worker serves requests one at a
-  time (the engine is not re-entrant), or with `--batch-slots N` up to N requests' forwards share each
-  step (continuous batching, server/scheduler.py: every answer the bits of the request alone).
+  grafts the longest stored chain of its prompt's blocks; up to `--batch-slots N` requests' forwards
+  share each step (continuous batching, engine/scheduler.py: every answer the bits of the request
+  alone; 16 by default, the server's own), or with `--batch-slots 1` one compute worker serves requests
+  one at a time. `--linears` is passed on (q8: 8-bit activations, as llama.cpp computes).
 - **llama.cpp**: llama-cpp-python's `python -m llama_cpp.server` on the very GGUF file the embedded
   model is converted from (`loading.embedded_gguf_path()`), `--n_threads` / `--n_threads_batch` equal to
   kvmemory's threads, its prompt cache on (`--cache true`: a RAM cache of saved states, looked up by
@@ -273,7 +274,7 @@ class Server:
         return self.proc.returncode
 
 
-def kvmemory_server(tmp: Path, threads: int, clients: int, batch_slots: int = 1, linears: str = "auto") -> Server:
+def kvmemory_server(tmp: Path, threads: int, clients: int, batch_slots: int = 16, linears: str = "auto") -> Server:
     port = free_port()
     # the default queue depth (32) unless more clients could be waiting at once than that
     cmd = [sys.executable, "-m", "kvmemory.cli", "serve", "--store", str(tmp / "store"), "--port", str(port),
@@ -680,7 +681,7 @@ def git_commit() -> str | None:
 
 def run_serve_bench(clients=DEFAULT_CLIENTS, *, per_kind: int = 3, repeats: int = 3, max_tokens: int = 32,
                     threads: int = 2, seed: int = 0, check_per_kind: int = 1, llamacpp: bool = True,
-                    progress: bool = True, batch_slots: int = 1, llama_server: str | None = None,
+                    progress: bool = True, batch_slots: int = 16, llama_server: str | None = None,
                     linears: str = "auto") -> dict:
     """The load test (module docstring). Returns the report; `ok` is false if any request failed or
     any sampled answer's logits differ from the recompute. `llama_server`: the llama-server binary

@@ -277,7 +277,7 @@ class Engine:
         end = check_chain(chain.metas, token_ids, self.chunk, start, cuts)
         return build_cache(self.runner, chain, report, capacity), end
 
-    # A scheduler (server/scheduler.py's BatchScheduler) that `forward` hands its sequence to, so that
+    # A scheduler (engine/scheduler.py's BatchScheduler) that `forward` hands its sequence to, so that
     # it shares steps with other requests' (the same bits: engine/batch.py); None: every forward alone.
     batcher = None
 
@@ -285,9 +285,12 @@ class Engine:
         """`_forward`'s (below), in shared steps with other callers' forwards where a batcher is set and
         takes this call (the same result: engine/batch.py)."""
         b = self.batcher
-        if b is not None and b.takes():
+        if b is None:
+            return self._forward(token_ids, **kwargs)
+        if b.takes():
             return b.forward(token_ids, **kwargs)
-        return self._forward(token_ids, **kwargs)
+        with b.outside():  # a forward outside the batch: callers who come meanwhile join the batch (when_busy)
+            return self._forward(token_ids, **kwargs)
 
     @_pinned
     def _forward(self, token_ids: Sequence[int], *, graft: bool = True, max_new_tokens: int = 0,

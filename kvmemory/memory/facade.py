@@ -843,10 +843,12 @@ class KVMemory:
         return ans
 
     def chat_prompt(self, messages: Sequence[dict], *, route: bool = True, k: int = 1, namespace: str | None = None,
-                    threshold: float | None = None, where: dict | None = None) -> ChatPrompt:
+                    threshold: float | None = None, where: dict | None = None,
+                    hits: list[Recalled] | None = None) -> ChatPrompt:
         """What `chat` decodes from: the entries its last user message routes to, the prompt's token ids
         and whether the blocks it computes are stored (per `block_policy`). For adapters that decode
-        the prompt in several passes (guided decoding)."""
+        the prompt in several passes (guided decoding); `hits`: what an earlier prompt of the same last
+        user message routed to (not routed again)."""
         msgs = [{"role": str(m["role"]), "content": str(m.get("content") or "")} for m in messages]
         if not msgs:
             raise InvalidInput("empty conversation")
@@ -855,8 +857,9 @@ class KVMemory:
         # The same numbers lift a route below the threshold; other numbers refuse nothing here: a routed
         # entry is a worked example in the conversation (memory/routing.py, LIFT).
         lift = routing.LIFT if self.number_check else False
-        hits = (self.route(last_user, k, namespace=namespace, threshold=threshold, where=where, refused=refused,
-                           number_check=lift) if route and last_user.strip() else [])
+        if hits is None:
+            hits = (self.route(last_user, k, namespace=namespace, threshold=threshold, where=where, refused=refused,
+                               number_check=lift) if route and last_user.strip() else [])
         entries = [h.entry for h in hits]
         for e in entries:
             self.engine.require_profile(e.profile_id, f"entry {e.id}'s blocks")

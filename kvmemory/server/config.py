@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 DEFAULT_PORT = 8765
 SERVED_MODEL_NAME = "kvmemory"
+DEFAULT_BATCH_SLOTS = 16  # `kvmemory serve --batch-slots`'s default (Limits.batch_slots says why)
 
 
 @dataclass(slots=True, frozen=True)
@@ -24,7 +25,10 @@ class Limits:
     max_prompt_tokens: int = 8192  # the most prompt tokens one call may send (the model's own limit may be lower)
     default_max_tokens: int = 256  # chat completions when max_tokens is not given (completions: 16, as OpenAI)
     queue_depth: int = 32  # requests waiting for the compute worker, beyond the ones it runs
-    batch_slots: int = 1  # requests whose forwards share steps (server/scheduler.py); 1: one at a time
+    # requests whose forwards share steps (engine/scheduler.py); 1: one at a time. On by default: every
+    # answer keeps its bits alone, and 16 slots served 2.7x the requests/s of one at a time at 16 clients
+    # (BENCHMARKS.md, "Serving")
+    batch_slots: int = DEFAULT_BATCH_SLOTS
     batch_kv_tokens: int = 65536  # K/V positions the batched requests may hold together (more wait)
     page_size_limit: int = 100  # entries per page of GET /v1/memory/entries
     max_import_bytes: int = 1 << 30  # a bundle uploaded to POST /v1/memory/import (blocks are ~1.5 MB each)

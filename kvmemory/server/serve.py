@@ -14,7 +14,7 @@ import os
 
 from kvmemory.memory.facade import KVMemory
 from kvmemory.server import logs
-from kvmemory.server.config import Limits, ServerConfig, is_loopback
+from kvmemory.server.config import DEFAULT_BATCH_SLOTS, Limits, ServerConfig, is_loopback
 
 ENV_API_KEY = "KVMEMORY_API_KEY"
 
@@ -26,7 +26,7 @@ def config_from_args(args) -> ServerConfig:
         keys = [os.environ[ENV_API_KEY]]
     limits = Limits(max_body_bytes=args.max_body_bytes, max_tokens_limit=args.max_tokens_limit,
                     max_prompt_tokens=args.max_prompt_tokens, queue_depth=args.queue_depth,
-                    batch_slots=getattr(args, "batch_slots", 1), batch_kv_tokens=getattr(args, "batch_kv_tokens", 65536),
+                    batch_slots=getattr(args, "batch_slots", DEFAULT_BATCH_SLOTS), batch_kv_tokens=getattr(args, "batch_kv_tokens", 65536),
                     max_import_bytes=getattr(args, "max_import_bytes", None) or Limits().max_import_bytes)
     return ServerConfig(served_model_name=args.served_model_name, model=args.model, api_keys=tuple(keys),
                         keys_file=args.keys_file, limits=limits, mcp=not args.no_mcp, host=args.host)

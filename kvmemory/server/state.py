@@ -59,7 +59,7 @@ class ServerState:
     queue: ComputeQueue
     gauges: StoreGauges = field(default_factory=StoreGauges)
     started: float = field(default_factory=time.time)
-    scheduler: object = None  # server/scheduler.py's BatchScheduler where batch_slots > 1
+    scheduler: object = None  # engine/scheduler.py's BatchScheduler where batch_slots > 1
 
     @property
     def shared(self) -> SharedMemory:
@@ -104,7 +104,7 @@ class ServerState:
         queue = holder["q"] = ComputeQueue(config.limits.queue_depth, on_wait=metrics.waited, slots=slots)
         st = cls(memory, config, keys, metrics, queue, gauges)
         if slots > 1:
-            from kvmemory.server.scheduler import BatchScheduler, released
+            from kvmemory.engine.scheduler import BatchScheduler, released
 
             lock = memory_lock(memory)
             st.scheduler = BatchScheduler(memory.engine, kv_tokens=config.limits.batch_kv_tokens,

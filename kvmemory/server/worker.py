@@ -8,7 +8,7 @@ server serialises: HTTP handlers are async and never compute; they put a job on 
 its result (or its stream of text) while the event loop keeps serving other requests, `/healthz` and
 `/metrics` included.
 
-Batching (`slots` > 1, server/scheduler.py): `slots` worker threads take jobs, but a job runs only
+Batching (`slots` > 1, engine/scheduler.py): `slots` worker threads take jobs, but a job runs only
 while its thread holds the queue's gate, so jobs still run one at a time, in arrival order, as above;
 a job gives the gate up only while its forward is in the scheduler's batch, which lets the next job
 run up to its own forward and join the same steps. With `slots` = 1 nothing changes.

@@ -1,5 +1,10 @@
-"""Continuous batching for `kvmemory serve`: one thread steps a `Batch` (engine/batch.py) that every
-request's forward joins at the next step and leaves when it is done.
+"""Continuous batching for `kvmemory serve` and for concurrent Python callers (`kvmemory.share_steps`):
+one thread steps a `Batch` (engine/batch.py) that every request's forward joins at the next step and
+leaves when it is done.
+
+For Python callers (`when_busy=True`) a forward joins the batch only while another forward is running or
+waiting; a lone caller's forward runs as before, at no cost, and whoever comes while it runs joins the
+batch, which steps once the lone forward is done.
 
 The server's jobs stay what they were (a callable running the facade: recall, prompt, `Engine.forward`,
 post-processing) and still run one at a time under the compute queue's gate (worker.py): nothing but
@@ -49,8 +54,10 @@ class BatchScheduler:
     manager factory the job's thread enters while its sequence is in the batch (the queue's gate)."""
 
     def __init__(self, engine, *, token_budget: int = DEFAULT_TOKEN_BUDGET, kv_tokens: int = DEFAULT_KV_TOKENS,
-                 while_waiting: Callable[[], contextlib.AbstractContextManager] | None = None):
+                 while_waiting: Callable[[], contextlib.AbstractContextManager] | None = None, when_busy: bool = False):
         self.engine = engine
+        self.when_busy = when_busy  # join only while another forward runs or waits (module docstring)
+        self.alone = 0  # forwards running outside the batch now (Engine.forward counts them)
         self.batch = Batch(engine, token_budget, kv_tokens=kv_tokens)
         self.while_waiting = while_waiting or contextlib.nullcontext
         self._cond = threading.Condition()
@@ -75,8 +82,23 @@ class BatchScheduler:
     # ------------------------------------------------------------------ the engine's side
     def takes(self) -> bool:
         """Whether a forward called now, from this thread, joins the batch."""
-        return (not self._closed and threading.current_thread() is not self._thread
-                and not determinism._LOCK._is_owned())
+        if self._closed or threading.current_thread() is self._thread or determinism._LOCK._is_owned():
+            return False
+        return not self.when_busy or bool(self.alone or self._pending or self._running)
+
+    @contextlib.contextmanager
+    def outside(self):
+        """Count a forward running outside the batch while it runs (`takes`, when_busy). With when_busy
+        its caller gives up what it gives up in the batch (`while_waiting`: the memory's lock) meanwhile,
+        so that others route and join the batch, which steps when this forward is done."""
+        with self._cond:
+            self.alone += 1
+        with self.while_waiting() if self.when_busy else contextlib.nullcontext():
+            try:
+                yield
+            finally:
+                with self._cond:
+                    self.alone -= 1
 
     def forward(self, token_ids, **kwargs):
         """`Engine.forward` through the batch: (ForwardResult, GraftReport), or the sequence's error."""
