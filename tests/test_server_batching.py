@@ -115,14 +115,16 @@ def test_a_full_batch_and_queue_give_429_and_a_cancelled_stream_makes_room(tmp_p
     it; the next gets a JSON 429 at once. When the streams' clients go away their rows free at once and
     the waiting request is answered."""
     srv = start_server(tmp_path, "--batch-slots", "2", "--queue-depth", "1", keys={"admin": ADMIN})
-    body = {"model": "kvmemory", "prompt": "Count: 1, 2, 3,", "max_tokens": 400, "stream": True, "temperature": 0}
+    body = {"model": "kvmemory", "messages": [{"role": "user", "content": "Write a long story about a lighthouse."}],
+            "max_tokens": 400, "stream": True, "kvmemory": {"memory": False, "cache": False}}
     try:
         with srv.client(ADMIN) as c1, srv.client(ADMIN) as c2, \
-                c1.stream("POST", "/v1/completions", json=body) as s1, \
-                c2.stream("POST", "/v1/completions", json=body) as s2:
-            for s in (s1, s2):
+                c1.stream("POST", "/v1/chat/completions", json=body) as s1, \
+                c2.stream("POST", "/v1/chat/completions", json=body) as s2:
+            lines = [s.iter_lines() for s in (s1, s2)]  # kept: a dropped line iterator closes its response
+            for s, it in zip((s1, s2), lines):
                 assert s.status_code == 200
-                assert next(line for line in s.iter_lines() if line.startswith("data:"))  # both decoding
+                assert next(line for line in it if '"content": "' in line and '"content": ""' not in line)
             waited: list = []
             waiter = threading.Thread(target=lambda: waited.append(_complete(srv, PROMPTS[1], 3)))
             waiter.start()
