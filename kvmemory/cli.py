@@ -713,9 +713,14 @@ def cmd_kernels(args) -> int:
 
     from kvmemory.engine.batched_step import profile_status
 
+    from kvmemory.kernels import quantized_linear
+
     report = {"cpu": {"model": cpu_info().get("model name"), "torch_isa": isa()},
               "kernels": {k: native.status(k) for k in native.TITLES}, "gpu": devices.status(),
               "batched_step": profile_status()}
+    if report["kernels"]["qlinear"]["available"]:  # --linears q8's integer dot products (the same bits either way)
+        report["kernels"]["qlinear"]["q8_dot"] = ("avx512-vnni" if quantized_linear.q8_vnni() else
+                                                  report["kernels"]["qlinear"]["variant"])
     if args.json:
         print(json.dumps(report, indent=1))
         return 0
@@ -727,8 +732,9 @@ def cmd_kernels(args) -> int:
     for st in report["kernels"].values():
         if st["available"]:
             info = st["build_info"]
+            q8 = f"; --linears q8 dot products: {st['q8_dot']}" if st.get("q8_dot") else ""
             print(f"{st['title']}: {st['variant']} build, {st['library']} "
-                  f"({info['compiler_version']}, sources {info['source_digest'][:12]})")
+                  f"({info['compiler_version']}, sources {info['source_digest'][:12]}){q8}")
         else:
             print(f"{st['title']}: not running ({st['why_not']}); {st['fallback']} instead")
     b = report["batched_step"]
