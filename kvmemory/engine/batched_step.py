@@ -34,6 +34,7 @@ the same answers, no sharing. Nothing is ever batched inexactly.
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -138,9 +139,12 @@ class BatchedStep:
             i = j
         return groups
 
-    def _fast_row(self, position: int, room, mask, cos: torch.Tensor, sin: torch.Tensor, threads: int | None):
-        """The arguments of a decode row's rope / attention calls for every layer (as kvm_decode_layer
-        makes them: csrc/decode_ops.cpp), and the buffers they use (kept alive with them)."""
+    def _fast_row(self, row: int, room, mask, cos: torch.Tensor, sin: torch.Tensor,
+                  threads: int | None) -> tuple[decode_ops.Row, tuple]:
+        """A decode row's arguments for `kvm_decode_rows` (its rope / attention calls of every layer, as
+        kvm_decode_layer makes them: csrc/decode_ops.cpp; `row`: its index among the step's rows), and
+        whether its cache keeps bfloat16 (the step's rows share that). The buffers they point into are
+        kept alive."""
         lean = self.lean
         cfg = lean.cfg
         Hq, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, lean.head_dim
@@ -149,18 +153,18 @@ class BatchedStep:
         offset = at * D * (2 if bf16 else 4)
         q = torch.empty((1, 1, Hq, D), dtype=torch.float32)
         scratch = torch.empty(Hkv * D, dtype=torch.float32)
-        self._keep.extend((q, scratch, cos, sin))
-        k_ptrs = [k.data_ptr() + offset for _, k, _ in rooms]
-        v_ptrs = [v.data_ptr() + offset for _, _, v in rooms]
-        rest = (cos.data_ptr(), sin.data_ptr(), 1, Hq, Hkv, D, head_stride, bf16, scratch.data_ptr())
+        L = len(rooms)
+        k_w = (ctypes.c_void_p * L)(*[k.data_ptr() + offset for _, k, _ in rooms])
+        v_w = (ctypes.c_void_p * L)(*[v.data_ptr() + offset for _, _, v in rooms])
         # the keys start at the buffers' first position: the attention reads [0, at + 1)
-        k0 = [k.data_ptr() for _, k, _ in rooms]
-        v0 = [v.data_ptr() for _, _, v in rooms]
-        a0 = lean.layers[0].self_attn
-        attend_args = (0, bf16, mask.data_ptr() if mask is not None else None, Hq, 1, D, Hkv, at + 1, D, Hq * D,
-                       head_stride, D, head_stride, D, mask.stride(2) if mask is not None else 0, a0.scaling,
-                       0, threads or torch.get_num_threads())
-        return q.data_ptr(), rest, (k_ptrs, k0), (v_ptrs, v0), attend_args
+        k_r = (ctypes.c_void_p * L)(*[k.data_ptr() for _, k, _ in rooms])
+        v_r = (ctypes.c_void_p * L)(*[v.data_ptr() for _, _, v in rooms])
+        self._keep.extend((q, scratch, cos, sin, k_w, v_w, k_r, v_r, mask))
+        r = decode_ops.Row(row, cos.data_ptr(), sin.data_ptr(), q.data_ptr(), scratch.data_ptr(),
+                           ctypes.addressof(k_w), ctypes.addressof(v_w), ctypes.addressof(k_r), ctypes.addressof(v_r),
+                           mask.data_ptr() if mask is not None else None, at + 1,
+                           mask.stride(2) if mask is not None else 0, threads or torch.get_num_threads(), head_stride)
+        return r, bf16
 
     def _shared(self, items: Sequence[StepItem]) -> list[torch.Tensor]:
         from transformers.masking_utils import create_causal_mask
@@ -202,8 +206,21 @@ class BatchedStep:
             fast = None
             if (room is not None and alib is not None and b - a == 1 and lean._c_mask(mask, 1, it.position + 1)
                     and room[2] in (torch.float32, torch.bfloat16)):
-                fast = self._fast_row(it.position, room, mask, cos, sin, extra.get("threads"))
+                fast = self._fast_row(a, room, mask, cos, sin, extra.get("threads"))
             per_item.append((position_ids, mask, cos, sin, room, extra, fast))
+        # every decode row's rope / attention calls of a layer in one call (kvm_decode_rows), where they
+        # share the K/V dtype (one step's caches: they do)
+        fast_rows = [pi[6] for pi in per_item if pi[6] is not None]
+        rows_c = rows_arg = None
+        if fast_rows and len({f[1] for f in fast_rows}) == 1:
+            a0 = lean.layers[0].self_attn
+            rows_c = decode_ops.Rows(ctypes.cast(alib.kvm_fewq_attention, ctypes.c_void_p).value, Hq, Hkv,
+                                     lean.head_dim, fast_rows[0][1], a0.scaling)
+            rows_arg = (decode_ops.Row * len(fast_rows))(*[f[0] for f in fast_rows])
+            self._keep.extend((rows_c, rows_arg))
+        elif fast_rows:  # caches of different layouts: each row through the calls below, as a chunk's
+            per_item = [(*pi[:6], None) for pi in per_item]
+        all_fast = rows_c is not None and len(fast_rows) == len(items)
         h = embeds.contiguous()
         scratch = torch.empty(h.shape[-1], dtype=torch.float32)
         groups = self._groups(Ts, lean.ffn)
@@ -217,19 +234,13 @@ class BatchedStep:
                 qkv = torch.cat([a_mod.q_proj.forward(x), a_mod.k_proj.forward(x), a_mod.v_proj.forward(x)], -1)
             outs = []
             att = torch.empty((1, R, Hq * lean.head_dim), dtype=torch.float32) if alib is not None else None
-            width = qkv.shape[-1] * 4
+            if rows_c is not None:
+                rc = lean.kernel.kvm_decode_rows(ctypes.byref(rows_c), rows_arg, len(rows_arg), i, qkv.data_ptr(),
+                                                 qkv.shape[-1], att.data_ptr())
+                if rc:  # refused (never for the shapes _fast_row takes) or out of memory
+                    raise ValueError(f"the decode-step kernels refused a decode row ({rc})")
             for it, (a, b), (position_ids, mask, cos, sin, room, extra, fast) in zip(items, bounds, per_item):
                 if fast is not None:
-                    q_ptr, rest, (k_w, k_r), (v_w, v_r), attend_args = fast
-                    rc = lean.kernel.kvm_decode_rope_write(qkv.data_ptr() + a * width, *rest[:6], q_ptr, k_w[i],
-                                                          v_w[i], *rest[6:])
-                    if rc:
-                        raise ValueError(f"the decode-step kernel refused its arguments ({rc})")
-                    rc = alib.kvm_fewq_attention(attend_args[0], attend_args[1], q_ptr, k_r[i], v_r[i],
-                                                 attend_args[2], att.data_ptr() + a * att.shape[-1] * 4,
-                                                 *attend_args[3:])
-                    if rc:  # refused (never for the shapes _fast_row takes) or out of memory
-                        raise ValueError(f"the few-query attention kernel refused a decode row ({rc})")
                     outs.append(att[:, a:b])
                     continue
                 if room is not None:
@@ -242,7 +253,10 @@ class BatchedStep:
                 out, _ = lean.attend(a_mod, q, k, v, mask, dropout=0.0, scaling=a_mod.scaling,
                                      position_ids=position_ids, use_cache=True, **extra)
                 outs.append(out.reshape(1, b - a, -1))
-            delta = a_mod.o_proj.forward(torch.cat(outs, 1).contiguous() if len(outs) > 1 else outs[0].contiguous())
+            if all_fast:  # every row's attention is already in place
+                delta = a_mod.o_proj.forward(att)
+            else:
+                delta = a_mod.o_proj.forward(torch.cat(outs, 1).contiguous() if len(outs) > 1 else outs[0].contiguous())
             x = lean._norm(layer.post_attention_layernorm, h, delta, scratch)
             if lean.gate_up[i] is not None:
                 gu = lean.gate_up[i].forward(x)

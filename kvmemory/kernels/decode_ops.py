@@ -36,6 +36,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kvm_decode_rope_write.argtypes = [vp, vp, vp, i64, i64, i64, i64, vp, vp, vp, i64, c_int, vp]
     lib.kvm_decode_rope_write.restype = c_int
     lib.kvm_decode_layer.argtypes = [ctypes.POINTER(Step), ctypes.POINTER(Layer), vp, ctypes.POINTER(Layer), vp, vp]
+    lib.kvm_decode_rows.argtypes = [ctypes.POINTER(Rows), ctypes.POINTER(Row), i64, i64, vp, i64, vp]
+    lib.kvm_decode_rows.restype = c_int
     lib.kvm_decode_layer.restype = c_int
     lib.kvm_decode_layer_scratch.argtypes = [ctypes.POINTER(Step)]
     lib.kvm_decode_layer_scratch.restype = i64
@@ -53,6 +55,21 @@ class Layer(ctypes.Structure):
                 ("eps2", ctypes.c_double), ("qkv", Linear), ("o", Linear), ("gate_up", Linear), ("down", Linear),
                 # where q/k/v (gate/up) are not fused: k, v (up) beside q (gate); all-zero where they are
                 ("k", Linear), ("v", Linear), ("up", Linear)]
+
+
+class Rows(ctypes.Structure):
+    """KvmRows: what the decode rows of a batched step share (kvm_decode_rows)."""
+    _fields_ = [("attend", ctypes.c_void_p)] + [(n, ctypes.c_int64) for n in ("hq", "hkv", "D", "kv_bf16")] + [
+        ("scale", ctypes.c_double)]
+
+
+class Row(ctypes.Structure):
+    """KvmRow: one decode row of a batched step; the per-layer pointers are arrays of c_void_p."""
+    _fields_ = [("at", ctypes.c_int64), ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("q", ctypes.c_void_p),
+                ("rope_scratch", ctypes.c_void_p), ("k_write", ctypes.c_void_p), ("v_write", ctypes.c_void_p),
+                ("k_read", ctypes.c_void_p), ("v_read", ctypes.c_void_p), ("mask", ctypes.c_void_p),
+                ("keys", ctypes.c_int64), ("mask_st", ctypes.c_int64), ("threads", ctypes.c_int64),
+                ("head_stride", ctypes.c_int64)]
 
 
 class Step(ctypes.Structure):

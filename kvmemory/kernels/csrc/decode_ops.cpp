@@ -205,7 +205,7 @@ int run_side_by_side(const KvmStep& s, std::initializer_list<const KvmLinear*> p
 extern "C" {
 
 // The version of the calling convention below; decode_ops.py refuses a library of another.
-int kvm_decode_abi_version() { return 4; }
+int kvm_decode_abi_version() { return 5; }
 
 // For each of `rows` rows of n floats: h += delta where delta is not null (the residual add, in place),
 // then out = the RMS norm of h with weight w. `sq` is n floats of scratch (h * h). Returns 0, or -2 for
@@ -307,6 +307,49 @@ int kvm_decode_layer(const KvmStep* sp, const KvmLayer* prev, const float* act, 
                                       static_cast<int>(s.lanes), sq, x)))
         return rc;
     return run_side_by_side(s, {&cur->gate_up, &cur->up}, x, s.gate_up, 2 * s.ffn, parts);
+}
+
+// ---- The decode rows of a batched step (engine/batched_step.py), one layer in one call ----
+// A step of many sequences makes, per layer and decode row, the RoPE + K/V write call and the attention
+// call of that row's own step (csrc: kvm_decode_rope_write, then the few-query attention), ~5 us of Python
+// and ctypes each: 16 rows x 30 layers x 2 is ~5 ms a step. Here one call per layer makes them all, in
+// row order, with the arguments the Python loop passes (so the same bits: tests/test_batched_step.py).
+struct KvmRows {  // what every row of the step shares
+    AttendFn attend;
+    int64_t hq, hkv, D, kv_bf16;
+    double scale;
+};
+struct KvmRow {  // one decode row (one sequence's)
+    int64_t at;                   // its index among the step's rows: qkv row `at`, attention output row `at`
+    const float* cos;             // [D], its position's
+    const float* sin;
+    float* q;                     // [hq, D] scratch: its RoPE'd q
+    float* rope_scratch;          // [hkv * D]
+    void* const* k_write;         // per layer: where its K goes (the buffer at its position)
+    void* const* v_write;
+    const void* const* k_read;    // per layer: the buffer's start (keys 0 .. `keys` - 1 attended)
+    const void* const* v_read;
+    const bool* mask;             // [1, keys] or null
+    int64_t keys, mask_st, threads;
+    int64_t head_stride;          // elements between its cache's K (and V) heads: its capacity * D
+};
+
+// Layer `layer`'s RoPE + K/V write and attention for `n` decode rows: qkv [rows, qkv_width], att [rows,
+// hq * D] (row `at` of each). Returns 0, or the first refusal (-2 rope, or the attention kernel's code).
+int kvm_decode_rows(const KvmRows* c, const KvmRow* rows, int64_t n, int64_t layer, const float* qkv,
+                    int64_t qkv_width, float* att) {
+    for (int64_t i = 0; i < n; ++i) {
+        const KvmRow& r = rows[i];
+        int rc = kvm_decode_rope_write(qkv + r.at * qkv_width, r.cos, r.sin, 1, c->hq, c->hkv, c->D, r.q,
+                                       r.k_write[layer], r.v_write[layer], r.head_stride,
+                                       static_cast<int>(c->kv_bf16), r.rope_scratch);
+        if (rc) return rc;
+        rc = c->attend(0, c->kv_bf16 ? 1 : 0, r.q, r.k_read[layer], r.v_read[layer], r.mask, att + r.at * c->hq * c->D,
+                       c->hq, 1, c->D, c->hkv, r.keys, c->D, c->hq * c->D, r.head_stride, c->D, r.head_stride, c->D,
+                       r.mask_st, static_cast<float>(c->scale), 0, static_cast<int>(r.threads));
+        if (rc) return rc;
+    }
+    return 0;
 }
 
 // The floats of scratch kvm_decode_layer needs for a step of these sizes (KvmStep's).
