@@ -405,7 +405,8 @@ def bench_serve(args) -> int:
     r = run_serve_bench(args.clients or DEFAULT_CLIENTS, per_kind=args.per_kind, repeats=args.repeats,
                         max_tokens=args.max_tokens, threads=args.threads, seed=args.seed,
                         check_per_kind=args.check_per_kind, llamacpp=not args.no_llamacpp, progress=_progress(args),
-                        batch_slots=args.batch_slots, llama_server=llama_server, linears=args.linears)
+                        batch_slots=args.batch_slots, llama_server=llama_server, linears=args.linears,
+                        two_servers=args.two_servers)
     _plot(args, r, plot)
     _emit(args, r, format_table(r))
     return 0 if r["ok"] else 1  # a failed request or an answer whose logits differ from the recompute
@@ -1418,6 +1419,10 @@ def _bench_parsers(bench: argparse.ArgumentParser) -> None:
     sv.add_argument("--batch-slots", type=_count(), default=16,
                     help="kvmemory serve's --batch-slots: requests whose forwards share steps (default: %(default)s, "
                          "the server's own)")
+    sv.add_argument("--two-servers", type=_count(0), default=0, metavar="N",
+                    help="also run two kvmemory servers on one Redis store (redis-server from PATH): N entries "
+                         "remembered and forgotten on one, timed until the other routes and drops them "
+                         "(default: %(default)s, not run)")
     seed(sv)
     plot(sv)
     sv.set_defaults(func=bench_serve)

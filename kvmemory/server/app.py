@@ -222,6 +222,7 @@ def create_app(memory: KVMemory, config: ServerConfig | None = None) -> FastAPI:
         # would learn of the others' activity, so only an admin key (or a server without keys) reads them.
         if not request.state.principal.admin:
             raise Forbidden("/metrics shows the whole store's counts: read it with an admin key (--api-key)")
+        await st.refresh_gauges()
         return PlainTextResponse(st.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     app.include_router(openai_routes.router)

@@ -33,7 +33,10 @@ def kvmemory_version() -> str:
 
 @dataclass(slots=True)
 class StoreGauges:
-    """The store's counts as last read by the worker."""
+    """The store's counts as last read for /metrics. Read when /metrics is scraped and they are older than
+    GAUGE_REFRESH_S, in a thread of their own (the store's readers are per thread), never on a request's
+    path: a Redis store's counts are a pass over every row (O(store)), which once stalled a recall every
+    10 s by a second or more (`kvmemory bench serve --two-servers`)."""
 
     entries: int = 0
     blocks: int = 0
@@ -41,7 +44,7 @@ class StoreGauges:
     bytes: int = 0
     read_at: float = 0.0
 
-    def refresh(self, memory: KVMemory, force: bool = False) -> None:  # on the worker only
+    def refresh(self, memory: KVMemory, force: bool = False) -> None:
         now = time.monotonic()
         if not force and now - self.read_at < GAUGE_REFRESH_S:
             return
@@ -126,21 +129,15 @@ class ServerState:
             pass
 
     async def compute(self, fn):
-        """Run `fn()` on the worker (refreshing the store gauges after it when they are stale)."""
-        def job():
-            try:
-                return fn()
-            finally:
-                self._refresh_gauges()
-
-        return await self.queue.run(job)
+        """Run `fn()` on the worker."""
+        return await self.queue.run(fn)
 
     def stream(self, work, visible=None):
         """Queue `work(on_text)` on the worker and return its `TextStream` (worker.py)."""
-        def job(on_text):
-            try:
-                return work(on_text)
-            finally:
-                self._refresh_gauges()
+        return self.queue.stream(work, visible)
 
-        return self.queue.stream(job, visible)
+    async def refresh_gauges(self) -> None:
+        """The store gauges read again where stale, off the worker (StoreGauges)."""
+        import asyncio
+
+        await asyncio.to_thread(self._refresh_gauges)
