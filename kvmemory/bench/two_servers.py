@@ -49,6 +49,16 @@ def _redis(folder: Path, port: int) -> subprocess.Popen:
     raise KVMemoryError(f"redis-server did not answer on port {port} within 10 s")
 
 
+def _until(done, poll_s: float) -> float | None:
+    """Seconds until `done()` is true, polled every `poll_s`; None past TIMEOUT_S."""
+    t0 = time.perf_counter()
+    while not done():
+        if time.perf_counter() - t0 > TIMEOUT_S:
+            return None
+        time.sleep(poll_s)
+    return time.perf_counter() - t0
+
+
 def _stats(xs: list[float]) -> dict | None:
     return {"median": statistics.median(xs), "max": max(xs), "min": min(xs), "n": len(xs)} if xs else None
 
@@ -93,23 +103,13 @@ def run_two_servers(entries: int = 10, threads: int = 2, poll_s: float = 0.02, s
                                                      "verifier": "arithmetic"})
             r.raise_for_status()
             entry = r.json()["id"]
-            t0 = time.perf_counter()
-            while entry not in hits(p.rewordings[0]):
-                if time.perf_counter() - t0 > TIMEOUT_S:
-                    not_seen += 1
-                    break
-                time.sleep(poll_s)
-            else:
-                visible.append(time.perf_counter() - t0)
+            seen = _until(lambda: entry in hits(p.rewordings[0]), poll_s)
+            not_seen += seen is None
+            visible += [seen] if seen is not None else []
             a.delete(f"/v1/memory/entries/{entry}").raise_for_status()
-            t0 = time.perf_counter()
-            while entry in hits(p.rewordings[0]):
-                if time.perf_counter() - t0 > TIMEOUT_S:
-                    not_dropped += 1
-                    break
-                time.sleep(poll_s)
-            else:
-                dropped.append(time.perf_counter() - t0)
+            gone = _until(lambda: entry not in hits(p.rewordings[0]), poll_s)
+            not_dropped += gone is None
+            dropped += [gone] if gone is not None else []
         a.close()
         b.close()
         return {"ran": True, "entries": entries, "poll_s": poll_s, "visible_each_s": visible, "dropped_each_s": dropped,
