@@ -405,10 +405,16 @@ def bench_serve(args) -> int:
     r = run_serve_bench(args.clients or DEFAULT_CLIENTS, per_kind=args.per_kind, repeats=args.repeats,
                         max_tokens=args.max_tokens, threads=args.threads, seed=args.seed,
                         check_per_kind=args.check_per_kind, llamacpp=not args.no_llamacpp, progress=_progress(args),
-                        batch_slots=args.batch_slots, llama_server=llama_server, linears=args.linears,
-                        two_servers=args.two_servers)
+                        batch_slots=args.batch_slots, llama_server=llama_server, linears=args.linears)
+    text = format_table(r)
+    if args.two_servers:  # two servers on one Redis store (bench/two_servers.py), after the load runs
+        from kvmemory.bench.two_servers import format_line, run_two_servers
+
+        r["two_servers"] = run_two_servers(args.two_servers, args.threads,
+                                           say=lambda m: _progress(args) and print(m, file=sys.stderr))
+        text += "\n" + format_line(r["two_servers"])
     _plot(args, r, plot)
-    _emit(args, r, format_table(r))
+    _emit(args, r, text)
     return 0 if r["ok"] else 1  # a failed request or an answer whose logits differ from the recompute
 
 

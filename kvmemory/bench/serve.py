@@ -682,12 +682,11 @@ def git_commit() -> str | None:
 def run_serve_bench(clients=DEFAULT_CLIENTS, *, per_kind: int = 3, repeats: int = 3, max_tokens: int = 32,
                     threads: int = 2, seed: int = 0, check_per_kind: int = 1, llamacpp: bool = True,
                     progress: bool = True, batch_slots: int = 16, llama_server: str | None = None,
-                    linears: str = "auto", two_servers: int = 0) -> dict:
+                    linears: str = "auto") -> dict:
     """The load test (module docstring). Returns the report; `ok` is false if any request failed or
     any sampled answer's logits differ from the recompute. `llama_server`: the llama-server binary
     (else $KVMEMORY_LLAMA_SERVER; neither: that side is not run). `linears`: kvmemory serve's (and the
-    recompute's) --linears. `two_servers`: entries for the two-servers-on-one-Redis run (bench/two_servers.py;
-    0: not run)."""
+    recompute's) --linears."""
     from kvmemory.engine.profile import kvmemory_version
     from kvmemory.models.loading import DEFAULT_MODEL, embedded_gguf_path
 
@@ -808,10 +807,6 @@ def run_serve_bench(clients=DEFAULT_CLIENTS, *, per_kind: int = 3, repeats: int 
             say(f"exactness: {len(samples)} sampled answers, recomputed here")
             report["exactness"] = check_exactness(servers["kvmemory"].url, tmp_path / "store", threads, samples,
                                                   progress, linears)
-        if two_servers:
-            from kvmemory.bench.two_servers import run_two_servers
-
-            report["two_servers"] = run_two_servers(two_servers, threads, say=say)
         else:
             report["exactness"] = {"checked": 0, "ok": check_per_kind == 0, "samples": [],
                                    "how": "not checked (check_per_kind 0)" if check_per_kind == 0 else "no answers"}
@@ -919,10 +914,6 @@ def format_table(r: dict) -> str:
         if side.get("ran"):
             n = sum(run.get("answers_with_replacement_char", 0) for run in side["runs"])
             out.append(f"{name}: {n} of {sum(run['requests'] for run in side['runs'])} streamed answers show U+FFFD")
-    if r.get("two_servers"):
-        from kvmemory.bench.two_servers import format_line
-
-        out.append(format_line(r["two_servers"]))
     out.append(f"errors: {r['errors']}; ok: {r['ok']}; load average before {r['machine']['load_average']}, "
                f"after {r['load_average_after']}")
     return "\n".join(out)
