@@ -96,7 +96,7 @@ def run_two_servers(entries: int = 10, threads: int = 2, poll_s: float = 0.02, s
             r.raise_for_status()
             return [h["id"] for h in r.json()["results"]]
 
-        for c in (a, b):  # warm: a fresh server's first recall loads its embedder (~1 s), not what is measured
+        for c in (a, b):  # warm: the first request of a fresh server (each loaded its embedder when it started)
             c.post("/v1/memory/recall", json={"query": "warm up", "k": 1}).raise_for_status()
         for p in generate_problems(entries, seed=49, rewordings=1):
             r = a.post("/v1/memory/remember", json={"problem": p.text, "solution": p.solution, "answer": str(p.answer),

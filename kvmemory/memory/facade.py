@@ -848,7 +848,8 @@ class KVMemory:
         """What `chat` decodes from: the entries its last user message routes to, the prompt's token ids
         and whether the blocks it computes are stored (per `block_policy`). For adapters that decode
         the prompt in several passes (guided decoding); `hits`: what an earlier prompt of the same last
-        user message routed to (not routed again)."""
+        user message routed to (not routed again; the prompt's `refused` is then empty: what that routing
+        set aside was the earlier prompt's)."""
         msgs = [{"role": str(m["role"]), "content": str(m.get("content") or "")} for m in messages]
         if not msgs:
             raise InvalidInput("empty conversation")
