@@ -228,3 +228,38 @@ def test_a_sequence_past_the_kv_budget_waits_for_room(tmp_path, tiny_ggufs):
     batch.run()
     assert a.result is not None and b.result is not None
     assert b.result.logits_sha256 == eng.forward(list(range(3, 20)), graft=False, max_new_tokens=5)[0].logits_sha256
+
+
+def test_a_decode_rows_plan_is_kept_and_rebuilt_when_its_cache_changes(tmp_path, tiny_ggufs):
+    """A decode row's C arguments are kept on its cache from step to step (batched_step._RowPlan); a
+    cache written by anything else since (here: every layer's buffers moved to a larger copy, as a
+    reservation that runs out of room does) gets a new plan, so K/V are written where attention reads."""
+    from kvmemory.engine.batched_step import PLAN_ATTR
+
+    eng = Engine.open(str(tiny_ggufs["llama"]), tmp_path / "store", chunk=16)
+    rng = random.Random(5)
+    reqs = [dict(token_ids=[rng.randrange(3, eng.runner.vocab_size) for _ in range(9 + i)], graft=False,
+                 max_new_tokens=8, stop_token_ids=(), keep_logits=True) for i in range(3)]
+    alone = [eng.forward(**r)[0] for r in reqs]
+    batch = eng.batch(64)
+    seqs = [batch.add(**r) for r in reqs]
+    while not all(s.decoding for s in seqs):
+        batch.step()
+    batch.step()
+    plans = [getattr(s.cache, PLAN_ATTR) for s in seqs]
+    batch.step()
+    assert all(getattr(s.cache, PLAN_ATTR) is p for s, p in zip(seqs, plans))  # kept
+    moved = seqs[1].cache
+    for layer in moved.layers:
+        n = layer.get_seq_length()
+        layer._reserve(layer.keys, layer.values, n, 2 * layer.k_buf.shape[-2])
+        layer.filled(n)
+    batch.step()
+    assert getattr(moved, PLAN_ATTR) is not plans[1]  # built again over the new buffers
+    assert getattr(seqs[0].cache, PLAN_ATTR) is plans[0]
+    while batch.step():
+        pass
+    for s, ref in zip(seqs, alone):
+        assert s.result.generated == ref.generated
+        assert s.result.logits_sha256 == ref.logits_sha256
+        assert torch.equal(s.result.decode_logits, ref.decode_logits)

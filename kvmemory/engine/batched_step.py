@@ -47,6 +47,38 @@ GRAIN = 32768  # torch's at::internal::GRAIN_SIZE: an elementwise op below it ru
 ONE_THREAD_KEYS = 4096  # a decode row over fewer cached keys runs its attention on one thread
 
 
+PLAN_ATTR = "_kvmemory_row_plan"  # where a sequence's decode-row plan is kept: on its cache, for the cache's life
+
+
+@dataclass(slots=True)
+class _RowPlan:
+    """A decode row's C arguments that stay the same from step to step (the layers' K/V buffers and their
+    addresses, the query and rope scratch), kept on the sequence's cache: working them out again each step
+    (a walk over every layer, four pointer arrays) cost about as much as the row's attention. `views`: the
+    keys each layer held when the plan last wrote it; any other write to the cache replaces them, and the
+    plan is then built again."""
+
+    rooms: list  # each layer's (ReservedLayer, K buffer, V buffer)
+    at: int  # the next position to write
+    capacity: int  # the buffers' positions
+    head_stride: int
+    kv_dtype: torch.dtype
+    views: list
+    q: torch.Tensor
+    scratch: torch.Tensor
+    k_base: list
+    v_base: list
+    k_read: ctypes.Array
+    v_read: ctypes.Array
+    k_write: ctypes.Array
+    v_write: ctypes.Array
+
+    @property
+    def room(self) -> tuple:
+        """What `LlamaStep._c_room` gives for one more token."""
+        return self.at, self.head_stride, self.kv_dtype, self.rooms
+
+
 @dataclass(slots=True)
 class StepItem:
     """One sequence's part of a step: `ids` [1, T] at positions position..position+T-1 over `cache`
@@ -139,31 +171,49 @@ class BatchedStep:
             i = j
         return groups
 
-    def _fast_row(self, row: int, room, mask, cos: torch.Tensor, sin: torch.Tensor,
-                  threads: int | None) -> tuple[decode_ops.Row, tuple]:
+    def _row_plan(self, cache, position: int) -> _RowPlan | None:
+        """The decode-row arguments kept on `cache` since its last step, where nothing has touched it since
+        (every layer still holds the very views that step left, and has room for one more position);
+        else built again from `_c_room` (None: no room in one kind of buffer)."""
+        plan = getattr(cache, PLAN_ATTR, None)
+        if (plan is not None and plan.at == position and position < plan.capacity
+                and all(cache.layers[i] is layer and layer.keys is view
+                        for i, ((layer, _, _), view) in enumerate(zip(plan.rooms, plan.views)))):
+            return plan
+        room = self.lean._c_room(cache, 1)
+        if room is None or room[0] != position:
+            return None
+        at, head_stride, kv_dtype, rooms = room
+        cfg = self.lean.cfg
+        L = len(rooms)
+        k_base = [k.data_ptr() for _, k, _ in rooms]
+        v_base = [v.data_ptr() for _, _, v in rooms]
+        plan = _RowPlan(rooms, at, rooms[0][1].shape[-2], head_stride, kv_dtype, [layer.keys for layer, _, _ in rooms],
+                        torch.empty((1, 1, cfg.num_attention_heads, self.lean.head_dim), dtype=torch.float32),
+                        torch.empty(cfg.num_key_value_heads * self.lean.head_dim, dtype=torch.float32),
+                        k_base, v_base, (ctypes.c_void_p * L)(*k_base), (ctypes.c_void_p * L)(*v_base),
+                        (ctypes.c_void_p * L)(), (ctypes.c_void_p * L)())
+        setattr(cache, PLAN_ATTR, plan)
+        return plan
+
+    def _fast_row(self, row: int, plan: _RowPlan, mask, cos: torch.Tensor, sin: torch.Tensor,
+                  threads: int | None) -> tuple[decode_ops.Row, int]:
         """A decode row's arguments for `kvm_decode_rows` (its rope / attention calls of every layer, as
         kvm_decode_layer makes them: csrc/decode_ops.cpp; `row`: its index among the step's rows), and
         whether its cache keeps bfloat16 (the step's rows share that). The buffers they point into are
-        kept alive."""
-        lean = self.lean
-        cfg = lean.cfg
-        Hq, Hkv, D = cfg.num_attention_heads, cfg.num_key_value_heads, lean.head_dim
-        at, head_stride, kv_dtype, rooms = room
-        bf16 = int(kv_dtype == torch.bfloat16)
+        kept alive (the plan's by its cache)."""
+        at, D = plan.at, self.lean.head_dim
+        bf16 = int(plan.kv_dtype == torch.bfloat16)
         offset = at * D * (2 if bf16 else 4)
-        q = torch.empty((1, 1, Hq, D), dtype=torch.float32)
-        scratch = torch.empty(Hkv * D, dtype=torch.float32)
-        L = len(rooms)
-        k_w = (ctypes.c_void_p * L)(*[k.data_ptr() + offset for _, k, _ in rooms])
-        v_w = (ctypes.c_void_p * L)(*[v.data_ptr() + offset for _, _, v in rooms])
-        # the keys start at the buffers' first position: the attention reads [0, at + 1)
-        k_r = (ctypes.c_void_p * L)(*[k.data_ptr() for _, k, _ in rooms])
-        v_r = (ctypes.c_void_p * L)(*[v.data_ptr() for _, _, v in rooms])
-        self._keep.extend((q, scratch, cos, sin, k_w, v_w, k_r, v_r, mask))
-        r = decode_ops.Row(row, cos.data_ptr(), sin.data_ptr(), q.data_ptr(), scratch.data_ptr(),
-                           ctypes.addressof(k_w), ctypes.addressof(v_w), ctypes.addressof(k_r), ctypes.addressof(v_r),
-                           mask.data_ptr() if mask is not None else None, at + 1,
-                           mask.stride(2) if mask is not None else 0, threads or torch.get_num_threads(), head_stride)
+        # the keys start at the buffers' first position (k_read): the attention reads [0, at + 1)
+        for i, (k, v) in enumerate(zip(plan.k_base, plan.v_base)):
+            plan.k_write[i], plan.v_write[i] = k + offset, v + offset
+        self._keep.extend((cos, sin, mask))
+        r = decode_ops.Row(row, cos.data_ptr(), sin.data_ptr(), plan.q.data_ptr(), plan.scratch.data_ptr(),
+                           ctypes.addressof(plan.k_write), ctypes.addressof(plan.v_write), ctypes.addressof(plan.k_read),
+                           ctypes.addressof(plan.v_read), mask.data_ptr() if mask is not None else None, at + 1,
+                           mask.stride(2) if mask is not None else 0, threads or torch.get_num_threads(),
+                           plan.head_stride)
         return r, bf16
 
     def _shared(self, items: Sequence[StepItem]) -> list[torch.Tensor]:
@@ -195,7 +245,8 @@ class BatchedStep:
             cos, sin = m.rotary_emb(e, position_ids=position_ids)
             # where every layer has room for these rows (as the lean step's C loop finds it), RoPE writes
             # K/V there directly (_rope_cache's own path, its per-layer checks done once per step)
-            room = lean._c_room(it.cache, b - a)
+            plan = self._row_plan(it.cache, it.position) if b - a == 1 else None
+            room = plan.room if plan is not None else lean._c_room(it.cache, b - a) if b - a > 1 else None
             if room is not None and room[0] != it.position:
                 room = None
             # a decode row over few keys: its attention on one thread (the same bytes, no wait for a core)
@@ -206,8 +257,8 @@ class BatchedStep:
             fast = None
             if (room is not None and alib is not None and b - a == 1 and lean._c_mask(mask, 1, it.position + 1)
                     and room[2] in (torch.float32, torch.bfloat16)):
-                fast = self._fast_row(a, room, mask, cos, sin, extra.get("threads"))
-            per_item.append((position_ids, mask, cos, sin, room, extra, fast))
+                fast = self._fast_row(a, plan, mask, cos, sin, extra.get("threads"))
+            per_item.append((position_ids, mask, cos, sin, room, extra, fast, plan))
         # every decode row's rope / attention calls of a layer in one call (kvm_decode_rows), where they
         # share the K/V dtype (one step's caches: they do)
         fast_rows = [pi[6] for pi in per_item if pi[6] is not None]
@@ -219,7 +270,7 @@ class BatchedStep:
             rows_arg = (decode_ops.Row * len(fast_rows))(*[f[0] for f in fast_rows])
             self._keep.extend((rows_c, rows_arg))
         elif fast_rows:  # caches of different layouts: each row through the calls below, as a chunk's
-            per_item = [(*pi[:6], None) for pi in per_item]
+            per_item = [(*pi[:6], None, pi[7]) for pi in per_item]
         all_fast = rows_c is not None and len(fast_rows) == len(items)
         h = embeds.contiguous()
         scratch = torch.empty(h.shape[-1], dtype=torch.float32)
@@ -239,7 +290,7 @@ class BatchedStep:
                                                  qkv.shape[-1], att.data_ptr())
                 if rc:  # refused (never for the shapes _fast_row takes) or out of memory
                     raise ValueError(f"the decode-step kernels refused a decode row ({rc})")
-            for it, (a, b), (position_ids, mask, cos, sin, room, extra, fast) in zip(items, bounds, per_item):
+            for it, (a, b), (position_ids, mask, cos, sin, room, extra, fast, _) in zip(items, bounds, per_item):
                 if fast is not None:
                     outs.append(att[:, a:b])
                     continue
@@ -267,8 +318,9 @@ class BatchedStep:
             delta = mlp.down_proj.forward(act)
         for it, (a, b), pi in zip(items, bounds, per_item):
             if pi[6] is not None:  # the rows written by C: the layers' views now cover them
-                for layer_kv, _, _ in pi[4][3]:
-                    layer_kv.filled(it.position + 1)
+                plan = pi[7]
+                plan.views = [layer_kv.filled(it.position + 1)[0] for layer_kv, _, _ in plan.rooms]
+                plan.at = it.position + 1
         # the final norm and lm_head over the rows whose logits are wanted, as each item's own step keeps them
         keep = []
         for it, (a, b) in zip(items, bounds):
