@@ -263,3 +263,28 @@ def test_a_decode_rows_plan_is_kept_and_rebuilt_when_its_cache_changes(tmp_path,
         assert s.result.generated == ref.generated
         assert s.result.logits_sha256 == ref.logits_sha256
         assert torch.equal(s.result.decode_logits, ref.decode_logits)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_choices_scored_in_one_shared_step_equal_each_scored_alone(arch, tmp_path, tiny_ggufs):
+    """`Engine.choose` scores every choice over its own copy of the prompt's K/V in one shared step
+    (runner.score_choices): each score equals the one computed alone over the prompt's cache, grafted or
+    not, and does not depend on the other choices offered."""
+    eng = Engine.open(str(tiny_ggufs[arch]), tmp_path / "store", chunk=16)
+    rng = random.Random(9)
+    V = eng.runner.vocab_size
+    prompt = [rng.randrange(3, V) for _ in range(37)]
+    choices = [[rng.randrange(3, V) for _ in range(k)] for k in (1, 2, 3, 5, 4, 1, 3)]
+    eng.store_prefix(prompt[:32])
+    best, shared, report = eng.choose(prompt, choices)
+    assert report.tokens_grafted == 32
+    stepper = eng.runner._choice_stepper()
+    assert stepper.shared
+    stepper.shared = False  # one choice after another over the prompt's own cache
+    try:
+        best2, alone, _ = eng.choose(prompt, choices, graft=False)
+    finally:
+        stepper.shared = True
+    assert shared == alone and best == best2
+    _, fewer, _ = eng.choose(prompt, [choices[3], choices[0], choices[2]], graft=False)
+    assert fewer == [shared[3], shared[0], shared[2]]

@@ -120,6 +120,15 @@ def new_cache(model: torch.nn.Module, capacity: int = 0, kv_dtype: torch.dtype |
     return cache
 
 
+def copied(cache: DynamicCache, model: torch.nn.Module, room: int) -> DynamicCache:
+    """A new cache for `model` holding a copy of every layer's filled positions (every layer of `cache`
+    a ReservedLayer), in the same K/V dtype, with room for `room` more (score_choices: one per choice)."""
+    out = new_cache(model, cache.get_seq_length() + room, cache.layers[0].kv_dtype)
+    for src, dst in zip(cache.layers, out.layers):
+        dst.update(src.keys, src.values)  # the same dtype: a copy of the bytes
+    return out
+
+
 class Room:
     """The K/V memory of the last grafted forward, kept for the next one, so a graft reads into
     memory that is already mapped (a fresh 377 MB cache at 8k tokens costs ~90k page faults while the

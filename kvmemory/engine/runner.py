@@ -58,7 +58,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvmemory.engine.cache import ReservedLayer, new_cache
+from kvmemory.engine.batched_step import BatchedStep, StepItem
+from kvmemory.engine.cache import ReservedLayer, copied, new_cache
 from kvmemory.engine.static_step import StaticGrid, resolve_step_mode
 from kvmemory.errors import InvalidInput, UnsupportedArchitecture
 from kvmemory.engine.profile import tensor_bytes
@@ -275,6 +276,7 @@ class CanonicalRunner:
         self.full_attention_only = all(w is None for w in self.sliding_windows)
         self.kv_dtype = resolve_kv_dtype(model, kv_dtype, self.full_attention_only)  # runner.new_cache keeps K/V in it
         self._lean_step = llama_step.for_model(model)  # None: every step runs transformers' forward
+        self._choices_step: BatchedStep | None = None  # score_choices' (made when first used)
         # transformers' models that compute the lm_head on the last rows only when asked (logits="last")
         self._keeps_logits = "logits_to_keep" in inspect.signature(type(model).forward).parameters
         self.step_mode = resolve_step_mode(step, self.device)
@@ -435,14 +437,26 @@ class CanonicalRunner:
         )
 
     @torch.inference_mode()
+    def _choice_stepper(self) -> BatchedStep:
+        """The batched step `score_choices` shares among a prompt's choices (made once)."""
+        if self._choices_step is None:
+            self._choices_step = BatchedStep(self)
+        return self._choices_step
+
     def score_choices(self, n: int, cache, next_logits: torch.Tensor, choices: Sequence[Sequence[int]]) -> list[float]:
         """Log-likelihood of each choice (token ids) as the continuation of an n-token prompt.
 
-        `cache` holds the prompt's positions and `next_logits` its last logits (a prefill's
-        `extra`). One batched forward scores every choice: the cache is repeated per choice and the
-        choices are right-padded, which causal attention keeps out of every scored position. The
-        cache is consumed. Scores are deterministic under the profile (same prefix cache, same batch),
-        whether the prefix was grafted or recomputed.
+        `cache` holds the prompt's positions and `next_logits` its last logits (a prefill's `extra`);
+        the cache is consumed. On the lean step (a llama / qwen2 model over kvmemory's reserved cache)
+        each choice's tokens are one step after the prompt's n positions: where rows share steps
+        (batched_step.why_not), every choice over its own copy of the prompt's K/V, all in one shared
+        step; else one choice after another over the prompt's cache, whose views then go back to its n
+        positions. Either way a choice's score depends on nothing but the prompt's cache and its own
+        tokens (the same bits both ways).
+        Elsewhere one batched forward scores every choice: the cache is repeated per choice and the
+        choices are right-padded, which causal attention keeps out of every scored position (the scores
+        then depend on the set of choices too). Deterministic under the profile either way, whether the
+        prefix was grafted or recomputed (the same cache).
         """
         if not choices or any(len(c) == 0 for c in choices):
             raise InvalidInput("every choice needs at least one token")
@@ -451,6 +465,27 @@ class CanonicalRunner:
         scores = [float(first[int(c[0])]) for c in choices]
         T = max(len(c) for c in choices) - 1
         if T == 0:
+            return scores
+        layers = getattr(cache, "layers", None)
+        if self._lean_step is not None and self.static is None and layers and all(
+                isinstance(layer, ReservedLayer) for layer in layers):
+            # each choice's tokens in one step after the prompt: every choice over its own copy of the
+            # prompt's K/V in one shared step (its logits are the bits of its step alone: batched_step.py),
+            # or one choice after another over the prompt's cache, its views then back to n positions
+            multi = [b for b, c in enumerate(choices) if len(c) > 1]
+            items = [torch.tensor([list(map(int, choices[b][:-1]))], device=self.device) for b in multi]
+            stepper = self._choice_stepper()
+            if stepper.shared and len(multi) > 1:
+                outs = stepper.step([StepItem(ids, n, copied(cache, self.model, room=ids.shape[1])) for ids in items])
+            else:
+                outs = []
+                for ids in items:
+                    outs.append(self._step(ids, n, cache))
+                    for layer in layers:
+                        layer.filled(n)
+            for b, logits in zip(multi, outs):
+                c, logp = choices[b], logits.float().log_softmax(-1)
+                scores[b] += float(sum(logp[t - 1, int(c[t])] for t in range(1, len(c))))
             return scores
         B = len(choices)
         ids = torch.tensor([list(map(int, c[:-1])) + [0] * (T + 1 - len(c)) for c in choices], device=self.device)
