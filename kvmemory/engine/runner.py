@@ -436,13 +436,13 @@ class CanonicalRunner:
             extra={"cache": cache, "next_logits": next_logits},
         )
 
-    @torch.inference_mode()
     def _choice_stepper(self) -> BatchedStep:
         """The batched step `score_choices` shares among a prompt's choices (made once)."""
         if self._choices_step is None:
             self._choices_step = BatchedStep(self)
         return self._choices_step
 
+    @torch.inference_mode()
     def score_choices(self, n: int, cache, next_logits: torch.Tensor, choices: Sequence[Sequence[int]]) -> list[float]:
         """Log-likelihood of each choice (token ids) as the continuation of an n-token prompt.
 
