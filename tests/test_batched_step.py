@@ -288,3 +288,34 @@ def test_choices_scored_in_one_shared_step_equal_each_scored_alone(arch, tmp_pat
     assert shared == alone and best == best2
     _, fewer, _ = eng.choose(prompt, [choices[3], choices[0], choices[2]], graft=False)
     assert fewer == [shared[3], shared[0], shared[2]]
+
+
+def test_choose_prefills_in_the_batch_and_scores_the_same(tmp_path, tiny_ggufs):
+    """`Engine.choose` prefills its prompt through `forward`, so with a batcher (kvmemory serve, share_steps)
+    the prefill joins the shared steps; the scores are the bits of the same choose with no batcher."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kvmemory.engine.scheduler import BatchScheduler
+
+    eng = Engine.open(str(tiny_ggufs["llama"]), tmp_path / "store", chunk=16)
+    rng = random.Random(11)
+    V = eng.runner.vocab_size
+    base = [rng.randrange(3, V) for _ in range(32)]
+    eng.store_prefix(base)
+    prompts = [base + [rng.randrange(3, V) for _ in range(3 + i)] if i % 2 else
+               [rng.randrange(3, V) for _ in range(20 + i)] for i in range(6)]
+    choices = [[rng.randrange(3, V) for _ in range(k)] for k in (1, 3, 2, 4)]
+    alone = [eng.choose(p, choices, graft=i % 2 == 1) for i, p in enumerate(prompts)]
+    sched = BatchScheduler(eng)
+    eng.batcher = sched
+    try:
+        with ThreadPoolExecutor(6) as pool:
+            got = list(pool.map(lambda ip: eng.choose(ip[1], choices, graft=ip[0] % 2 == 1), enumerate(prompts)))
+    finally:
+        eng.batcher = None
+        sched.close(30)
+    assert sched.steps > 0  # the prefills went through the batch
+    for (best, scores, rep), (best2, scores2, rep2) in zip(alone, got):
+        assert scores2 == scores and best2 == best
+        assert rep2.tokens_grafted == rep.tokens_grafted and rep2.tokens_computed == rep.tokens_computed
+    assert any(rep.tokens_grafted for _, _, rep in got)

@@ -52,6 +52,7 @@ class BatchSequence:
     on_token: Callable[[int], bool] | None
     rows: object = None  # BlockRow list to graft instead of the catalogue's chain (Engine.forward's `rows`)
     store_new_blocks: bool = False
+    keep_cache: bool = False  # hand the cache over in result.extra["cache"] (Engine.choose scores from it)
     blocks_stored: int = 0
     # state
     start: int = 0
@@ -122,7 +123,8 @@ class Batch:
     def add(self, token_ids: Sequence[int], *, graft: bool = True, max_new_tokens: int = 0,
             sampling: Sampling = GREEDY, stop_token_ids: Sequence[int] | None = None, keep_logits: bool = False,
             entries_used: Sequence[str] = (), on_token: Callable[[int], bool] | None = None, logits: str = "all",
-            cuts: Sequence[int] = (), rows=None, store_new_blocks: bool = False) -> BatchSequence:
+            cuts: Sequence[int] = (), rows=None, store_new_blocks: bool = False,
+            keep_cache: bool = False) -> BatchSequence:
         """A sequence that joins at the next step; the arguments are `Engine.forward`'s."""
         if logits not in ("all", "last"):
             raise InvalidInput(f"logits must be 'all' or 'last', got {logits!r}")
@@ -132,7 +134,8 @@ class Batch:
         self.runner.check_ids(token_ids, max_new_tokens)
         stops = self.engine.eos_token_ids if stop_token_ids is None else stop_token_ids
         seq = BatchSequence(token_ids, int(max_new_tokens), sampling, {int(t) for t in stops}, keep_logits, logits,
-                            check_cuts(cuts), graft, tuple(entries_used), on_token, rows, bool(store_new_blocks))
+                            check_cuts(cuts), graft, tuple(entries_used), on_token, rows, bool(store_new_blocks),
+                            keep_cache=bool(keep_cache) and self.runner.static is None)
         self.sequences.append(seq)
         return seq
 
@@ -300,7 +303,10 @@ class Batch:
             self.engine.store.put_blocks(s._new_blocks)
             s.blocks_stored = r.blocks_stored = len(s._new_blocks)
         s._new_blocks = []
-        self.engine.room.give(cache)
+        if s.keep_cache:
+            s.result.extra["cache"] = cache  # the caller's now (Engine.choose): not given back to the room
+        else:
+            self.engine.room.give(cache)
         s._prefill, s._decode = [], []
 
     def run(self) -> None:

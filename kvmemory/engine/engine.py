@@ -298,12 +298,13 @@ class Engine:
                 keep_logits: bool = False, store_new_blocks: bool = False, entries_used: Sequence[str] = (),
                 on_token: Callable[[int], bool] | None = None,
                 rows: Sequence[BlockRow] | None = None, logits: str = "all",
-                cuts: Sequence[int] = ()) -> tuple[ForwardResult, GraftReport]:
+                cuts: Sequence[int] = (), keep_cache: bool = False) -> tuple[ForwardResult, GraftReport]:
         """Canonical forward with the longest stored chain grafted; logits equal to `recompute`'s with the
         same `cuts` (in the same `logits` mode: "all" rows, or "last", the rows a token is chosen from;
         runner.forward). `cuts`: where the prompt's segments end (a stored entry, a chat turn): the graft
         may end there on a tail block, and the blocks stored end there too (runner.chunk_spans).
-        `rows` grafts these blocks (written, not yet catalogued) instead of the catalogue's chain."""
+        `rows` grafts these blocks (written, not yet catalogued) instead of the catalogue's chain.
+        `keep_cache`: the cache is handed over in `result.extra["cache"]` (`choose` scores from it)."""
         token_ids = [int(t) for t in token_ids]
         self.runner.check_ids(token_ids, max_new_tokens)
         cuts = check_cuts(cuts)
@@ -326,7 +327,8 @@ class Engine:
         if new_blocks and not getattr(self.store, "readonly", False):
             self.store.put_blocks(new_blocks)
             report.blocks_stored = len(new_blocks)
-        self.room.give(result.extra.pop("cache", None))  # nobody else holds it: the next graft reads into it
+        if not keep_cache:
+            self.room.give(result.extra.pop("cache", None))  # nobody else holds it: the next graft reads into it
         return result, report
 
     def _graft_longest(self, token_ids: list[int], graft: bool, entries_used: Sequence[str],
@@ -371,28 +373,33 @@ class Engine:
                 raise s.error
         return [(s.result, s.report) for s in seqs]
 
-    @_pinned
     def choose(self, token_ids: Sequence[int], choices: Sequence[Sequence[int]], *, graft: bool = True,
                entries_used: Sequence[str] = (), cuts: Sequence[int] = ()) -> tuple[int, list[float], GraftReport]:
         """Which choice (token ids) the model finds likeliest after `token_ids`: the prompt is grafted
-        and prefilled as in `forward`, then every choice is scored in one batched forward.
+        and prefilled by `forward` (in steps shared with other callers' forwards where a batcher takes
+        it: the same bits), then every choice is scored (runner.score_choices).
         Returns the best index, every choice's log-likelihood and the report (`tokens_decoded` = the
         chosen choice's tokens, `tokens_scored` = all the choices' tokens)."""
         token_ids = [int(t) for t in token_ids]
         if not choices:
             raise InvalidInput("no choices to pick from")
         self.runner.check_ids(token_ids, max(len(c) for c in choices))
-        cuts = check_cuts(cuts)
-        cache, start, report = self._graft_longest(token_ids, graft, entries_used, cuts=cuts)
-        result = self.runner.forward(token_ids, start=start, cache=cache, keep_logits=False, cuts=cuts)
+        self.runner.check_ids([t for c in choices for t in c])
+        if any(len(c) == 0 for c in choices):
+            raise InvalidInput("every choice needs at least one token")
+        result, report = self.forward(token_ids, graft=graft, entries_used=entries_used, cuts=cuts, keep_cache=True)
+        return self._scored(token_ids, result, report, choices)
+
+    @_pinned
+    def _scored(self, token_ids: list[int], result: ForwardResult, report: GraftReport,
+                choices: Sequence[Sequence[int]]) -> tuple[int, list[float], GraftReport]:
+        """`choose`'s scoring, over the prompt's cache its forward handed over."""
         t0 = time.perf_counter()
-        scores = self.runner.score_choices(len(token_ids), result.extra["cache"], result.extra["next_logits"], choices)
+        scores = self.runner.score_choices(len(token_ids), result.extra.pop("cache"), result.extra["next_logits"],
+                                           choices)
         best = max(range(len(choices)), key=lambda i: (scores[i], -i))  # ties: the first listed
-        report.tokens_grafted = start
-        report.tokens_computed = len(token_ids) - start
         report.tokens_decoded = len(choices[best])
         report.tokens_scored = sum(len(c) for c in choices)
-        report.compute_seconds = result.prefill_seconds
         report.decode_seconds = time.perf_counter() - t0
         return best, scores, report
 
