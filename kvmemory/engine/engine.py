@@ -387,7 +387,9 @@ class Engine:
         self.runner.check_ids([t for c in choices for t in c])
         if any(len(c) == 0 for c in choices):
             raise InvalidInput("every choice needs at least one token")
-        result, report = self.forward(token_ids, graft=graft, entries_used=entries_used, cuts=cuts, keep_cache=True)
+        # a static step mode keeps one cache for one sequence: its prefill runs alone, never in the batch
+        fwd = self._forward if self.runner.static is not None else self.forward
+        result, report = fwd(token_ids, graft=graft, entries_used=entries_used, cuts=cuts, keep_cache=True)
         return self._scored(token_ids, result, report, choices)
 
     @_pinned
