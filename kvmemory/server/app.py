@@ -191,10 +191,6 @@ def create_app(memory: KVMemory, config: ServerConfig | None = None) -> FastAPI:
         async with contextlib.AsyncExitStack() as stack:
             if mcp_run is not None:
                 await stack.enter_async_context(mcp_run())
-            # The router's embedder loads here, before the server says it is ready: else the first
-            # question that reaches a non-empty namespace pays its import and load (~1.2 s on 2 cores;
-            # a recall of an empty namespace never loads it, so no warm-up request would).
-            await asyncio.to_thread(memory.router.embedder.embed, ["ready"])
             logs.log("ready", model=config.model, profile_id=memory.engine.profile_id,
                      keys="open" if st.keys.open else len(st.keys.by_hash), queue_depth=config.limits.queue_depth)
             try:
