@@ -65,7 +65,9 @@ def test_kernel_loads_without_a_compiler_or_a_cache(tmp_path):
     (9, 3, 1, 3000, 64),    # decoding (no unit boundary at a multiple of 512)
     (4, 2, 16, 100, 16),    # the tiny test models: fewer keys than one unit
     (8, 8, 5, 700, 128),    # no grouping, D = 128, a part-filled second unit
-    (4, 1, 16, 1030, 32),   # 64 rows per K/V head (the most it takes)
+    (4, 1, 16, 1030, 32),   # 64 rows per K/V head: four row blocks, one score pass
+    (12, 2, 16, 1300, 128), # Qwen2.5-1.5B's graft: 96 rows per K/V head, two score passes
+    (8, 1, 16, 530, 64),    # 128 rows per K/V head (the most it takes)
     # few rows (G * T <= 4) under float32 queries: keys in the lanes (run_unit_few)
     (4, 2, 2, 300, 128),    # 4 rows seeing different keys, D = 128
     (2, 2, 1, 17, 16),      # one row, D = 16, one part-filled block of keys
@@ -143,8 +145,8 @@ def test_refuses_what_it_does_not_take():
                                 None, 0.125, False) is None  # batches
     q72, k72, v72, m72 = _inputs(9, 3, 16, 600, 72, torch.float32)
     assert few_query_attention.attend(q72, k72, v72, m72, 0.125, False) is None  # head size not a multiple of 16
-    q64, k64, v64, m64 = _inputs(9, 3, 22, 600, 64, torch.float32)
-    assert few_query_attention.attend(q64, k64, v64, m64, 0.125, False) is None  # 66 rows per K/V head
+    q129, k129, v129, m129 = _inputs(9, 3, 43, 600, 64, torch.float32)
+    assert few_query_attention.attend(q129, k129, v129, m129, 0.125, False) is None  # 129 rows per K/V head
     assert few_query_attention.attend(q.half(), k.half(), v.half(), m, 0.125, False) is None
 
 
@@ -203,8 +205,10 @@ def test_the_avx2_build_runs_here_too():
     same calls and is as close to the float64 reference (its bits are its own: another exp, other tiles)."""
     lib = few_query_attention.load_variant("avx2")
     assert lib is not None
-    for dtype, tol, new in ((torch.float32, 2e-6, 16), (torch.bfloat16, 2e-2, 16), (torch.float32, 2e-6, 1)):
-        q, k, v, m = _inputs(9, 3, new, 2048, 64, dtype)
+    for dtype, tol, new, h_q in ((torch.float32, 2e-6, 16, 9), (torch.bfloat16, 2e-2, 16, 9),
+                                 (torch.float32, 2e-6, 1, 9), (torch.float32, 2e-6, 16, 18),
+                                 (torch.bfloat16, 2e-2, 16, 18)):  # 18 heads x 16 tokens / 3: 96 rows
+        q, k, v, m = _inputs(h_q, 3, new, 2048, 64, dtype)
         ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=m, enable_gqa=True)
         out = few_query_attention.attend(q, k, v, m, 0.125, False, lib=lib)
         assert out is not None and (out.double() - ref.transpose(1, 2)).abs().max().item() <= tol

@@ -37,7 +37,7 @@ from kvmemory.kernels.cpu import isa  # noqa: F401  (callers ask `isa() in BUILD
 
 KERNEL = "fewq"
 BUILDS = {b.isa: list(b.flags) for b in build.builds(KERNEL)}  # ISA -> the flags of its build
-MAX_ROWS = 64  # query heads per K/V head x new tokens the kernel takes (its kMaxRowBlocks x 16)
+MAX_ROWS = 128  # query heads per K/V head x new tokens the kernel takes (its kMaxRows)
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the C entry point's dtype codes
 
 

@@ -58,7 +58,7 @@ using namespace kvm;  // vec, kLanes, vload ... (simd.h); bf16 (bfloat16.h); par
 
 constexpr int64_t kUnitKeys = 512;  // keys per work item: scores + widened K stay in L2
 constexpr int64_t kPvKeys = 64;     // keys per P @ V pass: their V rows and weights stay in L1 (28 KB at D = 64)
-constexpr int kMaxRows = 64;        // rows per K/V head the kernel takes
+constexpr int kMaxRows = 128;       // rows per K/V head the kernel takes (Qwen2.5-1.5B's 6 heads x 16 tokens: 96)
 
 #ifdef KVM_AVX2
 // ---- AVX2 + FMA: 8 lanes, 16 registers ----
@@ -353,11 +353,16 @@ void run_unit(const Shape& s, const float* Qt, const scalar_t* kh, int64_t k_ss,
         const uint32_t* K = reinterpret_cast<const uint32_t*>(kh + j0 * k_ss);
         const int64_t ldk2 = k_ss / 2;
         const int D2 = static_cast<int>(s.D / 2);
-        switch (nb) {
-            case 1: qk_unit_bf16<1>(QP, s.Rpad, K, ldk2, D2, n, St, s.Rpad, pf); break;
-            case 2: qk_unit_bf16<2>(QP, s.Rpad, K, ldk2, D2, n, St, s.Rpad, pf); break;
-            case 3: qk_unit_bf16<3>(QP, s.Rpad, K, ldk2, D2, n, St, s.Rpad, pf); break;
-            default: qk_unit_bf16<4>(QP, s.Rpad, K, ldk2, D2, n, St, s.Rpad, pf); break;
+        // kQkBlocks row blocks per pass, as qk_rows (each pass reads the unit's keys again, from L2)
+        for (int b = 0; b < nb; b += kQkBlocks) {
+            const uint32_t* Qb = QP + kLanes * b;
+            float* Sb = St + kLanes * b;
+            switch (std::min(kQkBlocks, nb - b)) {
+                case 1: qk_unit_bf16<1>(Qb, s.Rpad, K, ldk2, D2, n, Sb, s.Rpad, pf); break;
+                case 2: qk_unit_bf16<2>(Qb, s.Rpad, K, ldk2, D2, n, Sb, s.Rpad, pf); break;
+                case 3: qk_unit_bf16<3>(Qb, s.Rpad, K, ldk2, D2, n, Sb, s.Rpad, pf); break;
+                default: qk_unit_bf16<4>(Qb, s.Rpad, K, ldk2, D2, n, Sb, s.Rpad, pf); break;
+            }
         }
     } else
 #endif
