@@ -187,6 +187,7 @@ def test_bench_gguf_runs_on_a_synthetic_file(tmp_path):
     rep = json.loads(r.stdout)
     assert rep["synthetic"] == "tiny" and rep["llamacpp_skipped"]
     assert rep["kvmemory"]["decode_tokens_s"]["median"] > 0 and rep["kvmemory"]["64"]["graft_ttft_s"]["median"] > 0
+    assert rep["kvmemory"]["64"]["graft_ttft_s"]["n"] == 3  # TTFT_PER_ROUND grafts in the one round
     assert rep["panel_bytes"] > 0 and rep["decode_floor_tokens_s"] > 0 and rep["file_bytes"] > 0
 
 

@@ -62,9 +62,9 @@ def _load(name: str, path: str) -> Tokenizer:
         generic = _generic_class(local)
         if generic is not None:
             return generic.from_pretrained(str(local), local_files_only=True)
-        from transformers import AutoTokenizer
+        from kvmemory.models import lean_tokenizer
 
-        return AutoTokenizer.from_pretrained(str(local) if local.is_dir() else path, local_files_only=True)
+        return lean_tokenizer.load(str(local) if local.is_dir() else path, local_files_only=True)
     except (OSError, ValueError) as exc:
         raise InvalidInput(f"no tokenizer for model {name!r} in the local files ({exc.__class__.__name__}: "
                            f"{str(exc).splitlines()[0] if str(exc) else ''}); give a local model folder, "

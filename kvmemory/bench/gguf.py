@@ -5,7 +5,8 @@ On the same file and the same threads, every side repeated (`repeats`, interleav
 - prefill: tokens/s of a prompt of L tokens from scratch (kvmemory's canonical recompute; llama.cpp's eval);
 - time to first token with the first L tokens already computed: kvmemory's graft from the store (read,
   SHA-256-verify, copy, then the 16 new tokens) against llama.cpp's prefill from scratch and its state
-  restore (`llama_state_load_file` of the L tokens, then the same 16 tokens);
+  restore (`llama_state_load_file` of the L tokens, then the same 16 tokens); graft and restore are timed
+  `TTFT_PER_ROUND` times per round, interleaved (so a single round at 8k still gives medians of 3);
 - resident memory of the loaded model (the process's RSS after loading minus before), against the file's size;
 - the decode floor: the bytes of weights a decode step reads (kvmemory's panels) over the machine's
   measured read bandwidth (the same threads), i.e. the fastest a step that streams them could be;
@@ -30,6 +31,7 @@ from kvmemory.bench import llamacpp
 DEFAULT_LENGTHS = (512, 2048)
 NEW_TOKENS = 16  # the new tokens after a grafted or restored prefix
 DECODE_TOKENS = 32
+TTFT_PER_ROUND = 3  # graft / restore timings per round: a second each, where a round's prefills take minutes
 
 
 def _rss() -> int:
@@ -137,19 +139,22 @@ def run_gguf_bench(model: str, *, lengths=DEFAULT_LENGTHS, repeats: int = 3, thr
                 t = time.perf_counter()
                 eng.recompute(ids, max_new_tokens=1, keep_logits=False, logits="last")
                 k_pre.append(len(ids) / (time.perf_counter() - t))
-                t = time.perf_counter()
-                _, rep = eng.forward(ids, max_new_tokens=1, logits="last")
-                k_graft.append(time.perf_counter() - t)
-                assert rep.tokens_grafted == L, rep.to_json()
                 if llm is not None:
                     llm.reset()
                     t = time.perf_counter()
                     llm.eval(ids)
                     llamacpp.last_argmax(llm)
                     l_pre.append(time.perf_counter() - t)
+                for _ in range(TTFT_PER_ROUND):  # the cheap sides, interleaved, several times a round
                     t = time.perf_counter()
-                    llamacpp.load_state_file(llm, state)
-                    l_restore.append(llamacpp.prefill_and_decode(llm, ids[L:], 1, t)["ttft_s"])
+                    _, rep = eng.forward(ids, max_new_tokens=1, logits="last")
+                    k_graft.append(time.perf_counter() - t)
+                    assert rep.tokens_grafted == L, rep.to_json()
+                    if llm is not None:
+                        llm.reset()
+                        t = time.perf_counter()
+                        llamacpp.load_state_file(llm, state)
+                        l_restore.append(llamacpp.prefill_and_decode(llm, ids[L:], 1, t)["ttft_s"])
                 bar.update()
             row = {"prefill_tokens_s": _stats(k_pre), "graft_ttft_s": _stats(k_graft)}
             report["kvmemory"][str(L)] = row

@@ -29,6 +29,7 @@ from kvmemory.engine import pipeline
 from kvmemory.engine.graft import GraftReport, LoadedChain, build_cache, check_chain, graft_spans, plan_chain
 from kvmemory.models.devices import resolve_device, resolve_dtype
 from kvmemory.models.loading import DEFAULT_MODEL, LoadedModel, files_model_sha256, load_model, model_identity
+from kvmemory.models.gguf_model import release_freed_memory
 from kvmemory.engine.determinism import Determinism
 from kvmemory.engine.profile import ExecutionProfile, build_profile
 from kvmemory.engine.runner import (DEFAULT_CHUNK, GREEDY, CanonicalRunner, ForwardResult, Sampling, check_cuts,
@@ -167,8 +168,12 @@ class Engine:
         # The model was read from files by load_model just now, and nothing else has touched it: its files
         # identify its weights (loading.weights_files), so opening does not hash gigabytes of them.
         files = files_model_sha256(loaded.weights_files) if loaded.weights_files else None
-        return cls(loaded, store, chunk=chunk, threads=threads, max_positions=max_positions, kv_dtype=kv_dtype,
-                   model_sha256=files, step=step)
+        engine = cls(loaded, store, chunk=chunk, threads=threads, max_positions=max_positions, kv_dtype=kv_dtype,
+                     model_sha256=files, step=step)
+        # the profile's hashing of the tokenizer (a 33 MB JSON string for Gemma 3) and the load's other
+        # transients, handed back: ~90 MB of resident memory glibc would otherwise keep (issue 46's bound)
+        release_freed_memory()
+        return engine
 
     @functools.cached_property
     def model_identity(self) -> dict | None:

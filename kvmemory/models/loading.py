@@ -31,6 +31,7 @@ from kvmemory.models import embedded
 from kvmemory.models import file_hashes
 from kvmemory.models import gguf_file
 from kvmemory.models import gguf_linear
+from kvmemory.models import lean_tokenizer
 from kvmemory.models import packed_linear
 from kvmemory.errors import InvalidInput, KVMemoryError, UnknownModel
 from kvmemory.paths import cache_dir
@@ -355,7 +356,7 @@ def load_model(
     if linears in ("gguf", "q8") and not em.gguf_linears:  # refused before the weights are read
         raise InvalidInput(f"linears={linears!r} cannot run {em.name}: its GGUF blocks are not ones the GGUF-block "
                            "kernel computes (Q4_1 / Q8_0 linears of the llama architecture)")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     path = resolve_model_path(name_or_path)
     if isinstance(dtype, str):
@@ -386,7 +387,7 @@ def load_model(
         packed_linear.pack_linears(model)
     if linears == "plain" and torch.device(device).type == "cpu":
         own_memory(model)
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = lean_tokenizer.load(path)
     return LoadedModel(model=model, tokenizer=tokenizer, source=name_or_path, path=path, weights_files=files)
 
 
@@ -394,7 +395,7 @@ def _load_gguf(gf: gguf_file.GGUFFile, source: str, *, dtype, attn_implementatio
                profile: str) -> LoadedModel:
     """A GGUF file: computed from its blocks ("auto" / "gguf": gguf_model.py), or, for the stock profile and
     `linears` "plain" / "packed", dequantized to float32 by transformers' own GGUF loader (single files)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from kvmemory.models import gguf_model
 
@@ -422,7 +423,7 @@ def _load_gguf(gf: gguf_file.GGUFFile, source: str, *, dtype, attn_implementatio
             packed_linear.pack_linears(model)
         else:
             own_memory(model)
-    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    tokenizer = lean_tokenizer.load(str(folder))
     return LoadedModel(model=model, tokenizer=tokenizer, source=source, path=str(folder), weights_files=files)
 
 
