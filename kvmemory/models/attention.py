@@ -8,7 +8,7 @@ transformers' attention and mask interfaces; the name lands in the execution pro
 attention implementation, so blocks made under `sdpa` are never mixed with these.
 
 `kvmemory_fewq` is the same, except that calls with few query rows (a graft's new tokens, a decode
-step: at most 64 query heads x tokens per K/V head) run the few-query kernel (few_query_attention.py),
+step: at most 128 query heads x tokens per K/V head) run the few-query kernel (few_query_attention.py),
 1.3-2.7x as fast as SDPA there (its AVX2 and AVX-512 builds). Prefill's grid chunks keep SDPA, so
 the K/V a block stores are the same bytes under either name; the logits of the few-row steps differ
 in the last bits, which is why the two are different names (and so different execution profiles).

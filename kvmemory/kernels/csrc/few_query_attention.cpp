@@ -26,7 +26,7 @@
 //
 // Layouts (elements; the last dimension contiguous):
 //   q    [1, H_q, T, D]     D a multiple of 16 up to 128; any strides for heads and rows (transformers
-//                           passes a transposed view); H_q / H_kv * T <= 64 rows per K/V head
+//                           passes a transposed view); H_q / H_kv * T <= 128 rows per K/V head
 //   k, v [1, H_kv, S, D]    views of the reserved cache buffers: any head / row strides; q's dtype,
 //                           or bfloat16 under float32 queries (a bfloat16 KV cache: rows widened exactly)
 //   mask [1, 1, T, S] bool or none: row t must be a prefix of trues (keys [0, n_t) visible);
