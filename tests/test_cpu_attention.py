@@ -173,6 +173,7 @@ def test_engine_runs_the_kernel_and_stays_exact(dtype, store_dir, monkeypatch):
     assert rep.tokens_grafted == 96
     assert torch.equal(got.prefill_logits, ref.prefill_logits[96:])
     assert torch.equal(got.decode_logits, ref.decode_logits)
+    assert (96, True) in taken and all(ok for _, ok in taken)  # the graft's step ran the kernel
     assert taken and all(taken)
 
 
@@ -207,7 +208,8 @@ def test_the_avx2_build_runs_here_too():
     assert lib is not None
     for dtype, tol, new, h_q in ((torch.float32, 2e-6, 16, 9), (torch.bfloat16, 2e-2, 16, 9),
                                  (torch.float32, 2e-6, 1, 9), (torch.float32, 2e-6, 16, 18),
-                                 (torch.bfloat16, 2e-2, 16, 18)):  # 18 heads x 16 tokens / 3: 96 rows
+                                 (torch.bfloat16, 2e-2, 16, 18),  # 18 heads x 16 tokens / 3: 96 rows
+                                 (torch.float32, 2e-6, 16, 24)):  # 128 rows: the most it takes
         q, k, v, m = _inputs(h_q, 3, new, 2048, 64, dtype)
         ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=m, enable_gqa=True)
         out = few_query_attention.attend(q, k, v, m, 0.125, False, lib=lib)
@@ -238,3 +240,39 @@ def test_float32_queries_over_a_bfloat16_cache(new, cached):
     assert torch.equal(got, few_query_attention.attend(q, k16.float(), v16.float(), m, 0.125, False))
     # bfloat16 queries over a float32 cache are not a profile: refused
     assert few_query_attention.attend(q.bfloat16(), k, v, m, 0.125, False) is None
+
+
+@needs_kernel
+def test_a_graft_step_of_96_rows_per_kv_head_stays_exact(store_dir, monkeypatch):
+    """Qwen2.5-1.5B's grouping (12 query heads over 2 K/V heads): a graft's 16 new tokens are 96 rows per
+    K/V head, which the kernel takes since it takes 128 (they went to SDPA at 64): graft = recompute."""
+    taken = []
+    attend = few_query_attention.attend
+
+    def counting(q, *args, **kw):
+        out = attend(q, *args, **kw)
+        taken.append((q.shape[1] // 2 * q.shape[2], out is not None))  # (rows per K/V head, taken)
+        return out
+
+    monkeypatch.setattr(few_query_attention, "attend", counting)
+    import transformers as T
+    from tiny_models import IdTokenizer, _base
+
+    from kvmemory.engine.engine import Engine
+    from kvmemory.models.loading import LoadedModel
+    from kvmemory.store.local import LocalStore
+
+    torch.manual_seed(0)
+    attn = attention.for_device("sdpa", "cpu")
+    cfg = T.LlamaConfig(**_base(hidden_size=192, num_attention_heads=12, num_key_value_heads=2, head_dim=16))
+    model = T.AutoModelForCausalLM.from_config(cfg, attn_implementation=attn).eval().requires_grad_(False)
+    eng = Engine(LoadedModel(model, IdTokenizer(), "tiny-gqa6", "tiny-gqa6"), LocalStore(store_dir), chunk=16)
+    assert eng.profile.attn_implementation == attention.FEWQ
+    ids = torch.randint(0, 256, (112,), generator=torch.Generator().manual_seed(3)).tolist()
+    eng.store_prefix(ids[:96])
+    got, rep = eng.forward(ids, max_new_tokens=4, stop_token_ids=(), keep_logits=True)
+    ref = eng.recompute(ids, max_new_tokens=4, stop_token_ids=())
+    assert rep.tokens_grafted == 96
+    assert torch.equal(got.prefill_logits, ref.prefill_logits[96:])
+    assert torch.equal(got.decode_logits, ref.decode_logits)
+    assert (96, True) in taken and all(ok for _, ok in taken)  # the graft's step ran the kernel
