@@ -158,8 +158,8 @@ def test_engine_runs_the_kernel_and_stays_exact(dtype, store_dir, monkeypatch):
     taken = []
     attend = few_query_attention.attend
 
-    def counting(*args):
-        out = attend(*args)
+    def counting(*args, **kw):
+        out = attend(*args, **kw)
         taken.append(out is not None)
         return out
 
@@ -173,7 +173,6 @@ def test_engine_runs_the_kernel_and_stays_exact(dtype, store_dir, monkeypatch):
     assert rep.tokens_grafted == 96
     assert torch.equal(got.prefill_logits, ref.prefill_logits[96:])
     assert torch.equal(got.decode_logits, ref.decode_logits)
-    assert (96, True) in taken and all(ok for _, ok in taken)  # the graft's step ran the kernel
     assert taken and all(taken)
 
 
@@ -276,3 +275,31 @@ def test_a_graft_step_of_96_rows_per_kv_head_stays_exact(store_dir, monkeypatch)
     assert torch.equal(got.prefill_logits, ref.prefill_logits[96:])
     assert torch.equal(got.decode_logits, ref.decode_logits)
     assert (96, True) in taken and all(ok for _, ok in taken)  # the graft's step ran the kernel
+
+
+@needs_kernel
+@pytest.mark.parametrize("variant", [None, "avx2"])
+def test_bf16_scores_are_those_of_the_rounded_queries(variant):
+    """The q8 profile's scores (`bf16_scores`): float32 queries over a bfloat16 cache, scored as their
+    bfloat16 rounding where the build has VDPBF16PS on this CPU (against the float64 reference of the
+    rounded queries), else exactly the float32 call (the AVX2 build; `bf16_dot()` says which, and the
+    profile records it). Calls of at most 4 rows per K/V head keep the float32 path either way."""
+    if variant is not None and not native.runs("AVX2"):
+        pytest.skip("needs a CPU that runs AVX2")
+    lib = few_query_attention.load_variant(variant) if variant else few_query_attention.load()
+    q, k, v, m = _inputs(12, 2, 16, 1500, 128, torch.float32, seed=4)
+    k, v = k.bfloat16(), v.bfloat16()
+    plain = few_query_attention.attend(q, k, v, m, 128 ** -0.5, False, lib=lib)
+    got = few_query_attention.attend(q, k, v, m, 128 ** -0.5, False, lib=lib, bf16_scores=True)
+    assert got is not None and got.dtype == torch.float32
+    if few_query_attention.bf16_dot(lib):
+        ref = F.scaled_dot_product_attention(q.bfloat16().double(), k.double(), v.double(), attn_mask=m,
+                                             enable_gqa=True).transpose(1, 2)
+        assert (got.double() - ref).abs().max().item() <= 2e-6
+        assert not torch.equal(got, plain)  # the rounding is real
+    else:
+        assert torch.equal(got, plain)
+    q1, k1, v1, m1 = _inputs(4, 2, 2, 300, 64, torch.float32, seed=5)  # 4 rows: the keys-in-lanes path
+    k1, v1 = k1.bfloat16(), v1.bfloat16()
+    assert torch.equal(few_query_attention.attend(q1, k1, v1, m1, 0.125, False, lib=lib, bf16_scores=True),
+                       few_query_attention.attend(q1, k1, v1, m1, 0.125, False, lib=lib))

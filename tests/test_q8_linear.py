@@ -236,6 +236,25 @@ def test_q8_is_its_own_profile_and_says_how_to_open_the_other(tmp_path):
 
 
 @needs_kernel
+def test_q8_scores_as_llama_cpp_and_its_profile_says_how(tmp_path):
+    """Under q8 the attention scores over the bfloat16 cache come from the queries rounded to bfloat16
+    (models/attention.py): every attention module says so, and the profile records whether VDPBF16PS
+    computes them here (their bits differ from the widened path's); the float profile has neither."""
+    from kvmemory.kernels import few_query_attention
+    from kvmemory.models import attention
+
+    path = write_tiny_gguf(tmp_path / "m.gguf", "llama", linear_type="Q4_K", embedding_type="Q6_K", seed=2)[0]
+    plain = Engine.open(str(path), tmp_path / "store", chunk=16)
+    q8 = _q8_engine(path, tmp_path)
+    assert q8.profile.kv_dtype == "bfloat16" and q8.profile.attn_implementation == attention.FEWQ
+    marked = [m for m in q8.model.modules() if getattr(m, attention.BF16_SCORES_ATTR, False)]
+    assert len(marked) == q8.model.config.num_hidden_layers
+    assert not any(getattr(m, attention.BF16_SCORES_ATTR, False) for m in plain.model.modules())
+    assert q8.profile.kernels["fewq"]["bf16_dot"] is few_query_attention.bf16_dot()
+    assert "bf16_dot" not in plain.profile.kernels["fewq"]
+
+
+@needs_kernel
 def test_the_embedded_model_runs_q8_and_batches_exactly(tmp_path):
     from kvmemory.models.loading import load_model
     from kvmemory.store.local import LocalStore

@@ -200,10 +200,10 @@ class BatchedStep:
                   threads: int | None) -> tuple[decode_ops.Row, int]:
         """A decode row's arguments for `kvm_decode_rows` (its rope / attention calls of every layer, as
         kvm_decode_layer makes them: csrc/decode_ops.cpp; `row`: its index among the step's rows), and
-        whether its cache keeps bfloat16 (the step's rows share that). The buffers they point into are
+        its cache's K/V code (attention.kv_code; the step's rows share it). The buffers they point into are
         kept alive (the plan's by its cache)."""
         at, D = plan.at, self.lean.head_dim
-        bf16 = int(plan.kv_dtype == torch.bfloat16)
+        bf16 = attention.kv_code(self.lean.layers[0].self_attn, plan.kv_dtype)  # 0 float32, else bfloat16
         offset = at * D * (2 if bf16 else 4)
         # the keys start at the buffers' first position (k_read): the attention reads [0, at + 1)
         for i, (k, v) in enumerate(zip(plan.k_base, plan.v_base)):

@@ -260,6 +260,9 @@ def kernel_identities(attn_implementation: str, linear_impl: str) -> dict:
             raise ProfileMismatch(f"the {lib.kernel} kernel the model was loaded with does not run here: "
                                   f"{lib.why_unavailable()}")
         out[lib.kernel] = {k: info.get(k) for k in _BUILD_IDENTITY}
+    if linear_impl == gguf_linear.NAME_Q8 and few_query_attention.KERNEL in out:
+        # the q8 profile's scores (models/attention.py) by VDPBF16PS, or widened where the CPU lacks it
+        out[few_query_attention.KERNEL]["bf16_dot"] = few_query_attention.bf16_dot()
     # The lean llama step (under kvmemory's attentions) runs this kernel where it loads, else torch's
     # ops (the same bits, by test): recorded where it runs, like the others.
     info = decode_ops.build_info() if attn_implementation in (attention.NAME, attention.FEWQ) else None

@@ -39,6 +39,7 @@ KERNEL = "fewq"
 BUILDS = {b.isa: list(b.flags) for b in build.builds(KERNEL)}  # ISA -> the flags of its build
 MAX_ROWS = 128  # query heads per K/V head x new tokens the kernel takes (its kMaxRows)
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the C entry point's dtype codes
+BF16_SCORES = 2  # its query code for float32 queries scored as their bfloat16 rounding (the q8 profile's)
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -46,6 +47,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kvm_fewq_attention.argtypes = ([ctypes.c_int, ctypes.c_int, vp, vp, vp, vp, vp] + [i64] * 12
                                        + [ctypes.c_float, ctypes.c_int, ctypes.c_int])
     lib.kvm_fewq_attention.restype = ctypes.c_int
+    lib.kvm_fewq_bf16_dot.argtypes = []
+    lib.kvm_fewq_bf16_dot.restype = ctypes.c_int
 
 
 KERNEL_LIB = native.Kernel(KERNEL, _declare)
@@ -53,14 +56,25 @@ load, load_variant = KERNEL_LIB.load, KERNEL_LIB.load_variant  # the library (No
 why_unavailable, build_info = KERNEL_LIB.why_unavailable, KERNEL_LIB.build_info
 
 
+def bf16_dot(lib: ctypes.CDLL | None = None) -> bool | None:
+    """Whether the build (`load()`'s) scores bfloat16 pairs by VDPBF16PS on this CPU (None: no build):
+    where it does, bfloat16 scores have other bits than the widened path's, so profiles record it."""
+    lib = lib if lib is not None else load()
+    return None if lib is None else bool(lib.kvm_fewq_bf16_dot())
+
+
 def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scale: float,
-           causal: bool, lib: ctypes.CDLL | None = None, threads: int | None = None) -> torch.Tensor | None:
+           causal: bool, lib: ctypes.CDLL | None = None, threads: int | None = None,
+           bf16_scores: bool = False) -> torch.Tensor | None:
     """[1, T, H_q, D] attention output, or None when this call is not one the kernel takes (the caller
     runs SDPA). Shapes as transformers passes them: query [1, H_q, T, D], key/value [1, H_kv, S, D],
     mask [1, 1, T, S] bool (rows must be prefixes of trues) or None (`causal`: bottom-right aligned).
     `lib`: another build than `load()`'s (load_variant). `threads`: how many threads split the keys (None:
     torch's count); the bytes do not depend on it (the module docstring), only the time: a decode row over
-    few keys runs fastest on one (engine/batched_step.py), with no wait for a second core."""
+    few keys runs fastest on one (engine/batched_step.py), with no wait for a second core. `bf16_scores`
+    (float32 queries over a bfloat16 cache; else ignored): the q8 profile's scores, from the queries
+    rounded to bfloat16, by VDPBF16PS where `bf16_dot()` (llama.cpp rounds Q to its cache's type for them);
+    calls of at most 4 rows per K/V head (decoding SmolLM2) keep their float32 path."""
     lib = lib if lib is not None else load()
     if lib is None:
         return None
@@ -71,6 +85,8 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: to
     qd, kd = _DTYPES.get(q.dtype), _DTYPES.get(k.dtype)
     if qd is None or kd is None or v.dtype is not k.dtype or not (q.is_cpu and k.is_cpu and v.is_cpu):
         return None
+    if bf16_scores and qd == 0 and kd == 1:
+        qd = BF16_SCORES
     qs, ks, vs = q.shape, k.shape, v.shape
     if len(qs) != 4 or len(ks) != 4 or ks != vs or qs[0] != 1 or ks[0] != 1 or ks[3] != qs[3]:
         return None
@@ -129,7 +145,8 @@ def _main() -> None:
                   f"{kern * 1e3:.3f} ms ({sdpa / kern:.2f}x)")
 
 
-__all__ = ["BUILDS", "KERNEL", "MAX_ROWS", "attend", "build_info", "isa", "load", "load_variant", "why_unavailable"]
+__all__ = ["BF16_SCORES", "BUILDS", "KERNEL", "MAX_ROWS", "attend", "bf16_dot", "build_info", "isa", "load",
+           "load_variant", "why_unavailable"]
 
 if __name__ == "__main__":
     _main()

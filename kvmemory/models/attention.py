@@ -16,6 +16,10 @@ in the last bits, which is why the two are different names (and so different exe
 Both read a cache kept in bfloat16 under float32 queries (cache.py's `kv_dtype`): SDPA over K/V widened
 to float32 (exact: every bfloat16 is a float32), the kernel widening the rows itself.
 
+Under the q8 profile (`linears="q8"`, llama.cpp's arithmetic) the model's attention modules carry
+`BF16_SCORES_ATTR` (`use_bf16_scores`): the kernel's calls over a bfloat16 cache score the queries rounded
+to bfloat16 (few_query_attention.attend's `bf16_scores`), as llama.cpp rounds Q to its cache's type.
+
 Chosen once, at load (`models.loading.load_model`): on the CPU `sdpa` becomes `kvmemory_fewq` where the kernel's
 library (built into the package at install time) runs here (AVX-512 or AVX2), `kvmemory_sdpa` otherwise
 (with one warning saying why: kernels/native.py); on a GPU SDPA with a mask and `enable_gqa` would fall
@@ -31,6 +35,8 @@ from kvmemory.errors import UnsupportedArchitecture
 
 NAME = "kvmemory_sdpa"
 FEWQ = "kvmemory_fewq"
+
+BF16_SCORES_ATTR = "kvmemory_bf16_scores"  # on an attention module: the q8 profile's scores (module docstring)
 
 # Arguments this function does not implement: a call that carries one goes to transformers' own sdpa.
 _DELEGATE = ("softcap", "position_bias", "s_aux", "sinks", "output_attentions")
@@ -91,10 +97,29 @@ def few_query_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     key, value, causal = _causal_keys(module, query, key, value, attention_mask, is_causal)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     out = few_query_attention.attend(query, key, value, attention_mask, scale, causal,
-                                     **({"threads": threads} if threads else {}))
+                                     **({"threads": threads} if threads else {}),
+                                     bf16_scores=getattr(module, BF16_SCORES_ATTR, False))
     if out is None:  # refused (see few_query_attention.attend): the same call as `kvmemory_sdpa` makes
         out = _grouped_sdpa(query, key, value, attention_mask, dropout, scaling, causal)
     return out, None
+
+
+def use_bf16_scores(model: torch.nn.Module) -> int:
+    """Mark `model`'s attention modules for the q8 profile's scores (module docstring); returns how many."""
+    n = 0
+    for module in model.modules():
+        if hasattr(module, "layer_idx") and hasattr(module, "scaling"):  # transformers' attention modules
+            setattr(module, BF16_SCORES_ATTR, True)
+            n += 1
+    return n
+
+
+def kv_code(module: torch.nn.Module, kv_dtype: torch.dtype) -> int:
+    """The C steps' K/V code for a cache in `kv_dtype` under `module`'s scores (csrc/decode_ops.cpp
+    `kv_bf16`): 0 float32, 1 bfloat16, 2 bfloat16 scored as the q8 profile scores."""
+    if kv_dtype != torch.bfloat16:
+        return 0
+    return few_query_attention.BF16_SCORES if getattr(module, BF16_SCORES_ATTR, False) else 1
 
 
 def register(name: str = NAME) -> str:

@@ -201,10 +201,10 @@ class LlamaLeanStep:
         # empty cache, where the keys are the tokens' own)
         causal = int(T > 1 and mask is None and self._c_causal)
         keys = T if causal else position + T
+        kv = attention.kv_code(self.layers[0].self_attn, kv_dtype)  # the cache's dtype, and the scores' mode
         step = decode_ops.Step(
             *self._c_fns, T, cfg.num_attention_heads, cfg.num_key_value_heads, self.head_dim, cfg.hidden_size,
-            self.ffn, self.width, torch.get_num_threads(), position, head_stride, int(kv_dtype == torch.bfloat16),
-            causal, keys, mask.data_ptr() if mask is not None else None, mask.stride(2) if mask is not None else 0,
+            self.ffn, self.width, torch.get_num_threads(), position, head_stride, kv, causal, keys, mask.data_ptr() if mask is not None else None, mask.stride(2) if mask is not None else 0,
             self._c_scale, cos.data_ptr(), sin.data_ptr(), h.data_ptr(), None, None)
         step_ref = ctypes.byref(step)
         scratch = torch.empty(self.kernel.kvm_decode_layer_scratch(step_ref), dtype=torch.float32)

@@ -379,6 +379,7 @@ def load_model(
             gguf_linear.gguf_linears(model, embedded.part_paths(em)[0], Path(path) / GGUF_PANELS)
             if linears == "q8":
                 gguf_linear.to_q8(model)
+                attention.use_bf16_scores(model)  # llama.cpp's arithmetic for the scores too (attention.py)
         except KVMemoryError as exc:
             if linears != "auto":
                 raise InvalidInput(f"linears={linears!r} cannot run here: {exc}") from exc
@@ -411,6 +412,7 @@ def _load_gguf(gf: gguf_file.GGUFFile, source: str, *, dtype, attn_implementatio
         model = gguf_model.build(gf, folder, attention.for_device(attn_implementation, device))
         if linears == "q8":
             gguf_linear.to_q8(model)
+            attention.use_bf16_scores(model)  # llama.cpp's arithmetic for the scores too (attention.py)
     else:
         if len(gf.parts) > 1:
             raise InvalidInput(f"linears={linears!r} / the stock profile dequantize with transformers' GGUF loader, "

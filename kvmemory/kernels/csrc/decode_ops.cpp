@@ -151,7 +151,8 @@ struct KvmStep {
     int64_t threads;      // torch's thread count, passed to the linears and attention
     int64_t position;     // where this step's K/V go: the tokens cached before it
     int64_t head_stride;  // elements between K (and V) heads in a layer's buffers: capacity * D
-    int64_t kv_bf16;      // the cache keeps bfloat16 (else float32)
+    int64_t kv_bf16;      // the cache keeps bfloat16 (else float32); 2: bfloat16, scored as the q8 profile
+                          // scores (the attention kernel's kBf16Scores)
     int64_t causal;       // the attention call's causal flag (without a mask)
     int64_t keys;         // keys attended: S
     const bool* mask;     // [T, S] bool rows, mask_st apart (rows that are prefixes of trues), or null
@@ -298,7 +299,7 @@ int kvm_decode_layer(const KvmStep* sp, const KvmLayer* prev, const float* act, 
                                     rope_scratch)))
         return rc;
     // q as transformers holds it: [1, hq, T, D] over [T, hq, D] memory (heads D apart, tokens hq * D)
-    if ((rc = s.attend(0, s.kv_bf16 ? 1 : 0, q, k_buf, v_buf, s.mask, att, s.hq, T, s.D, s.hkv, s.keys, s.D,
+    if ((rc = s.attend(s.kv_bf16 == 2 ? 2 : 0, s.kv_bf16 ? 1 : 0, q, k_buf, v_buf, s.mask, att, s.hq, T, s.D, s.hkv, s.keys, s.D,
                        s.hq * s.D, s.head_stride, s.D, s.head_stride, s.D, s.mask_st, static_cast<float>(s.scale),
                        static_cast<int>(s.causal), static_cast<int>(s.threads))))
         return rc;
@@ -344,7 +345,7 @@ int kvm_decode_rows(const KvmRows* c, const KvmRow* rows, int64_t n, int64_t lay
                                        r.k_write[layer], r.v_write[layer], r.head_stride,
                                        static_cast<int>(c->kv_bf16), r.rope_scratch);
         if (rc) return rc;
-        rc = c->attend(0, c->kv_bf16 ? 1 : 0, r.q, r.k_read[layer], r.v_read[layer], r.mask, att + r.at * c->hq * c->D,
+        rc = c->attend(c->kv_bf16 == 2 ? 2 : 0, c->kv_bf16 ? 1 : 0, r.q, r.k_read[layer], r.v_read[layer], r.mask, att + r.at * c->hq * c->D,
                        c->hq, 1, c->D, c->hkv, r.keys, c->D, c->hq * c->D, r.head_stride, c->D, r.head_stride, c->D,
                        r.mask_st, static_cast<float>(c->scale), 0, static_cast<int>(r.threads));
         if (rc) return rc;

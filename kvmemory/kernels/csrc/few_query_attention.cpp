@@ -146,6 +146,10 @@ inline vec exp_ps(vec x) {
     return zero_below(scale_pow2(y, n), x, lo);
 }
 
+// A query element's bfloat16 bits: its own, or a float32's rounded (round_q).
+inline uint16_t bf16_bits(bf16 v) { return v.x; }
+inline uint16_t bf16_bits(float v) { return from_f32<bf16>(v).x; }
+
 // Rows of K or V as float32: float32 rows are read in place, bfloat16 rows widened into `scratch`.
 inline const float* rows_f32(const float* src, int64_t stride, int64_t n, int D, float*, int64_t& ld) {
     ld = stride;
@@ -628,18 +632,20 @@ struct Args {
 
 // q_t: the query's and the output's type; kv_t: the cache's (float32 queries may read a bfloat16 cache).
 // False when a thread failed (out of memory): the output is then not written in full.
+// `round_q` (float32 queries over a bfloat16 cache, kBf16Scores): where the rows-in-lanes path runs and
+// the CPU has VDPBF16PS, the scores are those of the queries rounded to bfloat16 (round to nearest even,
+// bfloat16.h), by the bfloat16 dot products; elsewhere the float32 queries as without it.
 template <typename q_t, typename kv_t>
 bool run(const Args& a, const q_t* qp, const kv_t* kp, const kv_t* vp, const std::vector<int32_t>& nvis,
-         float scale, q_t* op) {
+         float scale, q_t* op, bool round_q = false) {
     Shape s;
     s.Hq = a.Hq; s.T = a.T; s.D = a.D;
     s.Hkv = a.Hkv; s.S = a.S;
     s.G = s.Hq / s.Hkv; s.R = s.G * s.T; s.Rpad = (s.R + kLanes - 1) / kLanes * kLanes;
-    s.bf16_dot = std::is_same<q_t, bf16>::value && std::is_same<kv_t, bf16>::value && kHasBf16Dot &&
-                 a.k_ss % 2 == 0 &&
-                 a.k_sh % 2 == 0;
     // Few rows under float32 queries: keys in the lanes (run_unit_few), in units of at most kFewUnitKeys
     const bool few = std::is_same<q_t, float>::value && s.R <= kFewRows;
+    const bool q_pairs = std::is_same<q_t, bf16>::value || (round_q && !few);  // queries as bfloat16 pairs
+    s.bf16_dot = q_pairs && std::is_same<kv_t, bf16>::value && kHasBf16Dot && a.k_ss % 2 == 0 && a.k_sh % 2 == 0;
     // Units fixed by S, H_kv and the path alone (never the thread count): S cut into n near-equal units
     // of at most the path's size (boundaries at multiples of 16 keys), n made even where H_kv * n would
     // be odd. Items of equal size split evenly over 2 (or any even number of) threads: units of the full
@@ -671,11 +677,11 @@ bool run(const Args& a, const q_t* qp, const kv_t* kp, const kv_t* vp, const std
                 const q_t* src = qp + (h * s.G + g) * q_sh + t * q_st;
                 float* dst = Qt.data() + h * s.D * s.Rpad + g * s.T + t;
                 if (s.bf16_dot) {
-                    // QP[d / 2][r] = (q[d], q[d + 1]) as one 32-bit pair, in the head's Qt room
+                    // QP[d / 2][r] = (q[d], q[d + 1]) as one 32-bit pair of bfloat16 bits (float32 queries
+                    // rounded to them: round_q), in the head's Qt room
                     uint32_t* pairs = reinterpret_cast<uint32_t*>(dst);
-                    const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
                     for (int64_t d = 0; d < s.D; d += 2)
-                        pairs[(d / 2) * s.Rpad] = bits[d] | (static_cast<uint32_t>(bits[d + 1]) << 16);
+                        pairs[(d / 2) * s.Rpad] = bf16_bits(src[d]) | (static_cast<uint32_t>(bf16_bits(src[d + 1])) << 16);
                 } else {
                     for (int64_t d = 0; d < s.D; ++d) dst[d * s.Rpad] = to_f32(src[d]);
                 }
@@ -741,15 +747,21 @@ std::vector<int32_t> visible_counts(const bool* mask, int64_t row_stride, int64_
 
 }  // namespace
 
-// The entry point's dtypes: 0 float32, 1 bfloat16 (few_query_attention.py passes them).
-enum Dtype { kF32 = 0, kBF16 = 1 };
+// The entry point's dtypes: 0 float32, 1 bfloat16 (few_query_attention.py passes them); for q also 2,
+// float32 queries scored as their bfloat16 rounding where the CPU has VDPBF16PS (`run`'s round_q; the q8
+// profile's attention, as llama.cpp rounds Q to its cache's type for the scores).
+enum Dtype { kF32 = 0, kBF16 = 1, kBf16Scores = 2 };
 
 // The library is built with -fvisibility=hidden: only these entry points are exported.
 #pragma GCC visibility push(default)
 extern "C" {
 
 // The version of the calling convention below; few_query_attention.py refuses a library of another.
-int kvm_fewq_abi_version() { return 1; }
+int kvm_fewq_abi_version() { return 2; }
+
+// 1 where this build scores bfloat16 pairs by VDPBF16PS on this CPU (bfloat16 queries, and kBf16Scores),
+// else 0: the execution profile records it where those scores run (their bits differ from the widened path's).
+int kvm_fewq_bf16_dot() { return kHasBf16Dot ? 1 : 0; }
 
 // out [1, T, H_q, D] (contiguous, q's dtype) = attention of q over k, v. Returns 0 when done; 1 when
 // this call is not one the kernel takes (the caller runs SDPA; out is untouched); -1 when a thread
@@ -761,8 +773,10 @@ int kvm_fewq_attention(int q_dtype, int kv_dtype, const void* q, const void* k, 
                        void* out, int64_t Hq, int64_t T, int64_t D, int64_t Hkv, int64_t S, int64_t q_sh,
                        int64_t q_st, int64_t k_sh, int64_t k_ss, int64_t v_sh, int64_t v_ss, int64_t mask_st,
                        float scale, int causal, int threads) {
-    // q and the cache alike (float32 or bfloat16), or float32 queries over a bfloat16 cache
-    const bool ok_dtype = (q_dtype == kF32 || q_dtype == kBF16) && (kv_dtype == q_dtype || kv_dtype == kBF16);
+    // q and the cache alike (float32 or bfloat16), or float32 queries over a bfloat16 cache (kBf16Scores:
+    // float32 queries whose scores come from their bfloat16 rounding, over a bfloat16 cache only)
+    const bool ok_dtype = ((q_dtype == kF32 || q_dtype == kBF16) && (kv_dtype == q_dtype || kv_dtype == kBF16)) ||
+                          (q_dtype == kBf16Scores && kv_dtype == kBF16);
     if (!ok_dtype || D % 16 || D == 0 || D > 128 || Hkv <= 0 || Hq % Hkv || (Hq / Hkv) * T > kMaxRows || T > S)
         return 1;
     try {
@@ -781,7 +795,8 @@ int kvm_fewq_attention(int q_dtype, int kv_dtype, const void* q, const void* k, 
                                  static_cast<const bf16*>(v), nvis, scale, static_cast<bf16*>(out));
         else if (kv_dtype == kBF16)
             ok = run<float, bf16>(a, static_cast<const float*>(q), static_cast<const bf16*>(k),
-                                  static_cast<const bf16*>(v), nvis, scale, static_cast<float*>(out));
+                                  static_cast<const bf16*>(v), nvis, scale, static_cast<float*>(out),
+                                  q_dtype == kBf16Scores);
         else
             ok = run<float, float>(a, static_cast<const float*>(q), static_cast<const float*>(k),
                                    static_cast<const float*>(v), nvis, scale, static_cast<float*>(out));
