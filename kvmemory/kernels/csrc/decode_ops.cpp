@@ -299,9 +299,9 @@ int kvm_decode_layer(const KvmStep* sp, const KvmLayer* prev, const float* act, 
                                     rope_scratch)))
         return rc;
     // q as transformers holds it: [1, hq, T, D] over [T, hq, D] memory (heads D apart, tokens hq * D)
-    if ((rc = s.attend(s.kv_bf16 == 2 ? 2 : 0, s.kv_bf16 ? 1 : 0, q, k_buf, v_buf, s.mask, att, s.hq, T, s.D, s.hkv, s.keys, s.D,
-                       s.hq * s.D, s.head_stride, s.D, s.head_stride, s.D, s.mask_st, static_cast<float>(s.scale),
-                       static_cast<int>(s.causal), static_cast<int>(s.threads))))
+    if ((rc = s.attend(s.kv_bf16 == 2 ? 2 : 0, s.kv_bf16 ? 1 : 0, q, k_buf, v_buf, s.mask, att, s.hq, T, s.D, s.hkv,
+                       s.keys, s.D, s.hq * s.D, s.head_stride, s.D, s.head_stride, s.D, s.mask_st,
+                       static_cast<float>(s.scale), static_cast<int>(s.causal), static_cast<int>(s.threads))))
         return rc;
     if ((rc = run_linear(s, cur->o, att, delta))) return rc;
     if ((rc = kvm_decode_add_rms_norm(s.h, delta, cur->norm2, T, s.hidden, static_cast<float>(cur->eps2),
@@ -345,9 +345,9 @@ int kvm_decode_rows(const KvmRows* c, const KvmRow* rows, int64_t n, int64_t lay
                                        r.k_write[layer], r.v_write[layer], r.head_stride,
                                        static_cast<int>(c->kv_bf16), r.rope_scratch);
         if (rc) return rc;
-        rc = c->attend(c->kv_bf16 == 2 ? 2 : 0, c->kv_bf16 ? 1 : 0, r.q, r.k_read[layer], r.v_read[layer], r.mask, att + r.at * c->hq * c->D,
-                       c->hq, 1, c->D, c->hkv, r.keys, c->D, c->hq * c->D, r.head_stride, c->D, r.head_stride, c->D,
-                       r.mask_st, static_cast<float>(c->scale), 0, static_cast<int>(r.threads));
+        rc = c->attend(c->kv_bf16 == 2 ? 2 : 0, c->kv_bf16 ? 1 : 0, r.q, r.k_read[layer], r.v_read[layer], r.mask,
+                       att + r.at * c->hq * c->D, c->hq, 1, c->D, c->hkv, r.keys, c->D, c->hq * c->D, r.head_stride,
+                       c->D, r.head_stride, c->D, r.mask_st, static_cast<float>(c->scale), 0, static_cast<int>(r.threads));
         if (rc) return rc;
     }
     return 0;

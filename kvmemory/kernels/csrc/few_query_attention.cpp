@@ -681,7 +681,8 @@ bool run(const Args& a, const q_t* qp, const kv_t* kp, const kv_t* vp, const std
                     // rounded to them: round_q), in the head's Qt room
                     uint32_t* pairs = reinterpret_cast<uint32_t*>(dst);
                     for (int64_t d = 0; d < s.D; d += 2)
-                        pairs[(d / 2) * s.Rpad] = bf16_bits(src[d]) | (static_cast<uint32_t>(bf16_bits(src[d + 1])) << 16);
+                        pairs[(d / 2) * s.Rpad] =
+                            bf16_bits(src[d]) | (static_cast<uint32_t>(bf16_bits(src[d + 1])) << 16);
                 } else {
                     for (int64_t d = 0; d < s.D; ++d) dst[d * s.Rpad] = to_f32(src[d]);
                 }
