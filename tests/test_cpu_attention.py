@@ -255,7 +255,7 @@ def test_a_graft_step_of_96_rows_per_kv_head_stays_exact(store_dir, monkeypatch)
 
     monkeypatch.setattr(few_query_attention, "attend", counting)
     import transformers as T
-    from tiny_models import IdTokenizer, _base
+    from tiny_models import IdTokenizer, _base, assert_graft_equals_recompute
 
     from kvmemory.engine.engine import Engine
     from kvmemory.models.loading import LoadedModel
@@ -268,12 +268,7 @@ def test_a_graft_step_of_96_rows_per_kv_head_stays_exact(store_dir, monkeypatch)
     eng = Engine(LoadedModel(model, IdTokenizer(), "tiny-gqa6", "tiny-gqa6"), LocalStore(store_dir), chunk=16)
     assert eng.profile.attn_implementation == attention.FEWQ
     ids = torch.randint(0, 256, (112,), generator=torch.Generator().manual_seed(3)).tolist()
-    eng.store_prefix(ids[:96])
-    got, rep = eng.forward(ids, max_new_tokens=4, stop_token_ids=(), keep_logits=True)
-    ref = eng.recompute(ids, max_new_tokens=4, stop_token_ids=())
-    assert rep.tokens_grafted == 96
-    assert torch.equal(got.prefill_logits, ref.prefill_logits[96:])
-    assert torch.equal(got.decode_logits, ref.decode_logits)
+    assert_graft_equals_recompute(eng, ids, 96, 4)
     assert (96, True) in taken and all(ok for _, ok in taken)  # the graft's step ran the kernel
 
 

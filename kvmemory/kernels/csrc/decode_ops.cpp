@@ -206,7 +206,7 @@ int run_side_by_side(const KvmStep& s, std::initializer_list<const KvmLinear*> p
 extern "C" {
 
 // The version of the calling convention below; decode_ops.py refuses a library of another.
-int kvm_decode_abi_version() { return 5; }
+int kvm_decode_abi_version() { return 6; }  // 6: kv_bf16 2 (the q8 profile's scores)
 
 // For each of `rows` rows of n floats: h += delta where delta is not null (the residual add, in place),
 // then out = the RMS norm of h with weight w. `sq` is n floats of scratch (h * h). Returns 0, or -2 for
