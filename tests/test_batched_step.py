@@ -319,3 +319,94 @@ def test_choose_prefills_in_the_batch_and_scores_the_same(tmp_path, tiny_ggufs):
         assert scores2 == scores and best2 == best
         assert rep2.tokens_grafted == rep.tokens_grafted and rep2.tokens_computed == rep.tokens_computed
     assert any(rep.tokens_grafted for _, _, rep in got)
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_choices_scored_in_a_step_shared_with_decode_rows_equal_choose_alone(shared, tmp_path, tiny_ggufs):
+    """`Batch.add(choices=)`: a sequence's choices are scored in a step of the batch (beside other
+    sequences' decode rows and prompt chunks) instead of in its caller's thread: every score equals
+    `Engine.choose` alone, and the other sequences' logits equal their forward alone. Where the step is
+    not shared the batch scores them as `runner.score_choices` does, and gets the same bits."""
+    eng = Engine.open(str(tiny_ggufs["qwen2"]), tmp_path / "store", chunk=16)
+    rng = random.Random(5)
+    V = eng.runner.vocab_size
+    base = [rng.randrange(3, V) for _ in range(32)]
+    eng.store_prefix(base)
+    decoding = dict(token_ids=[rng.randrange(3, V) for _ in range(21)], max_new_tokens=6, stop_token_ids=(),
+                    keep_logits=True)
+    asks = [dict(token_ids=base + [rng.randrange(3, V) for _ in range(5)],
+                 choices=[[rng.randrange(3, V) for _ in range(k)] for k in (1, 3, 2, 4)]),
+            dict(token_ids=[rng.randrange(3, V) for _ in range(9)], graft=False,
+                 choices=[[rng.randrange(3, V) for _ in range(k)] for k in (2, 1, 2)]),
+            dict(token_ids=[rng.randrange(3, V) for _ in range(12)], choices=[[7], [9, 4][:1]])]  # one-token
+    ref = eng.forward(**decoding)[0]
+    alone = [eng.choose(**a) for a in asks]
+    batch = eng.batch()
+    batch.stepper.shared = shared
+    assert batch.scores_choices is shared
+    dec = batch.add(**decoding)
+    batch.step()  # the decoding sequence's prompt: it decodes from the next step on
+    seqs = [batch.add(**a) for a in asks]
+    mixed = False
+    while batch.active:
+        scoring = [s for s in seqs if s.scoring]
+        batch.step()
+        mixed |= bool(scoring) and dec.decoding and batch.last_rows > len(scoring)
+    assert mixed is shared  # the choices' rows shared a step with the decode row
+    assert dec.result.logits_sha256 == ref.logits_sha256 and torch.equal(dec.result.decode_logits, ref.decode_logits)
+    for s, (best, scores, rep) in zip(seqs, alone):
+        assert s.error is None and s.result.extra["choice_scores"] == scores
+        assert "cache" not in s.result.extra and s.report.tokens_grafted == rep.tokens_grafted
+
+
+def test_choose_many_scores_an_answer_and_its_contrast_in_the_same_steps(tmp_path, tiny_ggufs):
+    """`Engine.choose_many` (a chat's answer and its contrast, memory/answers.py) with a batcher: both
+    prompts and both sets of choices share steps, each result the bits of its `choose` alone; bad
+    choices are refused before anything runs."""
+    from kvmemory.engine.scheduler import BatchScheduler
+    from kvmemory.errors import InvalidInput
+
+    eng = Engine.open(str(tiny_ggufs["llama"]), tmp_path / "store", chunk=16)
+    rng = random.Random(13)
+    V = eng.runner.vocab_size
+    entry = [rng.randrange(3, V) for _ in range(32)]
+    eng.store_prefix(entry)
+    question = [rng.randrange(3, V) for _ in range(7)]
+    choices = [[rng.randrange(3, V) for _ in range(k)] for k in (2, 1, 3)]
+    asks = [dict(token_ids=entry + question, choices=choices), dict(token_ids=question, choices=choices, graft=False)]
+    alone = [eng.choose(**a) for a in asks]
+    own = eng.choose_many(asks)  # no batcher: a batch of their own, the same bits
+    assert [(b, s) for b, s, _ in own] == [(b, s) for b, s, _ in alone]
+    sched = BatchScheduler(eng)
+    eng.batcher = sched
+    try:
+        got = eng.choose_many(asks)
+        steps = sched.steps
+        with pytest.raises(InvalidInput, match="at least one token"):
+            eng.choose_many([asks[0], dict(token_ids=question, choices=[[3], []])])
+        with pytest.raises(InvalidInput, match="no choices"):
+            eng.choose(question, [])
+    finally:
+        eng.batcher = None
+        sched.close(30)
+    assert steps == 2  # both prompts' chunks (the grafted one's tail) in one step, both choice sets in the next
+    assert sched.steps == steps  # the refused calls ran nothing
+    for (best, scores, rep), (best2, scores2, rep2) in zip(alone, got):
+        assert scores2 == scores and best2 == best
+        assert (rep2.tokens_grafted, rep2.tokens_decoded, rep2.tokens_scored) == \
+            (rep.tokens_grafted, rep.tokens_decoded, rep.tokens_scored)
+    assert got[0][2].tokens_grafted == 32
+
+
+def test_a_batch_refuses_choices_it_cannot_score(tmp_path, tiny_ggufs):
+    eng = Engine.open(str(tiny_ggufs["llama"]), tmp_path / "store", chunk=16)
+    from kvmemory.errors import InvalidInput
+
+    batch = eng.batch()
+    with pytest.raises(InvalidInput, match="max_new_tokens=0"):
+        batch.add([5, 6, 7], choices=[[3]], max_new_tokens=2)
+    with pytest.raises(InvalidInput, match="at least one token"):
+        batch.add([5, 6, 7], choices=[])
+    with pytest.raises(InvalidInput):
+        batch.add([5, 6, 7], choices=[[eng.runner.vocab_size + 5]])
+    assert not batch.sequences

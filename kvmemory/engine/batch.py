@@ -30,7 +30,8 @@ import torch
 from kvmemory.engine.batched_step import BatchedStep, StepItem
 from kvmemory.engine.graft import GraftReport
 from kvmemory.engine.profile import tensor_bytes
-from kvmemory.engine.runner import GREEDY, ForwardResult, Sampling, _choose, check_cuts, chunk_spans, span_boundary
+from kvmemory.engine.runner import (GREEDY, ForwardResult, Sampling, _choose, add_choice_logits, check_cuts,
+                                    chunk_spans, multi_token, span_boundary)
 from kvmemory.errors import InvalidInput
 
 DEFAULT_TOKEN_BUDGET = 256  # tokens per step: 16 decode rows and three 64-token chunks
@@ -53,6 +54,7 @@ class BatchSequence:
     rows: object = None  # BlockRow list to graft instead of the catalogue's chain (Engine.forward's `rows`)
     store_new_blocks: bool = False
     keep_cache: bool = False  # hand the cache over in result.extra["cache"] (Engine.choose scores from it)
+    choices: tuple | None = None  # token ids of answers to score after the prompt (Engine.choose), in a step
     blocks_stored: int = 0
     # state
     start: int = 0
@@ -75,6 +77,21 @@ class BatchSequence:
     _stopped_by: str = "length"
     _on_chunk: Callable | None = None
     _new_blocks: list = field(default_factory=list)
+    _scores: list[float] | None = None  # the choices' scores so far (their first tokens')
+    _choice_items: list | None = None  # the choices' step items while they wait for a step
+
+    @property
+    def scoring(self) -> bool:
+        return self._choice_items is not None
+
+    @property
+    def kv_need(self) -> int:
+        """K/V positions it holds while it runs: its prompt and tokens to decode, and a copy of the prompt
+        per choice of more than one token while those are scored."""
+        n = len(self.token_ids) + self.max_new_tokens
+        if self.choices:
+            n += sum(len(self.token_ids) + len(c) for c in self.choices if len(c) > 1)
+        return n
 
     @property
     def done(self) -> bool:
@@ -124,8 +141,11 @@ class Batch:
             sampling: Sampling = GREEDY, stop_token_ids: Sequence[int] | None = None, keep_logits: bool = False,
             entries_used: Sequence[str] = (), on_token: Callable[[int], bool] | None = None, logits: str = "all",
             cuts: Sequence[int] = (), rows=None, store_new_blocks: bool = False,
-            keep_cache: bool = False) -> BatchSequence:
-        """A sequence that joins at the next step; the arguments are `Engine.forward`'s."""
+            keep_cache: bool = False, choices: Sequence[Sequence[int]] | None = None) -> BatchSequence:
+        """A sequence that joins at the next step; the arguments are `Engine.forward`'s, and `choices`:
+        token ids of answers scored after the prompt as `Engine.choose` scores them (runner.score_choices),
+        their log-likelihoods in `result.extra["choice_scores"]` (the choices' tokens computed in a step
+        of their own, shared with the other sequences' rows, where the step is shared)."""
         if logits not in ("all", "last"):
             raise InvalidInput(f"logits must be 'all' or 'last', got {logits!r}")
         if logits == "last" and keep_logits:
@@ -133,11 +153,23 @@ class Batch:
         token_ids = [int(t) for t in token_ids]
         self.runner.check_ids(token_ids, max_new_tokens)
         stops = self.engine.eos_token_ids if stop_token_ids is None else stop_token_ids
+        if choices is not None:
+            choices = tuple(tuple(int(t) for t in c) for c in choices)
+            if not choices or any(len(c) == 0 for c in choices):
+                raise InvalidInput("every choice needs at least one token")
+            self.runner.check_ids([t for c in choices for t in c])
+            if max_new_tokens:
+                raise InvalidInput("choices are scored after the prompt: pass max_new_tokens=0 with them")
         seq = BatchSequence(token_ids, int(max_new_tokens), sampling, {int(t) for t in stops}, keep_logits, logits,
                             check_cuts(cuts), graft, tuple(entries_used), on_token, rows, bool(store_new_blocks),
-                            keep_cache=bool(keep_cache) and self.runner.static is None)
+                            keep_cache=bool(keep_cache) and self.runner.static is None, choices=choices)
         self.sequences.append(seq)
         return seq
+
+    @property
+    def scores_choices(self) -> bool:
+        """Whether a sequence's choices (`add(choices=)`) share steps with other rows here."""
+        return self.stepper.shared and self.runner.static is None and self.runner._lean_step is not None
 
     def cancel(self, seq: BatchSequence) -> None:
         """Stop `seq` now: it leaves the batch and its cache is freed."""
@@ -146,6 +178,7 @@ class Batch:
 
     def _leave(self, seq: BatchSequence) -> None:
         seq.cache = None
+        seq._choice_items = None
         if seq in self.sequences:
             self.sequences.remove(seq)
 
@@ -173,7 +206,8 @@ class Batch:
 
     def plan(self) -> list[tuple[BatchSequence, int, int]]:
         """The next step's items: (sequence, start, end) of the positions each computes: every decoding
-        sequence's row first, then prompt chunks in joining order within the token budget."""
+        sequence's row first, then the choices of sequences scoring them (start = end = the prompt's end:
+        their items are `_choice_items`), then prompt chunks in joining order within the token budget."""
         running = self.active
         if self.one_at_a_time:
             running = running[:1]
@@ -184,11 +218,18 @@ class Batch:
                 items.append((s, p, p + 1))
                 tokens += 1
         for s in running:
-            if s.decoding:
+            if s.scoring:
+                cost = sum(it.ids.shape[1] for it in s._choice_items)
+                if items and tokens + cost > self.token_budget:
+                    break
+                n = len(s.token_ids)
+                items.append((s, n, n))
+                tokens += cost
+        for s in running:
+            if s.decoding or s.scoring:
                 continue
             if not s.prepared:
-                if self.kv_tokens is not None and self._held() and \
-                        self._held() + len(s.token_ids) + s.max_new_tokens > self.kv_tokens:
+                if self.kv_tokens is not None and self._held() and self._held() + s.kv_need > self.kv_tokens:
                     break  # first come, first served: it waits for K/V room, and so do those behind it
                 # a sequence not yet grafted: its first chunk starts where its graft ends (known once grafted)
                 if items and tokens + 1 > self.token_budget:
@@ -208,7 +249,7 @@ class Batch:
 
     def _held(self) -> int:
         """K/V positions the prepared sequences hold (reserved for their prompt and tokens to decode)."""
-        return sum(len(s.token_ids) + s.max_new_tokens for s in self.sequences if s.prepared and not s.done)
+        return sum(s.kv_need for s in self.sequences if s.prepared and not s.done)
 
     @torch.inference_mode()
     def step(self) -> int:
@@ -219,8 +260,13 @@ class Batch:
             if not planned:
                 return 0
             device = self.runner.device
-            step_items = []
+            step_items, at = [], []  # at: where each planned item's logits are in the step's outputs
             for s, a, b in planned:
+                if s.scoring:  # its choices, each a row of its own
+                    at.append(slice(len(step_items), len(step_items) + len(s._choice_items)))
+                    step_items.extend(s._choice_items)
+                    continue
+                at.append(len(step_items))
                 if s.decoding:
                     ids = torch.tensor([[s.pending]], device=device)
                     rows = None
@@ -228,11 +274,16 @@ class Batch:
                     ids = torch.tensor([s.token_ids[a:b]], dtype=torch.long, device=device)
                     rows = None if s.logits == "all" else int(b == len(s.token_ids))
                 step_items.append(StepItem(ids, a, s.cache, rows))
-            outs = self.stepper.step(step_items)
+            flat = self.stepper.step(step_items)
+            outs = [flat[i] for i in at]
             self.steps += 1
-            self.last_rows, self.last_tokens = len(planned), sum(b - a for _, a, b in planned)
+            self.last_rows, self.last_tokens = len(step_items), sum(int(it.ids.shape[1]) for it in step_items)
             for (s, a, b), logits in zip(planned, outs):
-                if s.decoding:
+                if s.scoring:
+                    add_choice_logits(s._scores, s.choices, logits)
+                    s._choice_items = None
+                    self._finish(s)
+                elif s.decoding:
                     s._account(logits, prefill=False)
                     s._last = logits
                     self._choose(s)
@@ -244,11 +295,33 @@ class Batch:
                         s._on_chunk(a, b, s.cache)
                     if s.next_span == len(s.spans):
                         s._t.append(time.perf_counter())
-                        self._choose(s)
+                        if s.choices is not None:
+                            self._score_choices(s)
+                        else:
+                            self._choose(s)
             for s, _, _ in planned:
                 if s.done:
                     self._leave(s)
             return len(planned)
+
+    def _score_choices(self, s: BatchSequence) -> None:
+        """After the last prompt chunk of a sequence with choices: their first tokens' scores now, and
+        their other tokens in the next step (`_choice_items`), or now, as `runner.score_choices` computes
+        them, where the step is not shared; then it finishes."""
+        runner, n = self.runner, len(s.token_ids)
+        try:
+            s._scores = runner.first_choice_scores(s._last[-1], s.choices)
+            if not multi_token(s.choices):
+                self._finish(s)
+            elif self.scores_choices and runner.choices_in_steps(s.cache):
+                s._choice_items = runner.choice_items(n, s.cache, s.choices)
+            else:
+                s._scores = runner.score_choices(n, s.cache, s._last[-1], s.choices)
+                s.cache = None  # consumed
+                self._finish(s)
+        except Exception as exc:  # noqa: BLE001 - kept on the sequence, raised to its caller
+            s.error = exc
+            s._choice_items = None
 
     def _choose(self, s: BatchSequence) -> None:
         """After a sequence's last prompt chunk or a decode step: pick its next token as runner.forward
@@ -293,6 +366,8 @@ class Batch:
             decode_logits=(torch.cat(s._decode, 0) if s._decode else torch.empty(0, V)) if s.keep_logits else None,
             logits_sha256=s._hasher.hexdigest(), argmax=list(s._argmax), prefill_seconds=t1 - t0,
             decode_seconds=t2 - t1, stopped_by=s._stopped_by, extra={"next_logits": s._last[-1]})
+        if s.choices is not None:
+            s.result.extra["choice_scores"] = s._scores
         r = s.report
         r.tokens_grafted = s.start
         r.tokens_computed = n - s.start
@@ -303,9 +378,9 @@ class Batch:
             self.engine.store.put_blocks(s._new_blocks)
             s.blocks_stored = r.blocks_stored = len(s._new_blocks)
         s._new_blocks = []
-        if s.keep_cache:
+        if s.keep_cache and s.choices is None:
             s.result.extra["cache"] = cache  # the caller's now (Engine.choose): not given back to the room
-        else:
+        elif cache is not None:
             self.engine.room.give(cache)
         s._prefill, s._decode = [], []
 

@@ -13,6 +13,7 @@ compare against a reference of their own:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import time
@@ -381,21 +382,54 @@ class Engine:
     def choose(self, token_ids: Sequence[int], choices: Sequence[Sequence[int]], *, graft: bool = True,
                entries_used: Sequence[str] = (), cuts: Sequence[int] = ()) -> tuple[int, list[float], GraftReport]:
         """Which choice (token ids) the model finds likeliest after `token_ids`: the prompt is grafted
-        and prefilled by `forward` (in steps shared with other callers' forwards where a batcher takes
-        it: the same bits), then every choice is scored (runner.score_choices).
+        and prefilled, then every choice is scored (runner.score_choices); where a batcher takes the call
+        both run in steps shared with other callers' rows (batch.py: the same bits).
         Returns the best index, every choice's log-likelihood and the report (`tokens_decoded` = the
         chosen choice's tokens, `tokens_scored` = all the choices' tokens)."""
-        token_ids = [int(t) for t in token_ids]
-        if not choices:
-            raise InvalidInput("no choices to pick from")
-        self.runner.check_ids(token_ids, max(len(c) for c in choices))
-        self.runner.check_ids([t for c in choices for t in c])
-        if any(len(c) == 0 for c in choices):
-            raise InvalidInput("every choice needs at least one token")
-        # a static step mode keeps one cache for one sequence: its prefill runs alone, never in the batch
-        fwd = self._forward if self.runner.static is not None else self.forward
-        result, report = fwd(token_ids, graft=graft, entries_used=entries_used, cuts=cuts, keep_cache=True)
-        return self._scored(token_ids, result, report, choices)
+        return self.choose_many([dict(token_ids=token_ids, choices=choices, graft=graft, entries_used=entries_used,
+                                      cuts=cuts)])[0]
+
+    def choose_many(self, requests: Sequence[dict]) -> list[tuple[int, list[float], GraftReport]]:
+        """`choose` for several requests (each a dict of its arguments), in the same steps where a
+        batcher takes them (a chat's answer and its contrast, `memory/answers.py`); else one by one."""
+        reqs = []
+        for r in requests:
+            token_ids, choices = [int(t) for t in r["token_ids"]], r["choices"]
+            if not choices:
+                raise InvalidInput("no choices to pick from")
+            self.runner.check_ids(token_ids, max(len(c) for c in choices))
+            self.runner.check_ids([t for c in choices for t in c])
+            if any(len(c) == 0 for c in choices):
+                raise InvalidInput("every choice needs at least one token")
+            reqs.append(dict(r, token_ids=token_ids, choices=[[int(t) for t in c] for c in choices]))
+        b = self.batcher
+        if b is not None and b.batch.scores_choices and b.takes():
+            done = b.forward_many(reqs)
+        elif len(reqs) > 1 and self.runner.static is None and self.runner._choice_stepper().shared:
+            with b.outside() if b is not None else contextlib.nullcontext():  # a batch of their own
+                done = self.forward_many(reqs)
+        else:
+            done = None
+        if done is not None:
+            return [self._chosen(r["choices"], result.extra["choice_scores"], report, result.decode_seconds)
+                    for r, (result, report) in zip(reqs, done)]
+        out = []
+        for r in reqs:
+            choices = r.pop("choices")
+            # a static step mode keeps one cache for one sequence: its prefill runs alone, never in the batch
+            fwd = self._forward if self.runner.static is not None else self.forward
+            result, report = fwd(keep_cache=True, **r)
+            out.append(self._scored(r["token_ids"], result, report, choices))
+        return out
+
+    @staticmethod
+    def _chosen(choices: Sequence[Sequence[int]], scores: list[float], report: GraftReport,
+                seconds: float) -> tuple[int, list[float], GraftReport]:
+        best = max(range(len(choices)), key=lambda i: (scores[i], -i))  # ties: the first listed
+        report.tokens_decoded = len(choices[best])
+        report.tokens_scored = sum(len(c) for c in choices)
+        report.decode_seconds = seconds
+        return best, scores, report
 
     @_pinned
     def _scored(self, token_ids: list[int], result: ForwardResult, report: GraftReport,
@@ -404,11 +438,7 @@ class Engine:
         t0 = time.perf_counter()
         scores = self.runner.score_choices(len(token_ids), result.extra.pop("cache"), result.extra["next_logits"],
                                            choices)
-        best = max(range(len(choices)), key=lambda i: (scores[i], -i))  # ties: the first listed
-        report.tokens_decoded = len(choices[best])
-        report.tokens_scored = sum(len(c) for c in choices)
-        report.decode_seconds = time.perf_counter() - t0
-        return best, scores, report
+        return self._chosen(choices, scores, report, time.perf_counter() - t0)
 
     # ------------------------------------------------------------------ proof
     @_pinned

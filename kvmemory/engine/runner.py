@@ -442,6 +442,27 @@ class CanonicalRunner:
             self._choices_step = BatchedStep(self)
         return self._choices_step
 
+    def first_choice_scores(self, next_logits: torch.Tensor, choices: Sequence[Sequence[int]]) -> list[float]:
+        """Each choice's first token's log-probability after the prompt (`score_choices` adds the rest)."""
+        if not choices or any(len(c) == 0 for c in choices):
+            raise InvalidInput("every choice needs at least one token")
+        self.check_ids([t for c in choices for t in c])
+        first = next_logits.float().log_softmax(-1)
+        return [float(first[int(c[0])]) for c in choices]
+
+    def choices_in_steps(self, cache) -> bool:
+        """Whether the choices after a prompt in `cache` are scored as steps of the lean step (each over
+        its own copy of the prompt's K/V where the step is shared: `choice_items`)."""
+        layers = getattr(cache, "layers", None)
+        return bool(self._lean_step is not None and self.static is None and layers
+                    and all(isinstance(layer, ReservedLayer) for layer in layers))
+
+    def choice_items(self, n: int, cache, choices: Sequence[Sequence[int]]) -> list[StepItem]:
+        """One step item per choice of more than one token: its tokens but the last, at the n positions
+        after the prompt, over its own copy of the prompt's K/V (`add_choice_logits` reads their logits)."""
+        return [StepItem(ids, n, copied(cache, self.model, room=ids.shape[1]))
+                for ids in (_choice_ids(choices[b], self.device) for b in multi_token(choices))]
+
     @torch.inference_mode()
     def score_choices(self, n: int, cache, next_logits: torch.Tensor, choices: Sequence[Sequence[int]]) -> list[float]:
         """Log-likelihood of each choice (token ids) as the continuation of an n-token prompt.
@@ -458,34 +479,25 @@ class CanonicalRunner:
         then depend on the set of choices too). Deterministic under the profile either way, whether the
         prefix was grafted or recomputed (the same cache).
         """
-        if not choices or any(len(c) == 0 for c in choices):
-            raise InvalidInput("every choice needs at least one token")
-        self.check_ids([t for c in choices for t in c])
-        first = next_logits.float().log_softmax(-1)
-        scores = [float(first[int(c[0])]) for c in choices]
+        scores = self.first_choice_scores(next_logits, choices)
         T = max(len(c) for c in choices) - 1
         if T == 0:
             return scores
-        layers = getattr(cache, "layers", None)
-        if self._lean_step is not None and self.static is None and layers and all(
-                isinstance(layer, ReservedLayer) for layer in layers):
+        if self.choices_in_steps(cache):
             # each choice's tokens in one step after the prompt: every choice over its own copy of the
             # prompt's K/V in one shared step (its logits are the bits of its step alone: batched_step.py),
             # or one choice after another over the prompt's cache, its views then back to n positions
-            multi = [b for b, c in enumerate(choices) if len(c) > 1]
-            items = [torch.tensor([list(map(int, choices[b][:-1]))], device=self.device) for b in multi]
+            multi = multi_token(choices)
             stepper = self._choice_stepper()
             if stepper.shared and len(multi) > 1:
-                outs = stepper.step([StepItem(ids, n, copied(cache, self.model, room=ids.shape[1])) for ids in items])
+                outs = stepper.step(self.choice_items(n, cache, choices))
             else:
                 outs = []
-                for ids in items:
-                    outs.append(self._step(ids, n, cache))
-                    for layer in layers:
+                for b in multi:
+                    outs.append(self._step(_choice_ids(choices[b], self.device), n, cache))
+                    for layer in cache.layers:
                         layer.filled(n)
-            for b, logits in zip(multi, outs):
-                c, logp = choices[b], logits.float().log_softmax(-1)
-                scores[b] += float(sum(logp[t - 1, int(c[t])] for t in range(1, len(c))))
+            add_choice_logits(scores, choices, outs)
             return scores
         B = len(choices)
         ids = torch.tensor([list(map(int, c[:-1])) + [0] * (T + 1 - len(c)) for c in choices], device=self.device)
@@ -496,6 +508,23 @@ class CanonicalRunner:
         for b, c in enumerate(choices):
             scores[b] += float(sum(logp[b, t - 1, int(c[t])] for t in range(1, len(c))))
         return scores
+
+
+def multi_token(choices: Sequence[Sequence[int]]) -> list[int]:
+    """The indices of the choices of more than one token (those scored past their first token)."""
+    return [b for b, c in enumerate(choices) if len(c) > 1]
+
+
+def _choice_ids(choice: Sequence[int], device) -> torch.Tensor:
+    return torch.tensor([list(map(int, choice[:-1]))], device=device)
+
+
+def add_choice_logits(scores: list[float], choices: Sequence[Sequence[int]], outs: Sequence[torch.Tensor]) -> None:
+    """Add to each multi-token choice's score (`first_choice_scores`) its later tokens' log-probabilities,
+    from the logits of its step (`outs`, in `multi_token` order)."""
+    for b, logits in zip(multi_token(choices), outs):
+        c, logp = choices[b], logits.float().log_softmax(-1)
+        scores[b] += float(sum(logp[t - 1, int(c[t])] for t in range(1, len(c))))
 
 
 def _choose(logits: torch.Tensor, sampling: Sampling, gen: torch.Generator) -> int:

@@ -102,19 +102,28 @@ class BatchScheduler:
 
     def forward(self, token_ids, **kwargs):
         """`Engine.forward` through the batch: (ForwardResult, GraftReport), or the sequence's error."""
-        item = _Pending((token_ids,), kwargs)
+        return self.forward_many([dict(kwargs, token_ids=token_ids)])[0]
+
+    def forward_many(self, requests: list[dict]) -> list:
+        """Several forwards (each a dict of `Batch.add`'s arguments) joining the batch at the same step;
+        [(ForwardResult, GraftReport)] in order, or the first error among them."""
+        items = [_Pending((), dict(r)) for r in requests]
         with self._cond:
-            self._pending.append(item)
+            self._pending.extend(items)
             self._cond.notify()
         with self.while_waiting():
-            item.done.wait()
-        if item.error is not None:
-            raise item.error
-        seq = item.seq
-        if seq.error is not None:
-            raise seq.error
-        seq.report.blocks_stored = seq.blocks_stored
-        return seq.result, seq.report
+            for item in items:
+                item.done.wait()
+        out = []
+        for item in items:
+            if item.error is not None:
+                raise item.error
+            seq = item.seq
+            if seq.error is not None:
+                raise seq.error
+            seq.report.blocks_stored = seq.blocks_stored
+            out.append((seq.result, seq.report))
+        return out
 
     # ------------------------------------------------------------------ the loop
     def _run(self) -> None:

@@ -179,11 +179,14 @@ def choose(mem, prompt: Layout, offered: list[str], end: str, answer_prefix: str
     sep = " " if answer_prefix else ""
     tokenized = [eng.encode(f"{sep}{c}{end}") for c in offered]
     entries = [h.entry for h in hits]
-    best, scores, report = eng.choose(prompt.ids, tokenized, entries_used=[e.id for e in entries],
-                                      cuts=prompt.cuts)
+    asks = [dict(token_ids=prompt.ids, choices=tokenized, entries_used=[e.id for e in entries], cuts=prompt.cuts)]
+    if entries and contrast:  # the same choices after the question alone, in the same steps where batched
+        asks.append(dict(token_ids=mem.question_ids(query, (), answer_prefix), choices=tokenized, graft=False))
+    chosen = eng.choose_many(asks)
+    best, scores, report = chosen[0]
     adjusted = False
-    if entries and contrast:
-        _, base, rep = eng.choose(mem.question_ids(query, (), answer_prefix), tokenized, graft=False)
+    if len(chosen) > 1:
+        _, base, rep = chosen[1]
         scores = [s - contrast * b for s, b in zip(scores, base)]
         report.tokens_scored += rep.tokens_computed + rep.tokens_scored
         adjusted = True
