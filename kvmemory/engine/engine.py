@@ -382,7 +382,7 @@ class Engine:
     def choose(self, token_ids: Sequence[int], choices: Sequence[Sequence[int]], *, graft: bool = True,
                entries_used: Sequence[str] = (), cuts: Sequence[int] = ()) -> tuple[int, list[float], GraftReport]:
         """Which choice (token ids) the model finds likeliest after `token_ids`: the prompt is grafted
-        and prefilled, then every choice is scored (runner.score_choices); where a batcher takes the call
+        and prefilled (logits="last": runner.forward), then every choice is scored (runner.score_choices); where a batcher takes the call
         both run in steps shared with other callers' rows (batch.py: the same bits).
         Returns the best index, every choice's log-likelihood and the report (`tokens_decoded` = the
         chosen choice's tokens, `tokens_scored` = all the choices' tokens)."""
@@ -401,7 +401,8 @@ class Engine:
             self.runner.check_ids([t for c in choices for t in c])
             if any(len(c) == 0 for c in choices):
                 raise InvalidInput("every choice needs at least one token")
-            reqs.append(dict(r, token_ids=token_ids, choices=[[int(t) for t in c] for c in choices]))
+            # logits="last": the prompt's last row is all a choice's score reads (no lm_head over the others)
+            reqs.append(dict(r, token_ids=token_ids, choices=[[int(t) for t in c] for c in choices], logits="last"))
         b = self.batcher
         if b is not None and b.batch.scores_choices and b.takes():
             done = b.forward_many(reqs)
