@@ -375,7 +375,7 @@ def test_choose_many_scores_an_answer_and_its_contrast_in_the_same_steps(tmp_pat
     choices = [[rng.randrange(3, V) for _ in range(k)] for k in (2, 1, 3)]
     asks = [dict(token_ids=entry + question, choices=choices), dict(token_ids=question, choices=choices, graft=False)]
     alone = [eng.choose(**a) for a in asks]
-    own = eng.choose_many(asks)  # no batcher: a batch of their own, the same bits
+    own = eng.choose_many(asks)  # no batcher: one after another, the same bits
     assert [(b, s) for b, s, _ in own] == [(b, s) for b, s, _ in alone]
     sched = BatchScheduler(eng)
     eng.batcher = sched

@@ -69,8 +69,10 @@ computation's. The chat route does not return logits, so for a seeded sample of 
 entries it names, `KVMemory.chat_ids`), sends it as raw text to `/v1/completions` after the timed runs
 (it returns the SHA-256 of every logit it computed from its graft point on; it grafts the longest chain
 stored by then, which includes the blocks the chat call itself stored, so its graft point can be past
-the chat call's), checks that the completion is the chat answer served under load (same prompt length, as many
-tokens, the same text), then recomputes the prompt from scratch in this process under the same profile (same
+the chat call's), checks that the completion has the chat answer's prompt length and as many tokens, checks
+the chat answer served under load against this process's recompute of the chat prompt with the chat's own
+cuts (a chat's chunks end at its turns' ends, runner.py; a raw-text completion's do not, so its text may
+differ from the chat's where two tokens are nearly tied), then recomputes the prompt from scratch in this process under the same profile (same
 model files, kernels, threads: the profile ids are compared) and compares the logits' bytes. Any error
 or any mismatch makes the report `ok: false` (and the CLI exit non-zero). A streamed text that differs
 from the answer's text only because it shows U+FFFD (a character whose bytes span two tokens, streamed
@@ -582,7 +584,14 @@ def check_exactness(url: str, store: Path, threads: int, samples: list[dict], pr
                     if recurrence:
                         ids, tail = _recurrence_prompt(mem, s, entries, recurrence, row)
                     else:
-                        ids, tail = mem.chat_ids(s["messages"], entries), []
+                        layout = mem.chat_layout(s["messages"], entries)
+                        ids, tail = layout.ids, []
+                        # the chat answer itself: its prompt recomputed with the chat's own cuts (its turns'
+                        # ends), which a raw-text completion does not have
+                        chat = engine.recompute(ids, max_new_tokens=s["usage"]["completion_tokens"],
+                                                stop_token_ids=(), cuts=layout.cuts, logits="last", keep_logits=False)
+                        row["chat_cuts"] = list(layout.cuts)
+                        row["chosen_text"] = engine.decode([t for t in chat.generated if t not in eos])
                     text = engine.tokenizer.decode(ids, skip_special_tokens=False)
                     row["prompt_tokens"] = len(ids)
                     row["served_prompt_tokens"] = s["usage"]["prompt_tokens"] + len(tail)
@@ -604,8 +613,7 @@ def check_exactness(url: str, store: Path, threads: int, samples: list[dict], pr
                                profile_equal=k["profile_id"] == engine.profile_id,
                                same_tokens_as_served=(len(tail) if recurrence else c["usage"]["completion_tokens"])
                                == s["usage"]["completion_tokens"],
-                               streamed_text_equal=(row["chosen_text"] if recurrence else c["choices"][0]["text"]).strip()
-                               == s["text"].strip())
+                               streamed_text_equal=row["chosen_text"].strip() == s["text"].strip())
                     # kvmemory's stream can show U+FFFD where a character's bytes span two tokens, and then
                     # differ from the answer's text (a defect of the stream's text, not of what was computed)
                     stream_defect = not row["streamed_text_equal"] and "\ufffd" in s["text"]
@@ -637,7 +645,8 @@ def check_exactness(url: str, store: Path, threads: int, samples: list[dict], pr
             "how": "the prompt each sampled chat answer decoded (its routed entries + messages, KVMemory.chat_ids; "
                    "for a recurrence's chosen answer, the answer's prompt and the answer chosen again here, appended) "
                    "sent as raw text to /v1/completions (same greedy max_tokens); it must decode as many tokens as "
-                   "the chat answer and the same text (unless the stream's text shows U+FFFD: stream_defect), its "
+                   "the chat answer, whose text must be this process's recompute of the chat prompt with the chat's "
+                   "own cuts (its turns' ends, chat_cuts; unless the stream's text shows U+FFFD: stream_defect), its "
                    "logits' SHA-256 (from the graft point: prefill rows, then every decode step) must equal this "
                    "process's recompute from scratch under the same profile, whose text must be the completion's"}
 

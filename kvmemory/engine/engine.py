@@ -13,7 +13,6 @@ compare against a reference of their own:
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import time
@@ -406,14 +405,10 @@ class Engine:
         b = self.batcher
         if b is not None and b.batch.scores_choices and b.takes():
             done = b.forward_many(reqs)
-        elif len(reqs) > 1 and self.runner.static is None and self.runner._choice_stepper().shared:
-            with b.outside() if b is not None else contextlib.nullcontext():  # a batch of their own
-                done = self.forward_many(reqs)
-        else:
-            done = None
-        if done is not None:
             return [self._chosen(r["choices"], result.extra["choice_scores"], report, result.decode_seconds)
                     for r, (result, report) in zip(reqs, done)]
+        # Alone, one after another: a lone prompt chunk takes the C layer step (llama_step), which a
+        # shared step of two prompts' chunks does not (measured: 340 against 420 ms for a recurrence's two)
         out = []
         for r in reqs:
             choices = r.pop("choices")
