@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvmemory.kernels import omp_pool
+
 log = logging.getLogger(__name__)
 
 _LOCK = threading.RLock()
@@ -61,6 +63,8 @@ class Determinism:
                 yield
             finally:
                 _restore(saved)
+        if not _LOCK._is_owned():  # the outermost call: one OpenMP pool per process (kernels/omp_pool.py)
+            omp_pool.after_parallel_work()
 
     def to_json(self) -> dict:
         """What the execution profile records (read inside `applied`, so it is what the runner ran under)."""

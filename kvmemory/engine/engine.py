@@ -29,6 +29,7 @@ from kvmemory.engine import pipeline
 from kvmemory.engine.graft import GraftReport, LoadedChain, build_cache, check_chain, graft_spans, plan_chain
 from kvmemory.models.devices import resolve_device, resolve_dtype
 from kvmemory.models.loading import DEFAULT_MODEL, LoadedModel, files_model_sha256, load_model, model_identity
+from kvmemory.kernels import omp_pool
 from kvmemory.models.gguf_model import release_freed_memory
 from kvmemory.engine.determinism import Determinism
 from kvmemory.engine.profile import ExecutionProfile, build_profile
@@ -173,6 +174,7 @@ class Engine:
         # the profile's hashing of the tokenizer (a 33 MB JSON string for Gemma 3) and the load's other
         # transients, handed back: ~90 MB of resident memory glibc would otherwise keep (issue 46's bound)
         release_freed_memory()
+        omp_pool.after_parallel_work()  # the load's OpenMP pool: the thread that computes makes its own
         return engine
 
     @functools.cached_property

@@ -34,6 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvmemory.engine import determinism
+from kvmemory.kernels import omp_pool
 from kvmemory.engine.batch import DEFAULT_TOKEN_BUDGET, Batch, BatchSequence
 
 SCHEDULER_THREAD_NAME = "kvmemory-batch"
@@ -127,6 +128,7 @@ class BatchScheduler:
 
     # ------------------------------------------------------------------ the loop
     def _run(self) -> None:
+        omp_pool.keep_here()  # this thread computes step after step: the process's one OpenMP pool
         while True:
             with self._cond:
                 while not self._pending and not self._running and not self._closed:

@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from kvmemory.errors import InvalidInput, KVMemoryError, RouterMismatch
+from kvmemory.kernels import omp_pool
 
 __all__ = [
     "BUILTIN_EMBEDDERS",
@@ -260,8 +261,11 @@ class Embedder:
                 "weights_sha256": weights_fingerprint(self.path, self.weight_files()), "normalized": True}
 
     def _encode(self, texts: list[str]) -> np.ndarray:
-        return self.model.encode(texts, batch_size=self.batch_size, convert_to_numpy=True,
-                                 normalize_embeddings=True, show_progress_bar=False)
+        try:
+            return self.model.encode(texts, batch_size=self.batch_size, convert_to_numpy=True,
+                                     normalize_embeddings=True, show_progress_bar=False)
+        finally:
+            omp_pool.after_parallel_work()  # a request thread's pool would slow the engine's (omp_pool.py)
 
     def embed(self, texts: Sequence[str], *, progress: bool = False) -> np.ndarray:
         """float32 [len(texts), dim], each row L2-normalised (so inner product = cosine)."""
