@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvmemory.kernels import omp_pool
 from kvmemory.store.blocks import BlockMeta, capture_payload, span_hashes
 from kvmemory.errors import InvalidInput, ProfileMismatch
 from kvmemory.engine.cache import Room
@@ -29,7 +30,6 @@ from kvmemory.engine import pipeline
 from kvmemory.engine.graft import GraftReport, LoadedChain, build_cache, check_chain, graft_spans, plan_chain
 from kvmemory.models.devices import resolve_device, resolve_dtype
 from kvmemory.models.loading import DEFAULT_MODEL, LoadedModel, files_model_sha256, load_model, model_identity
-from kvmemory.kernels import omp_pool
 from kvmemory.models.gguf_model import release_freed_memory
 from kvmemory.engine.determinism import Determinism
 from kvmemory.engine.profile import ExecutionProfile, build_profile
@@ -383,8 +383,9 @@ class Engine:
     def choose(self, token_ids: Sequence[int], choices: Sequence[Sequence[int]], *, graft: bool = True,
                entries_used: Sequence[str] = (), cuts: Sequence[int] = ()) -> tuple[int, list[float], GraftReport]:
         """Which choice (token ids) the model finds likeliest after `token_ids`: the prompt is grafted
-        and prefilled (logits="last": runner.forward), then every choice is scored (runner.score_choices); where a batcher takes the call
-        both run in steps shared with other callers' rows (batch.py: the same bits).
+        and prefilled (logits="last": runner.forward), then every choice is scored (runner.score_choices);
+        where a batcher takes the call, both run in steps shared with other callers' rows (batch.py: the
+        same bits).
         Returns the best index, every choice's log-likelihood and the report (`tokens_decoded` = the
         chosen choice's tokens, `tokens_scored` = all the choices' tokens)."""
         return self.choose_many([dict(token_ids=token_ids, choices=choices, graft=graft, entries_used=entries_used,

@@ -34,8 +34,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvmemory.engine import determinism
-from kvmemory.kernels import omp_pool
 from kvmemory.engine.batch import DEFAULT_TOKEN_BUDGET, Batch, BatchSequence
+from kvmemory.kernels import omp_pool
 
 SCHEDULER_THREAD_NAME = "kvmemory-batch"
 DEFAULT_KV_TOKENS = 65536  # K/V positions the running sequences may hold together
