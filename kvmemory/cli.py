@@ -1348,9 +1348,9 @@ def _bench_parsers(bench: argparse.ArgumentParser) -> None:
                                    "kvmemory bench rewordings --set calibration --calibrate   # the number threshold",
                                    "kvmemory bench rewordings --prior 0   # the model's own choice, for comparison",
                                    "kvmemory bench rewordings --set fresh --json   # the asks set held out from the ask check"))
-    rw.add_argument("--set", dest="set_name", choices=["report", "calibration", "fresh"], default="report",
-                    help="the hand-written set: report, calibration, or fresh (the asks set held out from the ask "
-                    "check: rewordings and other asks only) (default: %(default)s)")
+    rw.add_argument("--set", dest="set_name", choices=["report", "calibration", "fresh", "fresh2"], default="report",
+                    help="the hand-written set: report, calibration, or fresh / fresh2 (the asks sets written apart "
+                    "from the ask check: rewordings and other asks only) (default: %(default)s)")
     rw.add_argument("--no-ask-check", action="store_true", help="offer a routed entry's stored answer whatever the "
                     "question asks (answer's ask_check=False), for comparison")
     rw.add_argument("--calibrate", action="store_true", help="embedding scores only (no model, no store): the "

@@ -40,38 +40,40 @@ from tqdm import tqdm
 
 ANSWER_PREFIX = "The answer is"
 KINDS = ("words", "units", "reordered")
-SETS = ("report", "calibration", "fresh")
+SETS = ("report", "calibration", "fresh", "fresh2")
 
 
 def load_set(which: str):
-    """What holds PROBLEMS and UNRELATED for `which` ("report", "calibration" or "fresh": the asks set
-    written after the ask check, `fresh_set`)."""
+    """What holds PROBLEMS and UNRELATED for `which` ("report", "calibration", or "fresh" / "fresh2": the
+    asks sets written apart from the ask check, `fresh_set`)."""
     from kvmemory.errors import InvalidInput
 
     if which == "report":
         from kvmemory.bench import rewordings_heldout as s
     elif which == "calibration":
         from kvmemory.bench import rewordings_calibration as s
-    elif which == "fresh":
-        return fresh_set()
+    elif which in ("fresh", "fresh2"):
+        return fresh_set(f"data/asks_{which}.json")
     else:
         raise InvalidInput(f"set must be one of {SETS}, got {which!r}")
     return s
 
 
-def fresh_set():
+def fresh_set(path: str = "data/asks_fresh.json"):
     """bench/data/asks_fresh.json (issue 48, item 2: written by an author who saw neither the ask check,
-    memory/asks.py, nor the other sets, after the check's rules were fixed): 40 problems with three
-    rewordings each (words, units, reordered) and one other ask each; no siblings, no unrelated questions."""
+    memory/asks.py, nor the other sets, after the check's rules were fixed) or asks_fresh2.json (a second
+    such author, a day later, after the rules had been revised with the first set in view): 40 problems
+    with three rewordings each (words, units, reordered) and one other ask each; no siblings, no
+    unrelated questions."""
     import json
     from importlib import resources
     from types import SimpleNamespace
 
-    data = json.loads(resources.files("kvmemory.bench").joinpath("data/asks_fresh.json").read_text("utf-8"))
+    data = json.loads(resources.files("kvmemory.bench").joinpath(path).read_text("utf-8"))
     problems = [(p["problem"], p["solution"], p["answer"], dict(zip(KINDS, p["rewordings"])), None)
                 for p in data["problems"]]
     other = [(i, p["other_ask"]["question"], p["other_ask"]["answer"]) for i, p in enumerate(data["problems"])]
-    return SimpleNamespace(__name__="kvmemory/bench/data/asks_fresh.json", PROBLEMS=problems, UNRELATED=[],
+    return SimpleNamespace(__name__=f"kvmemory/bench/{path}", PROBLEMS=problems, UNRELATED=[],
                            OTHER_ASKS=other)
 
 
