@@ -405,8 +405,10 @@ def test_a_batch_refuses_choices_it_cannot_score(tmp_path, tiny_ggufs):
     batch = eng.batch()
     with pytest.raises(InvalidInput, match="max_new_tokens=0"):
         batch.add([5, 6, 7], choices=[[3]], max_new_tokens=2)
-    with pytest.raises(InvalidInput, match="at least one token"):
+    with pytest.raises(InvalidInput, match="no choices"):
         batch.add([5, 6, 7], choices=[])
+    with pytest.raises(InvalidInput, match="at least one token"):
+        batch.add([5, 6, 7], choices=[[3], []])
     with pytest.raises(InvalidInput):
         batch.add([5, 6, 7], choices=[[eng.runner.vocab_size + 5]])
     assert not batch.sequences

@@ -154,10 +154,7 @@ class Batch:
         self.runner.check_ids(token_ids, max_new_tokens)
         stops = self.engine.eos_token_ids if stop_token_ids is None else stop_token_ids
         if choices is not None:
-            choices = tuple(tuple(int(t) for t in c) for c in choices)
-            if not choices or any(len(c) == 0 for c in choices):
-                raise InvalidInput("every choice needs at least one token")
-            self.runner.check_ids([t for c in choices for t in c])
+            choices = self.runner.check_choices(choices)
             if max_new_tokens:
                 raise InvalidInput("choices are scored after the prompt: pass max_new_tokens=0 with them")
         seq = BatchSequence(token_ids, int(max_new_tokens), sampling, {int(t) for t in stops}, keep_logits, logits,

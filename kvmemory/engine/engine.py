@@ -396,15 +396,10 @@ class Engine:
         batcher takes them (a chat's answer and its contrast, `memory/answers.py`); else one by one."""
         reqs = []
         for r in requests:
-            token_ids, choices = [int(t) for t in r["token_ids"]], r["choices"]
-            if not choices:
-                raise InvalidInput("no choices to pick from")
+            token_ids, choices = [int(t) for t in r["token_ids"]], self.runner.check_choices(r["choices"])
             self.runner.check_ids(token_ids, max(len(c) for c in choices))
-            self.runner.check_ids([t for c in choices for t in c])
-            if any(len(c) == 0 for c in choices):
-                raise InvalidInput("every choice needs at least one token")
             # logits="last": the prompt's last row is all a choice's score reads (no lm_head over the others)
-            reqs.append(dict(r, token_ids=token_ids, choices=[[int(t) for t in c] for c in choices], logits="last"))
+            reqs.append(dict(r, token_ids=token_ids, choices=choices, logits="last"))
         b = self.batcher
         if b is not None and b.batch.scores_choices and b.takes():
             done = b.forward_many(reqs)

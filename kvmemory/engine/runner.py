@@ -442,11 +442,20 @@ class CanonicalRunner:
             self._choices_step = BatchedStep(self)
         return self._choices_step
 
-    def first_choice_scores(self, next_logits: torch.Tensor, choices: Sequence[Sequence[int]]) -> list[float]:
-        """Each choice's first token's log-probability after the prompt (`score_choices` adds the rest)."""
-        if not choices or any(len(c) == 0 for c in choices):
+    def check_choices(self, choices: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
+        """`choices` as tuples of ints, or InvalidInput: none given, an empty one, or an id the model lacks.
+        Checked once where a caller hands them in (Engine.choose_many, Batch.add), before anything runs."""
+        out = tuple(tuple(int(t) for t in c) for c in choices or ())
+        if not out:
+            raise InvalidInput("no choices to pick from")
+        if any(len(c) == 0 for c in out):
             raise InvalidInput("every choice needs at least one token")
-        self.check_ids([t for c in choices for t in c])
+        self.check_ids([t for c in out for t in c])
+        return out
+
+    def first_choice_scores(self, next_logits: torch.Tensor, choices: Sequence[Sequence[int]]) -> list[float]:
+        """Each choice's first token's log-probability after the prompt (`score_choices` adds the rest);
+        `choices` already checked (`check_choices`)."""
         first = next_logits.float().log_softmax(-1)
         return [float(first[int(c[0])]) for c in choices]
 

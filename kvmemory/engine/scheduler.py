@@ -43,8 +43,7 @@ DEFAULT_KV_TOKENS = 65536  # K/V positions the running sequences may hold togeth
 
 @dataclass(eq=False)
 class _Pending:
-    args: tuple
-    kwargs: dict
+    kwargs: dict  # Batch.add's arguments
     done: threading.Event = field(default_factory=threading.Event)
     seq: BatchSequence | None = None
     error: BaseException | None = None
@@ -108,7 +107,7 @@ class BatchScheduler:
     def forward_many(self, requests: list[dict]) -> list:
         """Several forwards (each a dict of `Batch.add`'s arguments) joining the batch at the same step;
         [(ForwardResult, GraftReport)] in order, or the first error among them."""
-        items = [_Pending((), dict(r)) for r in requests]
+        items = [_Pending(dict(r)) for r in requests]
         with self._cond:
             self._pending.extend(items)
             self._cond.notify()
@@ -138,7 +137,7 @@ class BatchScheduler:
                 new, self._pending = self._pending, []
             for item in new:
                 try:
-                    item.seq = self.batch.add(*item.args, **item.kwargs)
+                    item.seq = self.batch.add(**item.kwargs)
                     self._running.append(item)
                 except BaseException as exc:  # noqa: BLE001 - the caller's error, raised in its thread
                     item.error = exc
