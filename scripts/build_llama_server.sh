@@ -23,7 +23,9 @@ mkdir -p "$OUT" "$WORK"
 OUT=$(cd "$OUT" && pwd)
 SDIST="$WORK/llama_cpp_python-$VERSION.tar.gz"
 if [ ! -f "$SDIST" ]; then
-  "$PYTHON" -m pip download --no-deps --no-binary :all: "llama-cpp-python==$VERSION" -d "$WORK"
+  # --no-binary for this package only: its build dependencies may come as wheels (":all:" would build
+  # scikit-build-core, cmake and the rest from source first)
+  "$PYTHON" -m pip download --no-deps --no-binary llama-cpp-python "llama-cpp-python==$VERSION" -d "$WORK"
 fi
 SRC="$WORK/llama_cpp_python-$VERSION/vendor/llama.cpp"
 [ -d "$SRC" ] || tar -xzf "$SDIST" -C "$WORK"

@@ -122,3 +122,16 @@ def test_chat_answers_a_recurring_problem_from_its_verified_solution(real_memory
     other = run_chat(borrow_memory(mem), ChatRequest(turns=[{"role": "user", "content": other_q}],
                                                        max_tokens=8))
     assert "recurrence" not in other.notes and other.stats.tokens_decoded > 0
+
+
+@pytest.mark.parametrize("which", ["fresh", "fresh2"])
+def test_the_blind_asks_sets_load_whole(which):
+    """`bench rewordings --set fresh|fresh2`: 40 problems, three rewordings each (words, units, reordered),
+    and one other ask each whose answer is not the stored one."""
+    from kvmemory.bench.rewordings import KINDS, load_set
+
+    s = load_set(which)
+    assert s.__name__ == f"kvmemory/bench/data/asks_{which}.json"
+    assert len(s.PROBLEMS) == len(s.OTHER_ASKS) == 40
+    assert all(set(p[3]) == set(KINDS) and all(p[3].values()) for p in s.PROBLEMS)
+    assert all(answer != s.PROBLEMS[i][2] for i, _, answer in s.OTHER_ASKS)
