@@ -27,6 +27,7 @@ from kvmemory.engine.engine import Engine
 from kvmemory.engine.fidelity import (DECODE_STEPS, FIDELITY_TEXTS, StockReference, _Tally, measure_fidelity,
                                       select_texts)
 from kvmemory.errors import InvalidInput
+from kvmemory.kernels.cpu import isa
 from kvmemory.store.local import LocalStore
 
 TEXT_NAMES = ("prose-short", "arithmetic", "chat", "data-json")
@@ -43,12 +44,16 @@ TEXTS = select_texts(TEXT_NAMES)
 # at most the measured count. (The bfloat16 K/V rounding is most of the distance: float32 K/V under the
 # same kernels is ~1000x closer.)
 BOUNDS = ("max_abs_diff", "kl_mean", "kl_max", "argmax_disagreements")
+# oneDNN (the packed profile's linears) picks its kernels, and so its sums' order, by the CPU's ISA. On a
+# 2-core AMD EPYC Zen 2 (AVX2, no AVX-512; 2026-12-07): max|d| 0.200079, KL mean 3.797e-05, KL max
+# 2.901e-03, argmax 383/383. The other profiles' figures there are within the bounds above.
+PACKED_AVX2_BOUNDS = (0.30, 5.7e-05, 4.4e-03, 1)
 PROFILES = {
     "default": ({}, {"linear_impl": "gguf-blocks", "attn_implementation": "kvmemory_fewq", "kv_dtype": "bfloat16"},
                 (0.30, 5.0e-05, 9.0e-04, 0)),
     "packed": ({"linears": "packed"},
                {"linear_impl": "onednn-packed", "attn_implementation": "kvmemory_fewq", "kv_dtype": "bfloat16"},
-               (0.30, 5.0e-05, 8.0e-04, 1)),
+               (0.30, 5.0e-05, 8.0e-04, 1) if isa() == "AVX512" else PACKED_AVX2_BOUNDS),
     "plain": ({"linears": "plain"},
               {"linear_impl": "aten", "attn_implementation": "kvmemory_fewq", "kv_dtype": "bfloat16"},
               (0.28, 4.8e-05, 6.5e-04, 1)),
