@@ -119,6 +119,36 @@ def test_q8_sums_equal_a_torch_computation_in_every_build(kind):
 
 
 @needs_kernel
+@pytest.mark.parametrize("kind", QUANTIZED)
+def test_q8_sums_at_the_largest_quants_stay_exact(kind):
+    """Every weight at its format's largest stored value and every activation at +-127: the integer sums at
+    their bounds (q8_dot.h sums a sub-block's multiply-adds in 16-bit lanes before widening them, which
+    holds only while those bounds stay below 2^15)."""
+    n, k = 32, 512
+    q, d, m, code = gguf_blocks.panels(kind, random_blocks(kind, n, k, seed=5), n, k)
+    fmt = ql.decode_kind(code)[0]
+    if fmt in (ql.NIB, ql.NIBMIN):
+        q.fill_(0xFF)  # every nibble 15
+    else:  # the byte formats' largest magnitude their range allows (the six layout's u = q + 32 = 63)
+        lo, hi = int(q.min()), int(q.max())
+        q.fill_(31 if lo >= -32 and hi < 32 else -128)
+    q8, code8 = ql.to_q8(q, code)
+    x = torch.ones(4, k)
+    x[1] = -1.0
+    x[2, ::2] = -1.0  # signs alternating
+    x[3] = torch.linspace(-1, 1, k).sign()
+    ref = reference(x, q, d, m, code)
+    try:
+        for name, lib, vnni in _libs():
+            ql.q8_vnni(vnni, lib=lib)
+            for rows in (1, 4):
+                got = ql.linear(x[:rows].contiguous(), q8, d, m, code8, lib=lib)
+                assert _bytes(got).equal(_bytes(ref[:rows])), (kind, name, rows)
+    finally:
+        ql.q8_vnni(True)
+
+
+@needs_kernel
 @pytest.mark.parametrize("kind", ["Q6_K", "Q5_0"])
 def test_6_bit_quants_keep_6_bits_and_give_the_bytes_of_the_byte_layout(kind):
     n, k = 32, 512

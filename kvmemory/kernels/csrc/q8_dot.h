@@ -8,7 +8,9 @@
 //   amax = max |x|, dx = amax / 127, xq[k] = round_half_even(x[k] * (dx != 0 ? 1 / dx : 0)) in [-127, 127],
 //   xs = the sum of xq over each sub-block of 16 k (a NaN or infinite amax gives dx = NaN: NaN outputs).
 // Output (m, n), one float32 sum over the sub-blocks s of 16 or 32 k, ascending, from acc = 0:
-//   isum = sum over k in s of q(n, k) * xq(m, k)          (exact: integers; the order cannot matter)
+//   isum = sum over k in s of q(n, k) * xq(m, k)          (exact: integers; the order cannot matter:
+//          without VNNI a sub-block's 16-bit multiply-adds are summed in 16-bit lanes first, which their
+//          bounds keep exact: <= 8 x 3810 for nibbles, 2 x 16002 for the six layout; bytes widen at once)
 //   acc  = acc + (d(n, s) * dx(m, s)) * float(isum)         (three float32 roundings: *, *, +; no FMA)
 //   acc  = acc + (m(n, s) * dx(m, s)) * float(xs(m, s))     (formats with a minimum: w = q * d + m)
 // where q is the weight's signed integer (a NIB's nibble minus its bias, a BYTE's int8) and d, m are
@@ -34,9 +36,14 @@ inline iv iload(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<c
 inline iv ibcast(int32_t x) { return _mm256_set1_epi32(x); }
 inline iv izero() { return _mm256_setzero_si256(); }
 inline iv isub(iv a, iv b) { return _mm256_sub_epi32(a, b); }
+inline iv iadd(iv a, iv b) { return _mm256_add_epi32(a, b); }
 inline iv lo4(iv w) { return _mm256_and_si256(w, _mm256_set1_epi8(0x0F)); }
 inline iv hi4(iv w) { return _mm256_and_si256(_mm256_srli_epi16(w, 4), _mm256_set1_epi8(0x0F)); }
 inline vec to_f(iv a) { return _mm256_cvtepi32_ps(a); }
+// acc + per 16-bit lane the sum of 2 products of unsigned w <= 63 and signed x (<= 2 * 63 * 127 = 16002)
+inline iv dot16(iv acc, iv w, iv x) { return _mm256_add_epi16(acc, _mm256_maddubs_epi16(w, x)); }
+// the 16-bit lanes' sums per 32-bit lane
+inline iv widen16(iv a) { return _mm256_madd_epi16(a, _mm256_set1_epi16(1)); }
 // acc + per 32-bit lane the sum of 4 products of unsigned w <= 15 and signed x (no int16 saturation: <= 3810)
 inline iv dot_nib(iv acc, iv w, iv x) {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
@@ -48,6 +55,7 @@ inline iv dot_byte(iv acc, iv w, iv x) {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(q), _mm256_sign_epi8(x, q)),
                                                    _mm256_set1_epi16(1)));
 }
+constexpr bool kSum16 = true;  // a sub-block's multiply-adds summed in 16-bit lanes, widened once (tile)
 constexpr int kQ8Rows = 4;  // a tile's rows: 2 accumulators each + weights + broadcast within 16 registers
 constexpr int kQ8Panels = 2;  // panels of a tile of 1 or 2 rows
 #else
@@ -56,14 +64,19 @@ inline iv iload(const uint8_t* p) { return _mm512_loadu_si512(p); }
 inline iv ibcast(int32_t x) { return _mm512_set1_epi32(x); }
 inline iv izero() { return _mm512_setzero_si512(); }
 inline iv isub(iv a, iv b) { return _mm512_sub_epi32(a, b); }
+inline iv iadd(iv a, iv b) { return _mm512_add_epi32(a, b); }
 inline iv lo4(iv w) { return _mm512_and_si512(w, _mm512_set1_epi8(0x0F)); }
 inline iv hi4(iv w) { return _mm512_and_si512(_mm512_srli_epi16(w, 4), _mm512_set1_epi8(0x0F)); }
 inline vec to_f(iv a) { return _mm512_cvtepi32_ps(a); }
+inline iv dot16(iv acc, iv w, iv x) { return _mm512_add_epi16(acc, _mm512_maddubs_epi16(w, x)); }
+inline iv widen16(iv a) { return _mm512_madd_epi16(a, _mm512_set1_epi16(1)); }
 #ifdef KVM_Q8_VNNI
+constexpr bool kSum16 = false;  // vpdpbusd sums into 32-bit lanes itself
 inline iv dot_nib(iv acc, iv w, iv x) { return _mm512_dpbusd_epi32(acc, w, x); }
 constexpr int kByteOffset = 128;  // vpdpbusd multiplies the stored q + 128: isum - 128 * xs is the sum
 inline iv dot_byte(iv acc, iv w, iv x) { return _mm512_dpbusd_epi32(acc, w, x); }
 #else
+constexpr bool kSum16 = true;
 inline iv dot_nib(iv acc, iv w, iv x) {
     return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(w, x), _mm512_set1_epi16(1)));
 }
@@ -148,21 +161,41 @@ void tile(const Kind& kd, const int8_t* const* xq, const float* const* dx, const
                     const iv w0 = ior(lo4(lo0), high2<0>(h)), w1 = ior(hi4(lo0), high2<1>(h));
                     const iv w2 = ior(lo4(lo1), high2<2>(h)), w3 = ior(hi4(lo1), high2<3>(h));
 #pragma GCC unroll 16
-                    for (int r = 0; r < R; ++r)
-                        ia[r][g] = dot_nib(dot_nib(dot_nib(dot_nib(ia[r][g], w0, ibcast(x0[r])), w1, ibcast(x1[r])),
-                                                   w2, ibcast(x2[r])), w3, ibcast(x3[r]));
+                    for (int r = 0; r < R; ++r) {
+                        if constexpr (kSum16) {  // two products' sums <= 2 * 16002 per 16-bit lane
+                            const iv a = dot16(dot16(izero(), w0, ibcast(x0[r])), w1, ibcast(x1[r]));
+                            const iv b = dot16(dot16(izero(), w2, ibcast(x2[r])), w3, ibcast(x3[r]));
+                            ia[r][g] = iadd(ia[r][g], iadd(widen16(a), widen16(b)));
+                        } else {
+                            ia[r][g] = dot_nib(dot_nib(dot_nib(dot_nib(ia[r][g], w0, ibcast(x0[r])), w1, ibcast(x1[r])),
+                                                       w2, ibcast(x2[r])), w3, ibcast(x3[r]));
+                        }
+                    }
                     continue;
                 }
                 const iv w = iload(qv + g * q_panel + (k / kGroupK) * kPanel * 4);
                 if constexpr (kNibbles) {
                     const iv wl = lo4(w), wh = hi4(w);
 #pragma GCC unroll 16
-                    for (int r = 0; r < R; ++r) ia[r][g] = dot_nib(dot_nib(ia[r][g], wl, ibcast(x0[r])), wh, ibcast(x1[r]));
+                    for (int r = 0; r < R; ++r) {
+                        if constexpr (kSum16)  // 16-bit lanes: widened after the sub-block (below)
+                            ia[r][g] = dot16(dot16(ia[r][g], wl, ibcast(x0[r])), wh, ibcast(x1[r]));
+                        else
+                            ia[r][g] = dot_nib(dot_nib(ia[r][g], wl, ibcast(x0[r])), wh, ibcast(x1[r]));
+                    }
                 } else {
 #pragma GCC unroll 16
                     for (int r = 0; r < R; ++r) ia[r][g] = dot_byte(ia[r][g], w, ibcast(x0[r]));
                 }
             }
+        }
+        if constexpr (kSum16 && kNibbles && F != kSix) {
+            // the sub-block's sub / 4 <= 8 multiply-adds of nibbles, each <= 2 * 15 * 127 = 3810, summed
+            // in 16-bit lanes: <= 30480, so exact; now in 32-bit lanes
+#pragma GCC unroll 16
+            for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+                for (int g = 0; g < G; ++g) ia[r][g] = widen16(ia[r][g]);
         }
 #pragma GCC unroll 4
         for (int g = 0; g < G; ++g) {
