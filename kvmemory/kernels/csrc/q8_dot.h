@@ -141,6 +141,7 @@ void tile(const Kind& kd, const int8_t* const* xq, const float* const* dx, const
         for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
             for (int g = 0; g < G; ++g) ia[r][g] = izero();
+#pragma GCC unroll 4
         for (int64_t k = s * sub; k < (s + 1) * sub; k += kGroupK) {
             int32_t x0[R], x1[R], x2[R], x3[R];
 #pragma GCC unroll 16
@@ -155,9 +156,9 @@ void tile(const Kind& kd, const int8_t* const* xq, const float* const* dx, const
 #pragma GCC unroll 4
             for (int g = 0; g < G; ++g) {
                 if constexpr (F == kSix) {  // 16 k: two nibble groups and their high bits
-                    const iv lo0 = iload(qv + g * q_panel + (k / 8) * kPanel * 4);
-                    const iv lo1 = iload(qv + g * q_panel + (k / 8 + 1) * kPanel * 4);
-                    const iv h = iload(hv + g * q_panel + (k / 16) * kPanel * 4);
+                    const iv lo0 = iload(qv + g * q_panel + (uint64_t(k) / 8) * kPanel * 4);
+                    const iv lo1 = iload(qv + g * q_panel + (uint64_t(k) / 8 + 1) * kPanel * 4);
+                    const iv h = iload(hv + g * q_panel + (uint64_t(k) / 16) * kPanel * 4);
                     const iv w0 = ior(lo4(lo0), high2<0>(h)), w1 = ior(hi4(lo0), high2<1>(h));
                     const iv w2 = ior(lo4(lo1), high2<2>(h)), w3 = ior(hi4(lo1), high2<3>(h));
 #pragma GCC unroll 16
@@ -173,7 +174,7 @@ void tile(const Kind& kd, const int8_t* const* xq, const float* const* dx, const
                     }
                     continue;
                 }
-                const iv w = iload(qv + g * q_panel + (k / kGroupK) * kPanel * 4);
+                const iv w = iload(qv + g * q_panel + (uint64_t(k) / kGroupK) * kPanel * 4);
                 if constexpr (kNibbles) {
                     const iv wl = lo4(w), wh = hi4(w);
 #pragma GCC unroll 16
