@@ -8,6 +8,7 @@ from kvmemory.errors import InvalidInput, RouterMismatch
 from kvmemory.bench.problems import generate_problems
 from kvmemory.memory.verifiers import extract_answer, numbers_in
 from kvmemory.memory.prompts import render_ids, solution_text
+from kvmemory.memory.layout import preamble
 
 
 @pytest.fixture
@@ -72,12 +73,16 @@ def test_answer_chosen_among_the_solution_numbers(library):
     assert plain.choice_scores == g_scores and plain.report.tokens_scored == g_rep.tokens_scored
     # The default: minus half the likelihood after the question alone (without memory), plus the prior
     # (2.5 nats) on the one choice that is the entry's verified answer.
-    alone = render_ids(eng.tokenizer, [{"role": "user", "content": q}], add_generation_prompt=True) + eng.encode(prefix)
-    _, a_scores, a_rep = eng.choose(alone, tokenized, graft=False)
+    # The question alone is cut after the template's preamble (memory/layout.py), whose block the answer
+    # stored and grafted: it computes the rest.
+    alone = mem.question_layout(q, (), prefix)
+    assert alone.ids == render_ids(eng.tokenizer, [{"role": "user", "content": q}], add_generation_prompt=True) + eng.encode(prefix)
+    assert alone.cuts == (len(preamble(eng.tokenizer)),) and alone.cuts[0] >= 16
+    _, a_scores, a_rep = eng.choose(alone.ids, tokenized, graft=False, cuts=alone.cuts)
     known = [float(c) == float(p.answer) for c in ans.choices]
     assert sum(known) == 1
     assert ans.choice_scores == [s - 0.5 * a + 2.5 * k for s, a, k in zip(g_scores, a_scores, known)]
-    assert ans.report.tokens_scored == 2 * g_rep.tokens_scored + len(alone)
+    assert ans.report.tokens_scored == 2 * g_rep.tokens_scored + len(alone.ids) - alone.cuts[0]
     # Each batched score is the choice's log-likelihood, as a plain forward over prompt + choice gives it.
     for c, score in zip(tokenized[:3], g_scores):
         full = eng.recompute(prompt.ids + c[:-1], cuts=prompt.cuts).prefill_logits.float().log_softmax(-1)

@@ -132,9 +132,12 @@ def test_second_turn_grafts_the_first_turns_prompt_blocks(server):
         r1 = chat(c, [first], max_tokens=12, kvmemory={"user_id": user}).json()
         n1 = r1["usage"]["prompt_tokens"]
         assert n1 >= 128, n1
-        assert r1["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-        # its whole blocks and its tail block (the prompt's end is a cut: memory/layout.py)
-        assert r1["kvmemory"]["blocks_stored"] == -(-n1 // 64)
+        # nothing of it stored but the template's preamble (24 tokens, a cut: memory/layout.py), which an
+        # earlier call may have stored (blocks are shared by content); then its other blocks and its tail
+        # block (the prompt's end is a cut)
+        pre = r1["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert pre in (0, 24)
+        assert r1["kvmemory"]["blocks_stored"] == (pre == 0) + -(-n1 // 64)
         turn2 = [first, {"role": "assistant", "content": r1["choices"][0]["message"]["content"]},
                  {"role": "user", "content": "And how long did it travel?"}]
         r2 = chat(c, turn2, max_tokens=8, kvmemory={"user_id": user}).json()
@@ -147,23 +150,26 @@ def test_second_turn_grafts_the_first_turns_prompt_blocks(server):
                          {"role": "user", "content": "Thanks."}]
         r3 = chat(c, turn3, max_tokens=4, kvmemory={"user_id": user}).json()
         assert r3["usage"]["prompt_tokens_details"]["cached_tokens"] == u2["prompt_tokens"]
-        # with cache off nothing is stored (a fresh prompt then grafts nothing on its second call)
+        # with cache off nothing is stored (a fresh prompt then grafts on its second call only the template's
+        # preamble that turn 1 stored, as on its first)
         fresh = [{"role": "user", "content": f"Reference {uuid.uuid4().hex}. " + "Count the sheep in the field. " * 12}]
         off = {"user_id": user, "cache": False}
         a = chat(c, fresh, max_tokens=2, kvmemory=off).json()
         b = chat(c, fresh, max_tokens=2, kvmemory=off).json()
-        assert a["kvmemory"]["blocks_stored"] == 0 and b["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert a["kvmemory"]["blocks_stored"] == 0
+        assert b["usage"]["prompt_tokens_details"]["cached_tokens"] == a["usage"]["prompt_tokens_details"]["cached_tokens"] == 24
 
 
 def test_a_short_first_turn_is_cached_whole(server):
     """Issue 41: a first turn shorter than a block (37 tokens: the default system prompt and a short
-    question) is stored as a tail block, and turn 2 grafts all of it."""
+    question) is stored as two tail blocks (the template's preamble is a cut), and turn 2 grafts all of it."""
     user = f"user-{uuid.uuid4().hex[:8]}"
     first = {"role": "user", "content": f"What is {uuid.uuid4().int % 90 + 10} plus 2?"}
     with server.client(ADMIN) as c:
         r1 = chat(c, [first], max_tokens=6, kvmemory={"user_id": user}).json()
         n1 = r1["usage"]["prompt_tokens"]
-        assert n1 < 64 and r1["kvmemory"]["blocks_stored"] == 1
+        pre = r1["usage"]["prompt_tokens_details"]["cached_tokens"]  # the template's preamble, if stored before
+        assert n1 < 64 and pre in (0, 24) and r1["kvmemory"]["blocks_stored"] == 1 + (pre == 0)
         turn2 = [first, {"role": "assistant", "content": r1["choices"][0]["message"]["content"]},
                  {"role": "user", "content": "And minus 2?"}]
         r2 = chat(c, turn2, max_tokens=6, kvmemory={"user_id": user}).json()

@@ -268,10 +268,11 @@ class Engine:
                                      logits=logits, cuts=cuts)
         return result, blocks
 
-    def store_prefix(self, token_ids: Sequence[int], *, pinned: bool = True) -> int:
-        """Compute a prefix once (from scratch) and keep its full blocks (pinned by default: a system
-        prompt or few-shot block the user wants kept). Returns how many blocks it holds."""
-        _, blocks = self.compute_blocks(token_ids, keep_logits=False, logits="last")  # K/V only: no logits needed
+    def store_prefix(self, token_ids: Sequence[int], *, pinned: bool = True, cuts: Sequence[int] = ()) -> int:
+        """Compute a prefix once (from scratch) and keep its full blocks and those ending at `cuts` (pinned by
+        default: a system prompt or few-shot block the user wants kept). Returns how many blocks it holds."""
+        # K/V only: no logits needed
+        _, blocks = self.compute_blocks(token_ids, keep_logits=False, logits="last", cuts=cuts)
         self.store.put_blocks(blocks, pinned=pinned)
         return len(blocks)
 

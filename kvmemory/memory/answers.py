@@ -26,6 +26,7 @@ the default; `note_answer="decode"` lets the model decode from the grafted note 
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -33,7 +34,7 @@ import numpy as np
 
 from kvmemory.engine.graft import GraftReport
 from kvmemory.memory import choices
-from kvmemory.memory.layout import Layout
+from kvmemory.memory.layout import Layout, preamble
 from kvmemory.memory.notes import sentences
 from kvmemory.memory.verifiers import kind_of
 
@@ -167,6 +168,22 @@ def nothing_to_choose(hits: Sequence) -> Answer:
                   kinds=[kind_of(e) for e in entries], outcome=outcome, reason=reason)
 
 
+# Engines whose store got the template preamble's block from this process (keep_preamble)
+_PREAMBLE_KEPT: weakref.WeakSet = weakref.WeakSet()
+
+
+def keep_preamble(engine, layout: Layout) -> None:
+    """Store the block of the chat template's preamble (an entry-less layout's first cut, layout.py) once
+    per engine, so that every question computed alone (an answer's contrast) grafts it instead of
+    computing it again (24 tokens of SmolLM2's 79-token contrasts). A read-only store is left as it is."""
+    if engine in _PREAMBLE_KEPT or not layout.cuts or getattr(engine.store, "readonly", False):
+        return
+    cut = layout.cuts[0]
+    if tuple(layout.ids[:cut]) == preamble(engine.tokenizer):
+        engine.store_prefix(layout.ids[:cut], pinned=False, cuts=(cut,))
+    _PREAMBLE_KEPT.add(engine)
+
+
 def choose(mem, prompt: Layout, offered: list[str], end: str, answer_prefix: str | None,
            hits: Sequence, query: str, contrast: float, prior: float, other: dict[str, str] | None = None) -> Answer:
     """`KVMemory.answer` with choices: each offered answer (followed by `end`) scored by the model after
@@ -181,7 +198,9 @@ def choose(mem, prompt: Layout, offered: list[str], end: str, answer_prefix: str
     entries = [h.entry for h in hits]
     asks = [dict(token_ids=prompt.ids, choices=tokenized, entries_used=[e.id for e in entries], cuts=prompt.cuts)]
     if entries and contrast:  # the same choices after the question alone, in the same steps where batched
-        asks.append(dict(token_ids=mem.question_ids(query, (), answer_prefix), choices=tokenized, graft=False))
+        alone = mem.question_layout(query, (), answer_prefix)  # cut after the template's preamble
+        keep_preamble(mem.engine, alone)
+        asks.append(dict(token_ids=alone.ids, choices=tokenized, cuts=alone.cuts))
     chosen = eng.choose_many(asks)
     best, scores, report = chosen[0]
     adjusted = False

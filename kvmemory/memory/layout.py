@@ -11,11 +11,14 @@ chat template that renders a prefix otherwise gives no cut there: nothing is gue
 Cuts of a chat prompt: the end of each routed entry, of an explicit system turn, of every earlier
 prompt of the conversation (each assistant turn's start: where the previous call's prompt ended, so
 turn k grafts what turn k-1 stored), and of the prompt itself (so the tail it computes is stored for
-the next turn). Cuts of an entry's proof: the entry's end, followed by a fixed probe question.
+the next turn); without entries also the end of the template's preamble (`preamble`: its default
+system turn, which every such prompt then grafts). Cuts of an entry's proof: the entry's end, followed
+by a fixed probe question.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -39,6 +42,36 @@ def _prefix_len(ids: Sequence[int], part: Sequence[int] | None) -> int | None:
     if not part or len(part) > len(ids) or list(ids[: len(part)]) != list(part):
         return None
     return len(part)
+
+
+# A template preamble shorter than this gets no cut: a block that small costs a store read for little compute.
+MIN_PREAMBLE = 16
+_PREAMBLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def preamble(tokenizer) -> tuple[int, ...]:
+    """The ids every chat opening with a user turn starts with, whatever the user wrote: what the chat
+    template writes first (SmolLM2's and Qwen2.5's default system turn and the user turn's header), the
+    common prefix of two renderings that differ from the user's first character on; () when shorter
+    than MIN_PREAMBLE. A prompt without entries is cut at its end (when it starts with it), so every such
+    prompt grafts the block the first one stored there, as llama.cpp's server reuses its slot's prefix."""
+    try:
+        return _PREAMBLES[tokenizer]
+    except KeyError:
+        pass
+    except TypeError:  # not weakly referenceable: computed each time
+        return _preamble(tokenizer)
+    _PREAMBLES[tokenizer] = out = _preamble(tokenizer)
+    return out
+
+
+def _preamble(tokenizer) -> tuple[int, ...]:
+    a = render_ids(tokenizer, [{"role": "user", "content": "1"}], add_generation_prompt=False)
+    b = render_ids(tokenizer, [{"role": "user", "content": "Z"}], add_generation_prompt=False)
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return tuple(a[:n]) if n >= MIN_PREAMBLE else ()
 
 
 def _cuts(found, n: int) -> tuple[int, ...]:
@@ -72,6 +105,8 @@ def chat_layout(tokenizer, messages: Sequence[Message], entries: Sequence = ()) 
     ends = [len(head)] if head else []  # the system turn
     ends += [len(head) + j for j in range(2, len(context) + 1, 2)]  # each entry
     found = [_prefix_len(ids, render_ids(tokenizer, whole[:i], add_generation_prompt=False)) for i in ends]
+    if not context:  # entries' blocks were stored without this cut: only entry-less prompts take it
+        found.append(_prefix_len(ids, preamble(tokenizer)))
     first_turn = len(head) + len(context)
     found += [_prefix_len(ids, render_ids(tokenizer, whole[:i], add_generation_prompt=True))
               for i in range(first_turn, len(whole)) if whole[i]["role"] == "assistant"]
@@ -86,7 +121,8 @@ def question_layout(tokenizer, question: str, entries: Sequence = (), answer_pre
         chat = chat_layout(tokenizer, [{"role": "user", "content": question}], entries)
         ids, cuts = chat.ids, chat.cuts[:-1]  # not the prompt's own end
     else:
-        ids, cuts = render_ids(tokenizer, [{"role": "user", "content": question}], add_generation_prompt=True), ()
+        ids = render_ids(tokenizer, [{"role": "user", "content": question}], add_generation_prompt=True)
+        cuts = _cuts([_prefix_len(ids, preamble(tokenizer))], len(ids))
     return Layout(ids + list(answer_prefix_ids), cuts)
 
 
