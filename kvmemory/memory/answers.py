@@ -199,7 +199,8 @@ def choose(mem, prompt: Layout, offered: list[str], end: str, answer_prefix: str
     asks = [dict(token_ids=prompt.ids, choices=tokenized, entries_used=[e.id for e in entries], cuts=prompt.cuts)]
     if entries and contrast:  # the same choices after the question alone, in the same steps where batched
         alone = mem.question_layout(query, (), answer_prefix)  # cut after the template's preamble
-        keep_preamble(mem.engine, alone)
+        if mem.block_policy != "none":  # "none": nothing the answer computes is stored
+            keep_preamble(mem.engine, alone)
         asks.append(dict(token_ids=alone.ids, choices=tokenized, cuts=alone.cuts))
     chosen = eng.choose_many(asks)
     best, scores, report = chosen[0]
