@@ -45,12 +45,19 @@ def main() -> None:
 
     import httpx
 
-    from kvmemory.bench.serve import llama_server_process, llama_server_version, resolve_llama_server
+    from kvmemory.bench.graft import machine_info
+    from kvmemory.bench.serve import git_commit, llama_server_process, llama_server_version, resolve_llama_server
     from kvmemory.engine.engine import Engine
     from kvmemory.kernels import cpu
     from kvmemory.models.loading import embedded_gguf_path
 
-    binary = resolve_llama_server(args.llama_server)
+    from kvmemory.errors import InvalidInput
+
+    try:
+        binary = resolve_llama_server(args.llama_server)
+    except InvalidInput as exc:
+        raise SystemExit(str(exc)) from None
+    started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     if args.model is not None and not (args.model.endswith(".gguf") and Path(args.model).is_file()):
         raise SystemExit(f"--model: {args.model} is not a .gguf file (llama-server needs the file)")
     gguf = args.model or str(embedded_gguf_path())
@@ -88,7 +95,8 @@ def main() -> None:
     report = {"model": str(eng.loaded.source), "gguf": gguf, "linears": eng.profile.linear_impl, "threads": args.threads,
               "cpu_isa": cpu.isa(), "llama_server": llama_server_version(binary),
               "prompt_tokens": n, "decode_tokens": d, "repeats": args.repeats,
-              "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+              "started": started, "finished": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+              "commit": git_commit(), "machine": machine_info(),
               "sides": {s: {k: summary(v) for k, v in m.items()} for s, m in sides.items()}}
     for k in ("prefill", "decode"):
         report[f"{k}_ratio"] = (report["sides"]["kvmemory"][k]["median"] / report["sides"]["llama-server"][k]["median"])
