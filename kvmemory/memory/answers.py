@@ -34,7 +34,7 @@ import numpy as np
 
 from kvmemory.engine.graft import GraftReport
 from kvmemory.memory import choices
-from kvmemory.memory.layout import Layout, preamble
+from kvmemory.memory.layout import Layout
 from kvmemory.memory.notes import sentences
 from kvmemory.memory.verifiers import kind_of
 
@@ -173,14 +173,14 @@ _PREAMBLE_KEPT: weakref.WeakSet = weakref.WeakSet()
 
 
 def keep_preamble(engine, layout: Layout) -> None:
-    """Store the block of the chat template's preamble (an entry-less layout's first cut, layout.py) once
-    per engine, so that every question computed alone (an answer's contrast) grafts it instead of
-    computing it again (24 tokens of SmolLM2's 79-token contrasts). A read-only store is left as it is."""
+    """Store the block of the chat template's preamble (an entry-less layout's only cut: layout.py's
+    `question_layout`) once per engine, so that every question computed alone (an answer's contrast)
+    grafts it instead of computing it again (24 tokens of SmolLM2's 79-token contrasts). A read-only
+    store is left as it is."""
     if engine in _PREAMBLE_KEPT or not layout.cuts or getattr(engine.store, "readonly", False):
         return
     cut = layout.cuts[0]
-    if tuple(layout.ids[:cut]) == preamble(engine.tokenizer):
-        engine.store_prefix(layout.ids[:cut], pinned=False, cuts=(cut,))
+    engine.store_prefix(layout.ids[:cut], pinned=False, cuts=(cut,))
     _PREAMBLE_KEPT.add(engine)
 
 
