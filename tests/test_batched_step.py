@@ -269,7 +269,7 @@ def test_a_decode_rows_plan_is_kept_and_rebuilt_when_its_cache_changes(tmp_path,
 def test_choices_scored_in_one_shared_step_equal_each_scored_alone(arch, tmp_path, tiny_ggufs):
     """`Engine.choose` scores every choice over its own copy of the prompt's K/V in one shared step
     (runner.score_choices): each score equals the one computed alone over the prompt's cache, grafted or
-    not, and does not depend on the other choices offered."""
+    not, and (none starting like another) does not depend on the other choices offered."""
     eng = Engine.open(str(tiny_ggufs[arch]), tmp_path / "store", chunk=16)
     rng = random.Random(9)
     V = eng.runner.vocab_size
@@ -288,6 +288,36 @@ def test_choices_scored_in_one_shared_step_equal_each_scored_alone(arch, tmp_pat
     assert shared == alone and best == best2
     _, fewer, _ = eng.choose(prompt, [choices[3], choices[0], choices[2]], graft=False)
     assert fewer == [shared[3], shared[0], shared[2]]
+
+
+def test_choices_that_start_alike_share_their_rows(tmp_path, tiny_ggufs):
+    """Numbers offered as choices start alike (' 3.', ' 32.', ' 37.'): their tokens are stepped as runs
+    (runner.choice_runs), a run that another one extends not stepped at all, so 7 choices here need 3 runs.
+    The scores are the same bits whether the runs share one step or run one after another, and each
+    score is the log-likelihood read from the run that holds the choice's tokens."""
+    from kvmemory.engine.runner import choice_runs
+
+    eng = Engine.open(str(tiny_ggufs["llama"]), tmp_path / "store", chunk=16)
+    rng = random.Random(11)
+    V = eng.runner.vocab_size
+    sp, dot, a, b, c = (rng.randrange(3, V) for _ in range(5))
+    prompt = [rng.randrange(3, V) for _ in range(29)]
+    choices = [[sp, a, dot], [sp, a, b, dot], [sp, b, dot], [sp, a, c, dot], [sp, dot], [dot], [sp, b, dot]]
+    assert choice_runs(choices) == [(sp, a, b), (sp, b), (sp, a, c)]
+    _, shared, _ = eng.choose(prompt, choices, graft=False)
+    stepper = eng.runner._choice_stepper()
+    stepper.shared = False  # one run after another over the prompt's own cache
+    try:
+        _, alone, _ = eng.choose(prompt, choices, graft=False)
+    finally:
+        stepper.shared = True
+    assert shared == alone
+    assert shared[2] == shared[6]  # the same choice twice: the same run, the same bits
+    # a run's rows depend on the prompt's cache and the run alone, not on the other runs offered beside it
+    _, two, _ = eng.choose(prompt, [choices[1], choices[0]], graft=False)
+    assert two == [shared[1], shared[0]]
+    _, own, _ = eng.choose(prompt, [choices[3]], graft=False)
+    assert own == [shared[3]]
 
 
 def test_choose_prefills_in_the_batch_and_scores_the_same(tmp_path, tiny_ggufs):

@@ -31,7 +31,7 @@ from kvmemory.engine.batched_step import BatchedStep, StepItem
 from kvmemory.engine.graft import GraftReport
 from kvmemory.engine.profile import tensor_bytes
 from kvmemory.engine.runner import (GREEDY, ForwardResult, Sampling, _choose, add_choice_logits, check_cuts,
-                                    chunk_spans, multi_token, span_boundary)
+                                    choice_runs, chunk_spans, multi_token, span_boundary)
 from kvmemory.errors import InvalidInput
 
 DEFAULT_TOKEN_BUDGET = 256  # tokens per step: 16 decode rows and three 64-token chunks
@@ -87,10 +87,10 @@ class BatchSequence:
     @property
     def kv_need(self) -> int:
         """K/V positions it holds while it runs: its prompt and tokens to decode, and a copy of the prompt
-        per choice of more than one token while those are scored."""
+        per run of its choices' tokens (runner.choice_runs) while those are scored."""
         n = len(self.token_ids) + self.max_new_tokens
         if self.choices:
-            n += sum(len(self.token_ids) + len(c) for c in self.choices if len(c) > 1)
+            n += sum(len(self.token_ids) + len(r) for r in choice_runs(self.choices))
         return n
 
     @property

@@ -467,10 +467,10 @@ class CanonicalRunner:
                     and all(isinstance(layer, ReservedLayer) for layer in layers))
 
     def choice_items(self, n: int, cache, choices: Sequence[Sequence[int]]) -> list[StepItem]:
-        """One step item per choice of more than one token: its tokens but the last, at the n positions
-        after the prompt, over its own copy of the prompt's K/V (`add_choice_logits` reads their logits)."""
+        """One step item per run of `choice_runs`, at the n positions after the prompt, over its own copy
+        of the prompt's K/V (`add_choice_logits` reads their logits)."""
         return [StepItem(ids, n, copied(cache, self.model, room=ids.shape[1]))
-                for ids in (_choice_ids(choices[b], self.device) for b in multi_token(choices))]
+                for ids in (_run_ids(run, self.device) for run in choice_runs(choices))]
 
     @torch.inference_mode()
     def score_choices(self, n: int, cache, next_logits: torch.Tensor, choices: Sequence[Sequence[int]]) -> list[float]:
@@ -478,11 +478,12 @@ class CanonicalRunner:
 
         `cache` holds the prompt's positions and `next_logits` its last logits (a prefill's `extra`);
         the cache is consumed. On the lean step (a llama / qwen2 model over kvmemory's reserved cache)
-        each choice's tokens are one step after the prompt's n positions: where rows share steps
-        (batched_step.why_not), every choice over its own copy of the prompt's K/V, all in one shared
-        step; else one choice after another over the prompt's cache, whose views then go back to its n
-        positions. Either way a choice's score depends on nothing but the prompt's cache and its own
-        tokens (the same bits both ways).
+        the choices' tokens are runs stepped after the prompt's n positions (`choice_runs`: choices that
+        start alike share rows): where rows share steps (batched_step.why_not), every run over its own
+        copy of the prompt's K/V, all in one shared step; else one run after another over the prompt's
+        cache, whose views then go back to its n positions. Either way a choice's score depends on nothing
+        but the prompt's cache, its own tokens and the run that holds them (the same bits both ways;
+        a choice no other one extends or starts like is its own run).
         Elsewhere one batched forward scores every choice: the cache is repeated per choice and the
         choices are right-padded, which causal attention keeps out of every scored position (the scores
         then depend on the set of choices too). Deterministic under the profile either way, whether the
@@ -496,14 +497,14 @@ class CanonicalRunner:
             # each choice's tokens in one step after the prompt: every choice over its own copy of the
             # prompt's K/V in one shared step (its logits are the bits of its step alone: batched_step.py),
             # or one choice after another over the prompt's cache, its views then back to n positions
-            multi = multi_token(choices)
+            runs = choice_runs(choices)
             stepper = self._choice_stepper()
-            if stepper.shared and len(multi) > 1:
+            if stepper.shared and len(runs) > 1:
                 outs = stepper.step(self.choice_items(n, cache, choices))
             else:
                 outs = []
-                for b in multi:
-                    outs.append(self._step(_choice_ids(choices[b], self.device), n, cache))
+                for run in runs:
+                    outs.append(self._step(_run_ids(run, self.device), n, cache))
                     for layer in cache.layers:
                         layer.filled(n)
             add_choice_logits(scores, choices, outs)
@@ -524,15 +525,35 @@ def multi_token(choices: Sequence[Sequence[int]]) -> list[int]:
     return [b for b, c in enumerate(choices) if len(c) > 1]
 
 
-def _choice_ids(choice: Sequence[int], device) -> torch.Tensor:
-    return torch.tensor([list(map(int, choice[:-1]))], device=device)
+def choice_runs(choices: Sequence[Sequence[int]]) -> list[tuple[int, ...]]:
+    """The token runs stepped after the prompt to score `choices` past their first tokens: each
+    multi-token choice's tokens but the last, less every run that another one starts with (in the order
+    the choices first need them). Choices that share their first tokens share those rows: SmolLM2's
+    numbers all start with ' ', and ' 3.', ' 32.', ' 37.' need the runs ' 32' and ' 37' only (10 numbers:
+    ~17 rows in ~6 runs instead of ~25 in 10)."""
+    wanted = list(dict.fromkeys(tuple(choices[b][:-1]) for b in multi_token(choices)))
+    return [r for r in wanted if not any(len(o) > len(r) and o[:len(r)] == r for o in wanted)]
+
+
+def _run_of(choice: Sequence[int], runs: Sequence[tuple[int, ...]]) -> int:
+    """The index of the first run of `choice_runs` that starts with `choice`'s tokens but the last."""
+    head = tuple(choice[:-1])
+    return next(i for i, r in enumerate(runs) if r[:len(head)] == head)
+
+
+def _run_ids(run: Sequence[int], device) -> torch.Tensor:
+    return torch.tensor([list(run)], device=device)
 
 
 def add_choice_logits(scores: list[float], choices: Sequence[Sequence[int]], outs: Sequence[torch.Tensor]) -> None:
     """Add to each multi-token choice's score (`first_choice_scores`) its later tokens' log-probabilities,
-    from the logits of its step (`outs`, in `multi_token` order)."""
-    for b, logits in zip(multi_token(choices), outs):
-        c, logp = choices[b], logits.float().log_softmax(-1)
+    from the logits of the run that holds its tokens (`outs`, in `choice_runs` order). The runs' logits
+    depend on the runs, so a choice's score on the set of runs its choices need: the same set, the same
+    bits, whichever way the runs were stepped (one shared step, one after another, or beside other rows)."""
+    runs = choice_runs(choices)
+    logps = [logits.float().log_softmax(-1) for logits in outs]
+    for b in multi_token(choices):
+        c, logp = choices[b], logps[_run_of(choices[b], runs)]
         scores[b] += float(sum(logp[t - 1, int(c[t])] for t in range(1, len(c))))
 
 
