@@ -29,7 +29,7 @@ import threading
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import Cache, DynamicLayer
 
 
 class ReservedLayer(DynamicLayer):
@@ -42,6 +42,20 @@ class ReservedLayer(DynamicLayer):
         self.k_buf: torch.Tensor | None = None  # [B, H_kv, capacity, D]
         self.v_buf: torch.Tensor | None = None
         self.whole: torch.Tensor | None = None  # the one tensor every layer's buffers live in (a graft's)
+
+    def with_room(self, room: int) -> ReservedLayer:
+        """A new layer holding a copy of this one's filled positions (the same bytes, the same dtype) in
+        buffers with room for `room` more, set up as `update` leaves a layer."""
+        k, v = self.keys, self.values
+        n = k.shape[-2]
+        out = ReservedLayer(n + room, self.kv_dtype)
+        out.device, out.is_initialized = k.device, True  # what DynamicLayer.lazy_initialization sets
+        out.k_buf = torch.empty(*k.shape[:2], n + room, k.shape[3], dtype=k.dtype, device=k.device)
+        out.v_buf = torch.empty(*v.shape[:2], n + room, v.shape[3], dtype=v.dtype, device=v.device)
+        out.k_buf[:, :, :n].copy_(k)
+        out.v_buf[:, :, :n].copy_(v)
+        out.keys, out.values = out.k_buf[:, :, :n], out.v_buf[:, :, :n]
+        return out
 
     def adopt(self, k_buf: torch.Tensor, v_buf: torch.Tensor, length: int, whole: torch.Tensor | None = None) -> None:
         """Take buffers whose first `length` positions are already filled (a graft); `whole` is the
@@ -120,12 +134,13 @@ def new_cache(model: torch.nn.Module, capacity: int = 0, kv_dtype: torch.dtype |
     return cache
 
 
-def copied(cache: DynamicCache, model: torch.nn.Module, room: int) -> DynamicCache:
-    """A new cache for `model` holding a copy of every layer's filled positions (every layer of `cache`
-    a ReservedLayer), in the same K/V dtype, with room for `room` more (score_choices: one per choice)."""
-    out = new_cache(model, cache.get_seq_length() + room, cache.layers[0].kv_dtype)
-    for src, dst in zip(cache.layers, out.layers):
-        dst.update(src.keys, src.values)  # the same dtype: a copy of the bytes
+def copied(cache: DynamicCache, room: int) -> DynamicCache:
+    """A new cache holding a copy of every layer's filled positions (every layer of `cache` a
+    ReservedLayer, as `new_cache` makes them), in the same K/V dtype, with room for `room` more
+    (score_choices: one per run of choices). Built without walking the model's config again: that walk
+    and DynamicLayer's lazy set-up took half of the ~4 ms a copy of SmolLM2's 30 layers took."""
+    out = DynamicCache.__new__(DynamicCache)
+    Cache.__init__(out, layers=[layer.with_room(room) for layer in cache.layers])  # as DynamicCache(config=)
     return out
 
 

@@ -469,7 +469,7 @@ class CanonicalRunner:
     def choice_items(self, n: int, cache, choices: Sequence[Sequence[int]]) -> list[StepItem]:
         """One step item per run of `choice_runs`, at the n positions after the prompt, over its own copy
         of the prompt's K/V (`add_choice_logits` reads their logits)."""
-        return [StepItem(ids, n, copied(cache, self.model, room=ids.shape[1]))
+        return [StepItem(ids, n, copied(cache, room=ids.shape[1]))
                 for ids in (_run_ids(run, self.device) for run in choice_runs(choices))]
 
     @torch.inference_mode()
