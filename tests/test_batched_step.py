@@ -267,9 +267,9 @@ def test_a_decode_rows_plan_is_kept_and_rebuilt_when_its_cache_changes(tmp_path,
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_choices_scored_in_one_shared_step_equal_each_scored_alone(arch, tmp_path, tiny_ggufs):
-    """`Engine.choose` scores every choice over its own copy of the prompt's K/V in one shared step
-    (runner.score_choices): each score equals the one computed alone over the prompt's cache, grafted or
-    not, and (none starting like another) does not depend on the other choices offered."""
+    """`Engine.choose` scores every choice (here each its own run) over its own copy of the prompt's K/V
+    in one shared step (runner.score_choices): each score equals the one computed alone over the prompt's
+    cache, grafted or not, and (none starting like another) does not depend on the other choices offered."""
     eng = Engine.open(str(tiny_ggufs[arch]), tmp_path / "store", chunk=16)
     rng = random.Random(9)
     V = eng.runner.vocab_size

@@ -460,8 +460,8 @@ class CanonicalRunner:
         return [float(first[int(c[0])]) for c in choices]
 
     def choices_in_steps(self, cache) -> bool:
-        """Whether the choices after a prompt in `cache` are scored as steps of the lean step (each over
-        its own copy of the prompt's K/V where the step is shared: `choice_items`)."""
+        """Whether the choices after a prompt in `cache` are scored as steps of the lean step (each run of
+        `choice_runs` over its own copy of the prompt's K/V where the step is shared: `choice_items`)."""
         layers = getattr(cache, "layers", None)
         return bool(self._lean_step is not None and self.static is None and layers
                     and all(isinstance(layer, ReservedLayer) for layer in layers))
@@ -494,9 +494,9 @@ class CanonicalRunner:
         if T == 0:
             return scores
         if self.choices_in_steps(cache):
-            # each choice's tokens in one step after the prompt: every choice over its own copy of the
-            # prompt's K/V in one shared step (its logits are the bits of its step alone: batched_step.py),
-            # or one choice after another over the prompt's cache, its views then back to n positions
+            # the choices' runs in one step after the prompt: every run over its own copy of the prompt's
+            # K/V in one shared step (its logits are the bits of its step alone: batched_step.py), or one
+            # run after another over the prompt's cache, its views then back to n positions
             runs = choice_runs(choices)
             stepper = self._choice_stepper()
             if stepper.shared and len(runs) > 1:
