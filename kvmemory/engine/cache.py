@@ -46,15 +46,12 @@ class ReservedLayer(DynamicLayer):
     def with_room(self, room: int) -> ReservedLayer:
         """A new layer holding a copy of this one's filled positions (the same bytes, the same dtype) in
         buffers with room for `room` more, set up as `update` leaves a layer."""
-        k, v = self.keys, self.values
-        n = k.shape[-2]
+        n = self.get_seq_length()
         out = ReservedLayer(n + room, self.kv_dtype)
-        out.device, out.is_initialized = k.device, True  # what DynamicLayer.lazy_initialization sets
-        out.k_buf = torch.empty(*k.shape[:2], n + room, k.shape[3], dtype=k.dtype, device=k.device)
-        out.v_buf = torch.empty(*v.shape[:2], n + room, v.shape[3], dtype=v.dtype, device=v.device)
-        out.k_buf[:, :, :n].copy_(k)
-        out.v_buf[:, :, :n].copy_(v)
-        out.keys, out.values = out.k_buf[:, :, :n], out.v_buf[:, :, :n]
+        out.device, out.is_initialized = self.keys.device, True  # what DynamicLayer.lazy_initialization sets
+        out.keys, out.values = self.keys, self.values  # what _reserve copies into the new buffers
+        out._reserve(self.keys, self.values, n, n + room)
+        out.filled(n)
         return out
 
     def adopt(self, k_buf: torch.Tensor, v_buf: torch.Tensor, length: int, whole: torch.Tensor | None = None) -> None:
