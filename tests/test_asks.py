@@ -124,6 +124,34 @@ def test_chat_answers_a_recurring_problem_from_its_verified_solution(real_memory
     assert "recurrence" not in other.notes and other.stats.tokens_decoded > 0
 
 
+def test_a_recurrence_stores_what_it_computed_and_the_same_question_grafts_it(real_memory):
+    """A server's chat (`cache` on: run_chat's store_blocks=True) stores the blocks a recurrence's two prompts
+    compute (the entry then the question, and the question alone for the contrast): the same question asked
+    again grafts them and scores every choice to the same bits. The memory's own policy ("multi": one entry
+    stores nothing) and store_blocks=False leave the store as it was."""
+    from kvmemory.adapters.chat import ChatRequest, run_chat
+    from kvmemory.adapters.shared import borrow_memory
+
+    mem = real_memory
+    mem.remember(MUFFINS, MUFFINS_SOLUTION, answer="33")
+    rewording = "Bakery: 5 trays × 24 muffins/tray, 87 muffins sold. Muffins left = ?"
+    hits = mem.route(rewording, 1)
+    blocks = lambda: mem.store.stats().blocks  # noqa: E731
+    mem.answer_from(rewording, hits, answer_prefix="The answer is", choices="numbers")  # keeps the preamble's block
+    held = blocks()
+    for store_blocks in (None, False):
+        mem.answer_from(rewording, hits, answer_prefix="The answer is", choices="numbers", store_blocks=store_blocks)
+        assert blocks() == held
+    first = mem.answer_from(rewording, hits, answer_prefix="The answer is", choices="numbers", store_blocks=True)
+    assert first.report.blocks_stored > 0 and blocks() > held
+    again = mem.answer_from(rewording, hits, answer_prefix="The answer is", choices="numbers", store_blocks=True)
+    assert again.text == first.text == "The answer is 33."
+    assert again.choice_scores == first.choice_scores  # the same floats, bit for bit
+    assert again.report.tokens_grafted > first.report.tokens_grafted
+    assert again.report.tokens_scored < first.report.tokens_scored  # the contrast's question grafted too
+    out = run_chat(borrow_memory(mem), ChatRequest(turns=[{"role": "user", "content": rewording}], store_blocks=True))
+    assert out.text == first.text and out.stats.prompt_grafted == again.report.tokens_grafted
+
 @pytest.mark.parametrize("which", ["fresh", "fresh2"])
 def test_the_blind_asks_sets_load_whole(which):
     """`bench rewordings --set fresh|fresh2`: 40 problems, three rewordings each (words, units, reordered),

@@ -45,7 +45,7 @@ TEXTS = select_texts(TEXT_NAMES)
 # same kernels is ~1000x closer.)
 BOUNDS = ("max_abs_diff", "kl_mean", "kl_max", "argmax_disagreements")
 # oneDNN (the packed profile's linears) picks its kernels, and so its sums' order, by the CPU's ISA. On a
-# 2-core AMD EPYC Zen 2 (AVX2, no AVX-512; 2026-12-07): max|d| 0.200079, KL mean 3.797e-05, KL max
+# 2-core AMD EPYC Zen 1 (AVX2, no AVX-512; 2026-12-07): max|d| 0.200079, KL mean 3.797e-05, KL max
 # 2.901e-03, argmax 383/383. The other profiles' figures there are within the bounds above.
 PACKED_AVX2_BOUNDS = (0.30, 5.7e-05, 4.4e-03, 1)
 PROFILES = {

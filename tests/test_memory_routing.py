@@ -62,8 +62,10 @@ def test_answer_chosen_among_the_solution_numbers(library):
     tokenized = [eng.encode(f" {c}.") for c in ans.choices]
     assert ans.report.tokens_decoded == len(tokenized[best]) and ans.report.tokens_grafted >= 64
     # The scores do not depend on where the prefix's KV came from: grafted or recomputed, the same floats.
-    prompt = mem.question_layout(q, [e], prefix)  # the ids, cut at the entry's end (memory/layout.py)
-    assert prompt.ids == mem.followup_ids([e], q) + eng.encode(prefix) and prompt.cuts == (len(e.token_ids),)
+    # the ids, cut at the entry's end and at the question's, before the prefix (memory/layout.py)
+    prompt = mem.question_layout(q, [e], prefix)
+    asked = mem.followup_ids([e], q)
+    assert prompt.ids == asked + eng.encode(prefix) and prompt.cuts == (len(e.token_ids), len(asked))
     g_best, g_scores, g_rep = eng.choose(prompt.ids, tokenized, cuts=prompt.cuts)
     r_best, r_scores, r_rep = eng.choose(prompt.ids, tokenized, graft=False, cuts=prompt.cuts)
     assert g_rep.tokens_grafted == len(e.token_ids) and r_rep.tokens_grafted == 0  # the whole entry, tail too
@@ -77,7 +79,8 @@ def test_answer_chosen_among_the_solution_numbers(library):
     # stored and grafted: it computes the rest.
     alone = mem.question_layout(q, (), prefix)
     assert alone.ids == render_ids(eng.tokenizer, [{"role": "user", "content": q}], add_generation_prompt=True) + eng.encode(prefix)
-    assert alone.cuts == (len(preamble(eng.tokenizer)),) and alone.cuts[0] >= 16
+    assert alone.cuts == (len(preamble(eng.tokenizer)), len(alone.ids) - len(eng.encode(prefix)))
+    assert alone.cuts[0] >= 16
     _, a_scores, a_rep = eng.choose(alone.ids, tokenized, graft=False, cuts=alone.cuts)
     known = [float(c) == float(p.answer) for c in ans.choices]
     assert sum(known) == 1

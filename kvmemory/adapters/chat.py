@@ -182,7 +182,7 @@ def _recurrence(mem: KVMemory, req: ChatRequest, turns: list[dict], hits: list[R
     (memory/recurrence.py): the verified working's answer, as `answer(choices="numbers")` gives it."""
     if req.response_schema is not None or not hits or turns[-1]["role"] != "user" or not req.route:
         return None
-    ans = recurrence_answer(mem, turns[-1]["content"], hits)
+    ans = recurrence_answer(mem, turns[-1]["content"], hits, store_blocks=req.store_blocks)
     if ans is None or not ans.text:
         return None
     dec.add_answer(ans.report, ans.seconds)

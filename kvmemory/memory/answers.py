@@ -185,23 +185,26 @@ def keep_preamble(engine, layout: Layout) -> None:
 
 
 def choose(mem, prompt: Layout, offered: list[str], end: str, answer_prefix: str | None,
-           hits: Sequence, query: str, contrast: float, prior: float, other: dict[str, str] | None = None) -> Answer:
+           hits: Sequence, query: str, contrast: float, prior: float, other: dict[str, str] | None = None,
+           store: bool = False) -> Answer:
     """`KVMemory.answer` with choices: each offered answer (followed by `end`) scored by the model after
     `prompt` (the routed entries grafted), contrasted with its score after the question alone, a routed
     verified entry's own answer raised by `prior`, unless the question asks another quantity than that
-    entry answered (`other`: {entry id: why}, memory/asks.py); the best one is the answer."""
+    entry answered (`other`: {entry id: why}, memory/asks.py); the best one is the answer. `store`: the
+    grid-aligned blocks both prompts compute are stored (an identical question then grafts them)."""
     other = other or {}
     eng = mem.engine
     t0 = time.perf_counter()
     sep = " " if answer_prefix else ""
     tokenized = [eng.encode(f"{sep}{c}{end}") for c in offered]
     entries = [h.entry for h in hits]
-    asks = [dict(token_ids=prompt.ids, choices=tokenized, entries_used=[e.id for e in entries], cuts=prompt.cuts)]
+    asks = [dict(token_ids=prompt.ids, choices=tokenized, entries_used=[e.id for e in entries], cuts=prompt.cuts,
+                 store_new_blocks=store)]
     if entries and contrast:  # the same choices after the question alone, in the same steps where batched
         alone = mem.question_layout(query, (), answer_prefix)  # cut after the template's preamble
         if mem.block_policy != "none":  # "none": nothing the answer computes is stored
             keep_preamble(mem.engine, alone)
-        asks.append(dict(token_ids=alone.ids, choices=tokenized, cuts=alone.cuts))
+        asks.append(dict(token_ids=alone.ids, choices=tokenized, cuts=alone.cuts, store_new_blocks=store))
     chosen = eng.choose_many(asks)
     best, scores, report = chosen[0]
     adjusted = False

@@ -741,10 +741,14 @@ class KVMemory:
                     answer_prefix: str | None = None, choices: str | Sequence[str] | None = None,
                     choice_end: str = ".", contrast: float = DEFAULT_CONTRAST,
                     prior: float = DEFAULT_PRIOR, nothing_to_choose: str = "return",
-                    note_answer: str = answers.STATEMENT, ask_check: bool = True) -> Answer:
+                    note_answer: str = answers.STATEMENT, ask_check: bool = True,
+                    store_blocks: bool | None = None) -> Answer:
         """`answer` after routing: answer `query` from these routed entries (e.g. the ones a framework's
         retriever returned), the first one's KV grafted; the options are `answer`'s. An entry that does not
-        check against itself is left out and named in `Answer.refused`."""
+        check against itself is left out and named in `Answer.refused`. `store_blocks`: whether the
+        grid-aligned blocks the answer computes (its prompt's, and with choices its contrast's) are stored,
+        so that the same question is grafted next time: None follows `block_policy`, True / False always /
+        never (a server storing what every request computes: `cache` in its API)."""
         query = _check_text("query", query)
         check_answer_options(max_new_tokens=max_new_tokens, choices=choices, contrast=contrast, prior=prior)
         if nothing_to_choose not in answers.NOTHING_TO_CHOOSE:
@@ -763,14 +767,15 @@ class KVMemory:
         ans = self._answer_from(query, hits, max_new_tokens=max_new_tokens, sampling=sampling, stop=stop,
                                 on_text=on_text, answer_prefix=answer_prefix, choices=choices, choice_end=choice_end,
                                 contrast=contrast, prior=prior, nothing_to_choose=nothing_to_choose,
-                                note_answer=note_answer, ask_check=ask_check)
+                                note_answer=note_answer, ask_check=ask_check, store_blocks=store_blocks)
         ans.refused = refused
         return ans
 
     def _answer_from(self, query: str, hits: Sequence[Recalled], *, max_new_tokens: int, sampling: Sampling,
                      stop: Sequence[str], on_text, answer_prefix: str | None, choices, choice_end: str,
                      contrast: float, prior: float, nothing_to_choose: str = "return",
-                     note_answer: str = answers.STATEMENT, ask_check: bool = True) -> Answer:
+                     note_answer: str = answers.STATEMENT, ask_check: bool = True,
+                     store_blocks: bool | None = None) -> Answer:
         entries = [h.entry for h in hits]
         if (entries and choices is None and note_answer == answers.STATEMENT
                 and all(notes.kind_of(e) == notes.NOTE for e in entries)):
@@ -781,7 +786,11 @@ class KVMemory:
         for e in entries:
             self.engine.require_profile(e.profile_id, f"entry {e.id}'s blocks")
         prompt = self.question_layout(query, entries, answer_prefix)
-        store_new = self.block_policy == "always" or (self.block_policy == "multi" and len(entries) > 1)
+        if store_blocks is None:
+            store_new = self.block_policy == "always" or (self.block_policy == "multi" and len(entries) > 1)
+        else:
+            store_new = bool(store_blocks)
+        store_new = store_new and not getattr(self.store, "readonly", False)
         offered = choice_list.offered(choices, entries)
         if offered:
             other = asks.other_asks(query, entries) if ask_check else {}
@@ -792,7 +801,7 @@ class KVMemory:
                 if not offered:
                     return answers.other_ask_unanswered(hits, other)
             return answers.choose(self, prompt, offered, choice_end, answer_prefix, hits, query, contrast, prior,
-                                  other)
+                                  other, store=store_new)
         capped = choices is not None  # nothing to choose among: never a silent free decode (memory/answers.py)
         if capped and nothing_to_choose == "return":
             return answers.nothing_to_choose(hits)
@@ -830,7 +839,8 @@ class KVMemory:
         prompt = self.chat_prompt(messages, route=route, k=k, namespace=namespace, threshold=threshold, where=where)
         last = messages[-1] if messages else {}
         if recurrence and prompt.hits and str(last.get("role")) == "user":
-            rec = recurrence_answer(self, str(last.get("content") or ""), prompt.hits)
+            rec = recurrence_answer(self, str(last.get("content") or ""), prompt.hits,
+                                    store_blocks=prompt.store_new_blocks)
             if rec is not None and rec.text:
                 if on_text is not None:
                     on_text(rec.text)

@@ -115,14 +115,17 @@ def chat_layout(tokenizer, messages: Sequence[Message], entries: Sequence = ()) 
 
 def question_layout(tokenizer, question: str, entries: Sequence = (), answer_prefix_ids: Sequence[int] = ()) -> Layout:
     """The prompt `answer` computes: the entries' conversation (if any) and the question, with the
-    assistant's turn opened by `answer_prefix_ids` when given; cut at each entry's end (the question's
-    own end is not a cut: the next question is another)."""
+    assistant's turn opened by `answer_prefix_ids` when given; cut at each entry's end and, when an answer
+    prefix follows, at the question's end (the assistant's turn opened): where the blocks are stored (a
+    server's `cache`, `block_policy`), the same question asked again grafts all of it and computes only
+    the prefix, as a chat's next turn grafts the last one's prompt. Without a prefix the question's end is
+    the prompt's own: its last token is always computed, so no block could end there."""
     if entries:
         chat = chat_layout(tokenizer, [{"role": "user", "content": question}], entries)
-        ids, cuts = chat.ids, chat.cuts[:-1]  # not the prompt's own end
+        ids, cuts = chat.ids, chat.cuts if answer_prefix_ids else chat.cuts[:-1]
     else:
         ids = render_ids(tokenizer, [{"role": "user", "content": question}], add_generation_prompt=True)
-        cuts = _cuts([_prefix_len(ids, preamble(tokenizer))], len(ids))
+        cuts = _cuts([_prefix_len(ids, preamble(tokenizer)), len(ids) if answer_prefix_ids else None], len(ids))
     return Layout(ids + list(answer_prefix_ids), cuts)
 
 

@@ -32,10 +32,10 @@ def recurring_hit(question: str, hits: Sequence):
     return None
 
 
-def answer(mem, question: str, hits: Sequence):
+def answer(mem, question: str, hits: Sequence, store_blocks: bool | None = None):
     """`KVMemory.answer_from`'s answer to a recurrence of a routed problem, or None when `question` is
-    not one (then the caller decodes freely)."""
+    not one (then the caller decodes freely). `store_blocks`: answer_from's (None: the memory's policy)."""
     hit = recurring_hit(question, hits)
     if hit is None:
         return None
-    return mem.answer_from(question, [hit], answer_prefix=ANSWER_PREFIX, choices="numbers")
+    return mem.answer_from(question, [hit], answer_prefix=ANSWER_PREFIX, choices="numbers", store_blocks=store_blocks)
