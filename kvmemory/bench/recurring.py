@@ -237,7 +237,7 @@ def study_choices(seeds=(0, 1, 7, 11, 12), problems: int = 20, rewordings: int =
                     right["free_decode"] += extract_answer(free.text) == p.answer
                     nums = numbers_in(solution_text(e.solution, e.answer))
                     toks = [eng.encode(f" {n}.") for n in nums]
-                    prompt = mem.question_layout(q, [e], ANSWER_PREFIX)  # cut at the entry's end, as answer cuts it
+                    prompt = mem.question_layout(q, [e], ANSWER_PREFIX)  # cut as answer cuts it
                     _, with_mem, _ = eng.choose(prompt.ids, toks, cuts=prompt.cuts)
                     _, alone, _ = eng.choose(mem.question_ids(q, (), ANSWER_PREFIX), toks, graft=False)
                     for w in contrasts:

@@ -12,8 +12,9 @@ Cuts of a chat prompt: the end of each routed entry, of an explicit system turn,
 prompt of the conversation (each assistant turn's start: where the previous call's prompt ended, so
 turn k grafts what turn k-1 stored), and of the prompt itself (so the tail it computes is stored for
 the next turn); without entries also the end of the template's preamble (`preamble`: its default
-system turn, which every such prompt then grafts). Cuts of an entry's proof: the entry's end, followed
-by a fixed probe question.
+system turn, which every such prompt then grafts). Cuts of an answer's prompt (`question_layout`): the
+same, its own end included when an answer prefix follows it (the same question asked again grafts all
+but the prefix). Cuts of an entry's proof: the entry's end, followed by a fixed probe question.
 """
 
 from __future__ import annotations
