@@ -212,6 +212,7 @@ def choose(mem, prompt: Layout, offered: list[str], end: str, answer_prefix: str
         _, base, rep = chosen[1]
         scores = [s - contrast * b for s, b in zip(scores, base)]
         report.tokens_scored += rep.tokens_computed + rep.tokens_scored
+        report.blocks_stored += rep.blocks_stored  # the contrast's question, where stored
         adjusted = True
     if prior and (known := choices.verified_answers([e for e in entries if e.id not in other])):
         scores = [s + prior * choices.is_known(c, known) for s, c in zip(scores, offered)]
