@@ -442,3 +442,39 @@ def test_a_batch_refuses_choices_it_cannot_score(tmp_path, tiny_ggufs):
     with pytest.raises(InvalidInput):
         batch.add([5, 6, 7], choices=[[eng.runner.vocab_size + 5]])
     assert not batch.sequences
+
+
+def test_a_prompt_being_computed_is_grafted_by_the_same_prompt_not_computed_twice(tmp_path, tiny_ggufs):
+    """Two clients send the same prompt at once, nothing stored: the second waits for the first's blocks
+    (stored as each chunk is computed), grafts them, and gets the bits it gets computing alone."""
+    eng = Engine.open(str(tiny_ggufs["llama"]), tmp_path / "store", chunk=16)
+    rng = random.Random(3)
+    ids = [rng.randrange(3, eng.runner.vocab_size) for _ in range(53)]  # 3 whole chunks and a tail
+    other = [rng.randrange(3, eng.runner.vocab_size) for _ in range(20)]
+    cold = Engine.open(str(tiny_ggufs["llama"]), tmp_path / "cold", chunk=16)
+    ref = cold.forward(ids, max_new_tokens=4, stop_token_ids=(), keep_logits=True)[0]
+    batch = eng.batch(64)
+    first = batch.add(ids, max_new_tokens=4, stop_token_ids=(), keep_logits=True, store_new_blocks=True)
+    between = batch.add(other, max_new_tokens=2, stop_token_ids=(), store_new_blocks=True)
+    second = batch.add(ids, max_new_tokens=4, stop_token_ids=(), keep_logits=True, store_new_blocks=True)
+    batch.step()
+    assert first.prepared and between.prepared and not second.prepared  # it waits; the one behind does not
+    batch.run()
+    assert first.report.tokens_grafted == 0 and first.blocks_stored == 3
+    assert second.report.tokens_grafted == 48 and second.report.tokens_computed == 5
+    grafted = eng.forward(ids, max_new_tokens=4, stop_token_ids=(), keep_logits=True)  # the stored blocks
+    assert grafted[1].tokens_grafted == 48
+    assert first.result.logits_sha256 == ref.logits_sha256
+    assert second.result.logits_sha256 == grafted[0].logits_sha256
+    for s in (first, second):
+        assert s.error is None
+        assert s.result.generated == ref.generated
+        assert torch.equal(s.result.all_logits()[-4:], ref.all_logits()[-4:])  # the last prompt row, decode rows
+    # a graft the sequence must not take (graft=False) or a read-only store: no wait
+    batch = eng.batch(64)
+    fresh = [rng.randrange(3, eng.runner.vocab_size) for _ in range(40)]
+    a = batch.add(fresh, store_new_blocks=True)
+    b = batch.add(fresh, graft=False)
+    batch.step()
+    assert a.prepared and b.prepared
+    batch.run()

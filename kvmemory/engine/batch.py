@@ -5,7 +5,10 @@ engines do (vLLM's and SGLang's per-step token budget): first one decode row per
 then the next grid chunk (runner.chunk_spans) of sequences still reading their prompt, in the order
 they joined, while the step's tokens stay within `token_budget` (a step always takes at least one
 item, so a chunk longer than the budget still runs). A sequence joins at the next step (`add`) and
-leaves when it is done or cancelled (`cancel`), freeing its cache at once.
+leaves when it is done or cancelled (`cancel`), freeing its cache at once. A sequence's new blocks are
+stored as each chunk is computed; one that would graft blocks an earlier sequence is still computing
+(the same prompt from several clients at once) joins once they are stored, and grafts them
+(`_waits_for_blocks`), so a prompt no one has stored yet is computed once, not once per client.
 
 Each sequence follows runner.forward's steps exactly: the same chunks at the same positions over its
 own cache (the longest stored chain grafted first, as `Engine.forward` grafts it), then one decode row
@@ -28,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvmemory.engine.batched_step import BatchedStep, StepItem
-from kvmemory.engine.graft import GraftReport
+from kvmemory.engine.graft import GraftReport, graft_spans
 from kvmemory.engine.profile import tensor_bytes
 from kvmemory.engine.runner import (GREEDY, ForwardResult, Sampling, _choose, add_choice_logits, check_cuts,
                                     choice_runs, chunk_spans, multi_token, span_boundary)
@@ -228,6 +231,8 @@ class Batch:
             if not s.prepared:
                 if self.kv_tokens is not None and self._held() and self._held() + s.kv_need > self.kv_tokens:
                     break  # first come, first served: it waits for K/V room, and so do those behind it
+                if self._waits_for_blocks(s):
+                    continue  # an earlier sequence is computing blocks it will graft: not computed twice
                 # a sequence not yet grafted: its first chunk starts where its graft ends (known once grafted)
                 if items and tokens + 1 > self.token_budget:
                     break
@@ -243,6 +248,44 @@ class Batch:
             items.append((s, a, b))
             tokens += b - a
         return items
+
+    def _waits_for_blocks(self, s: BatchSequence) -> bool:
+        """Whether an earlier sequence still reading its prompt will store blocks that `s` would graft
+        (the same tokens over the same spans from position 0: the same chain hashes, graft.plan_chain):
+        `s` then joins once they are stored and grafts them instead of computing them again (requests
+        that share a prompt not stored yet: the same question from several clients at once). The graft
+        gives the bits its computation would (the exactness contract), so this changes time, not bits."""
+        if not s.graft or s.rows is not None or getattr(self.engine.store, "readonly", False):
+            return False
+        chunk = self.runner.chunk
+        mine = graft_spans(len(s.token_ids), chunk, s.cuts)
+        for t in self.sequences:
+            if t is s:
+                return False
+            if (t.done or not t.prepared or not t.store_new_blocks or t.decoding or t.scoring
+                    or t.next_span >= len(t.spans)):
+                continue
+            at = t.spans[t.next_span][0]  # t has computed (and stored) its blocks up to here
+            same = _common_prefix(s.token_ids, t.token_ids)
+            if same <= at:
+                continue
+            end = 0
+            for x, y in zip(mine, chunk_spans(0, len(t.token_ids), chunk, t.cuts)):
+                if x != y or x[1] > same or not span_boundary(x[1], chunk, t.cuts):
+                    break
+                end = x[1]
+            if end > at:
+                return True
+        return False
+
+    def _store_blocks(self, s: BatchSequence) -> None:
+        """Store the blocks `s` has captured so far, at once (a sequence waiting for them grafts them at
+        the next step: `_waits_for_blocks`)."""
+        if s._new_blocks and not getattr(self.engine.store, "readonly", False):
+            self.engine.store.put_blocks(list(s._new_blocks))
+            s.blocks_stored += len(s._new_blocks)
+            s.report.blocks_stored = s.blocks_stored
+        s._new_blocks.clear()  # in place: the capture callback appends to this very list
 
     def _held(self) -> int:
         """K/V positions the prepared sequences hold (reserved for their prompt and tokens to decode)."""
@@ -290,6 +333,7 @@ class Batch:
                     s.next_span += 1
                     if s._on_chunk is not None:
                         s._on_chunk(a, b, s.cache)
+                        self._store_blocks(s)
                     if s.next_span == len(s.spans):
                         s._t.append(time.perf_counter())
                         if s.choices is not None:
@@ -371,10 +415,7 @@ class Batch:
         r.tokens_decoded = len(s.generated)
         r.compute_seconds = t1 - t0
         r.decode_seconds = t2 - t1
-        if s._new_blocks and not getattr(self.engine.store, "readonly", False):
-            self.engine.store.put_blocks(s._new_blocks)
-            s.blocks_stored = r.blocks_stored = len(s._new_blocks)
-        s._new_blocks = []
+        self._store_blocks(s)
         if s.keep_cache and s.choices is None:
             s.result.extra["cache"] = cache  # the caller's now (Engine.choose): not given back to the room
         elif cache is not None:
@@ -385,6 +426,15 @@ class Batch:
         """Step until every sequence is done."""
         while self.step():
             pass
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many tokens `a` and `b` share from the start."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
 
 
 __all__ = ["Batch", "BatchSequence", "DEFAULT_TOKEN_BUDGET"]
