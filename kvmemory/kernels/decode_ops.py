@@ -38,6 +38,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kvm_decode_layer.argtypes = [ctypes.POINTER(Step), ctypes.POINTER(Layer), vp, ctypes.POINTER(Layer), vp, vp]
     lib.kvm_decode_rows.argtypes = [ctypes.POINTER(Rows), ctypes.POINTER(Row), i64, i64, vp, i64, vp]
     lib.kvm_decode_rows.restype = c_int
+    lib.kvm_decode_rows_layer.argtypes = [ctypes.POINTER(Step), ctypes.POINTER(Layer), vp, ctypes.POINTER(Layer),
+                                          ctypes.POINTER(Rows), ctypes.POINTER(Row), i64, i64]
+    lib.kvm_decode_rows_layer.restype = c_int
     lib.kvm_decode_layer.restype = c_int
     lib.kvm_decode_layer_scratch.argtypes = [ctypes.POINTER(Step)]
     lib.kvm_decode_layer_scratch.restype = i64
