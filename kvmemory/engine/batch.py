@@ -266,12 +266,11 @@ class Batch:
                     or t.next_span >= len(t.spans)):
                 continue
             at = t.spans[t.next_span][0]  # t has computed (and stored) its blocks up to here
-            same = _common_prefix(s.token_ids, t.token_ids)
-            if same <= at:
-                continue
-            end = 0
+            if s.token_ids[:at + 1] != t.token_ids[:at + 1]:
+                continue  # they part before t's next span: nothing t computes from here is s's
+            end = 0  # where the spans both prompts hold alike end (slices compared: no loop over tokens)
             for x, y in zip(mine, chunk_spans(0, len(t.token_ids), chunk, t.cuts)):
-                if x != y or x[1] > same or not span_boundary(x[1], chunk, t.cuts):
+                if x != y or not span_boundary(x[1], chunk, t.cuts) or s.token_ids[x[0]:x[1]] != t.token_ids[x[0]:x[1]]:
                     break
                 end = x[1]
             if end > at:
@@ -426,15 +425,6 @@ class Batch:
         """Step until every sequence is done."""
         while self.step():
             pass
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many tokens `a` and `b` share from the start."""
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
 
 
 __all__ = ["Batch", "BatchSequence", "DEFAULT_TOKEN_BUDGET"]
