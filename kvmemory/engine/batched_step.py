@@ -229,21 +229,10 @@ class BatchedStep:
         step = decode_ops.Step(*lean._c_fns, R, cfg.num_attention_heads, cfg.num_key_value_heads, lean.head_dim,
                                cfg.hidden_size, lean.ffn, lean.width, torch.get_num_threads(), 0, 0, 0, 0, R, None,
                                0, lean._c_scale, None, None, h.data_ptr(), None, None)
-        step_ref = ctypes.byref(step)
-        scratch = torch.empty(lean.kernel.kvm_decode_layer_scratch(step_ref), dtype=torch.float32)
-        gu = torch.empty((1, R, 2 * lean.ffn), dtype=torch.float32)
-        step.scratch, step.gate_up = scratch.data_ptr(), gu.data_ptr()
-        gate, up = gu[..., : lean.ffn], gu[..., lean.ffn:]  # as the loop slices its gate_up output
-        fn, rows_ref, act, prev = lean.kernel.kvm_decode_rows_layer, ctypes.byref(rows_c), None, None
-        for i, cur in enumerate(lean.c_layers):
-            rc = fn(step_ref, prev, act.data_ptr() if act is not None else None, cur, rows_ref, rows_arg,
-                    len(rows_arg), i)
-            if rc:
-                raise ValueError(f"the decode-step kernels refused a step of decode rows at layer {i} ({rc})")
-            mlp = lean.layers[i].mlp
-            act = torch.cat([mlp.act_fn(gate[:, s:e]) * up[:, s:e] for s, e in groups], 1)
-            prev = cur
-        return lean.layers[-1].mlp.down_proj.forward(act)
+        fn, rows_ref, n = lean.kernel.kvm_decode_rows_layer, ctypes.byref(rows_c), len(rows_arg)
+        return lean._run_c_layers(
+            step, lambda i, step_ref, prev, cur, act: fn(step_ref, prev, act, cur, rows_ref, rows_arg, n, i),
+            lambda mlp, gate, up: torch.cat([mlp.act_fn(gate[:, s:e]) * up[:, s:e] for s, e in groups], 1))
 
     def _shared(self, items: Sequence[StepItem]) -> list[torch.Tensor]:
         from transformers.masking_utils import create_causal_mask

@@ -206,19 +206,36 @@ class LlamaLeanStep:
             *self._c_fns, T, cfg.num_attention_heads, cfg.num_key_value_heads, self.head_dim, cfg.hidden_size,
             self.ffn, self.width, torch.get_num_threads(), position, head_stride, kv, causal, keys, mask.data_ptr() if mask is not None else None, mask.stride(2) if mask is not None else 0,
             self._c_scale, cos.data_ptr(), sin.data_ptr(), h.data_ptr(), None, None)
+        fn = self.kernel.kvm_decode_layer
+
+        def call(i, step_ref, prev, cur, act):
+            layer, k, v = rooms[i]
+            rc = fn(step_ref, prev, act, cur, k.data_ptr(), v.data_ptr())
+            if rc == 0:
+                layer.filled(position + T)
+            return rc
+
+        return self._run_c_layers(step, call)
+
+    def _run_c_layers(self, step, call, silu_up=None) -> torch.Tensor:
+        """A step's layers through a C layer call, h updated in place: `step` is the step's decode_ops.Step
+        (its scratch and gate/up buffers are made here), `call(i, step_ref, prev, cur, act)` runs layer i
+        (`cur`, its c_layers entry; `prev` and `act` the layer before's and its SiLU(gate) * up address,
+        None for the first) and returns the kernel's code. SiLU(gate) * up stays torch's between layers:
+        `silu_up(mlp, gate, up)`, over all rows at once by default. Returns the last layer's down
+        projection (the delta not yet added to h)."""
         step_ref = ctypes.byref(step)
         scratch = torch.empty(self.kernel.kvm_decode_layer_scratch(step_ref), dtype=torch.float32)
-        gu = torch.empty((1, T, 2 * self.ffn), dtype=torch.float32)
+        gu = torch.empty((1, step.T, 2 * self.ffn), dtype=torch.float32)
         step.scratch, step.gate_up = scratch.data_ptr(), gu.data_ptr()
         gate, up = gu[..., : self.ffn], gu[..., self.ffn:]  # as the Python path slices its gate_up output
-        fn, act, prev = self.kernel.kvm_decode_layer, None, None
-        for i, (layer, k, v) in enumerate(rooms):
-            cur = self.c_layers[i]
-            rc = fn(step_ref, prev, act.data_ptr() if act is not None else None, cur, k.data_ptr(), v.data_ptr())
+        act, prev = None, None
+        for i, cur in enumerate(self.c_layers):
+            rc = call(i, step_ref, prev, cur, act.data_ptr() if act is not None else None)
             if rc:
                 raise KVMemoryError(f"the decode step's layer {i} failed in a kernel ({rc})")
-            layer.filled(position + T)
-            act = self.layers[i].mlp.act_fn(gate) * up
+            mlp = self.layers[i].mlp
+            act = silu_up(mlp, gate, up) if silu_up is not None else mlp.act_fn(gate) * up
             prev = cur
         return self.layers[-1].mlp.down_proj.forward(act)
 

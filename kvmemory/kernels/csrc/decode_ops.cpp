@@ -200,19 +200,34 @@ int run_side_by_side(const KvmStep& s, std::initializer_list<const KvmLinear*> p
     return col == width ? 0 : -2;
 }
 
-}  // namespace
+// Where one layer's intermediates lie in a step's scratch (layer_scratch_floats() floats).
+struct LayerScratch {
+    float* delta;         // [T, hidden]: the down / o projection added to h
+    float* x;             // [T, hidden]: the normed h a layer's linears read
+    float* qkv;           // [T, qkv width]
+    float* q;             // [T, hq, D]: RoPE'd q
+    float* att;           // [T, hq * D]: attention's output
+    float* sq;            // [hidden]: the norm's squares
+    float* rope_scratch;  // [hkv * D]
+    float* parts;         // [T, max(qkv width, 2 ffn)]: unfused linears' rows
+};
 
-#pragma GCC visibility push(default)
-extern "C" {
+LayerScratch layer_scratch(const KvmStep& s) {
+    const int64_t T = s.T, qkv_width = (s.hq + 2 * s.hkv) * s.D;
+    LayerScratch w;
+    w.delta = s.scratch;
+    w.x = w.delta + T * s.hidden;
+    w.qkv = w.x + T * s.hidden;
+    w.q = w.qkv + T * qkv_width;
+    w.att = w.q + T * s.hq * s.D;
+    w.sq = w.att + T * s.hq * s.D;
+    w.rope_scratch = w.sq + s.hidden;
+    w.parts = w.rope_scratch + s.hkv * s.D;
+    return w;
+}
 
-// The version of the calling convention below; decode_ops.py refuses a library of another.
-int kvm_decode_abi_version() { return 7; }  // 7: kvm_decode_rows_layer; 6: kv_bf16 2 (the q8 profile's scores)
-
-// For each of `rows` rows of n floats: h += delta where delta is not null (the residual add, in place),
-// then out = the RMS norm of h with weight w. `sq` is n floats of scratch (h * h). Returns 0, or -2 for
-// lanes other than 8 / 16, n < 1 or rows < 0.
-int kvm_decode_add_rms_norm(float* h, const float* delta, const float* w, int64_t rows, int64_t n, float eps,
-                            int lanes, float* sq, float* out) {
+int add_rms_norm_rows(float* h, const float* delta, const float* w, int64_t rows, int64_t n, float eps, int lanes,
+                       float* sq, float* out) {
     if ((lanes != 8 && lanes != 16) || n < 1 || rows < 0) return -2;
     for (int64_t r = 0; r < rows; ++r) {
         float* hr = h + r * n;
@@ -227,6 +242,46 @@ int kvm_decode_add_rms_norm(float* h, const float* delta, const float* w, int64_
     }
     return 0;
 }
+
+// h += delta (where not null) and the RMS norm of h with `weight` into w.x, over the step's T rows.
+int add_rms_norm(const KvmStep& s, const float* delta, const float* weight, double eps, const LayerScratch& w) {
+    return add_rms_norm_rows(s.h, delta, weight, s.T, s.hidden, static_cast<float>(eps), static_cast<int>(s.lanes),
+                             w.sq, w.x);
+}
+
+// A layer's first third: `prev`'s down projection of `act` (none for the first layer), h += it and the
+// input norm, then q/k/v into w.qkv.
+int layer_in(const KvmStep& s, const KvmLayer* prev, const float* act, const KvmLayer& cur, const LayerScratch& w) {
+    int rc;
+    if (prev != nullptr && (rc = run_linear(s, prev->down, act, w.delta))) return rc;
+    if ((rc = add_rms_norm(s, prev != nullptr ? w.delta : nullptr, cur.norm1, cur.eps1, w))) return rc;
+    return run_side_by_side(s, {&cur.qkv, &cur.k, &cur.v}, w.x, w.qkv, (s.hq + 2 * s.hkv) * s.D, w.parts);
+}
+
+// A layer's last third: o of w.att, h += it and the post-attention norm, gate/up into s.gate_up.
+int layer_out(const KvmStep& s, const KvmLayer& cur, const LayerScratch& w) {
+    int rc;
+    if ((rc = run_linear(s, cur.o, w.att, w.delta))) return rc;
+    if ((rc = add_rms_norm(s, w.delta, cur.norm2, cur.eps2, w))) return rc;
+    return run_side_by_side(s, {&cur.gate_up, &cur.up}, w.x, s.gate_up, 2 * s.ffn, w.parts);
+}
+
+}  // namespace
+
+#pragma GCC visibility push(default)
+extern "C" {
+
+// The version of the calling convention below; decode_ops.py refuses a library of another.
+int kvm_decode_abi_version() { return 7; }  // 7: kvm_decode_rows_layer; 6: kv_bf16 2 (the q8 profile's scores)
+
+// For each of `rows` rows of n floats: h += delta where delta is not null (the residual add, in place),
+// then out = the RMS norm of h with weight w. `sq` is n floats of scratch (h * h). Returns 0, or -2 for
+// lanes other than 8 / 16, n < 1 or rows < 0.
+int kvm_decode_add_rms_norm(float* h, const float* delta, const float* w, int64_t rows, int64_t n, float eps,
+                            int lanes, float* sq, float* out) {
+    return add_rms_norm_rows(h, delta, w, rows, n, eps, lanes, sq, out);
+}
+
 
 // qkv: `rows` tokens' [hq + 2 * hkv heads, D] float32 (q heads, then k, then v), row t at t * (hq + 2 hkv) * D;
 // cos / sin: each row's D values. q_out [rows, hq, D] = RoPE(q) (the memory order of transformers'
@@ -278,36 +333,20 @@ int kvm_decode_layer(const KvmStep* sp, const KvmLayer* prev, const float* act, 
                      void* v_buf) {
     const KvmStep& s = *sp;
     if (s.T < 1 || s.lanes < 0 || s.keys < s.T || s.position < 0 || (prev == nullptr) != (act == nullptr)) return -2;
-    const int64_t T = s.T, qkv_width = (s.hq + 2 * s.hkv) * s.D;
-    float* delta = s.scratch;                 // [T, hidden]
-    float* x = delta + T * s.hidden;          // [T, hidden]
-    float* qkv = x + T * s.hidden;            // [T, qkv_width]
-    float* q = qkv + T * qkv_width;           // [T, hq, D]
-    float* att = q + T * s.hq * s.D;          // [T, hq * D]
-    float* sq = att + T * s.hq * s.D;         // [hidden]
-    float* rope_scratch = sq + s.hidden;      // [hkv * D]
-    float* parts = rope_scratch + s.hkv * s.D;  // [T, max(qkv_width, 2 ffn)]: unfused linears' rows
+    const LayerScratch w = layer_scratch(s);
     int rc;
-    if (prev != nullptr && (rc = run_linear(s, prev->down, act, delta))) return rc;
-    if ((rc = kvm_decode_add_rms_norm(s.h, prev != nullptr ? delta : nullptr, cur->norm1, T, s.hidden,
-                                      static_cast<float>(cur->eps1), static_cast<int>(s.lanes), sq, x)))
-        return rc;
-    if ((rc = run_side_by_side(s, {&cur->qkv, &cur->k, &cur->v}, x, qkv, qkv_width, parts))) return rc;
+    if ((rc = layer_in(s, prev, act, *cur, w))) return rc;
     const int64_t elem = s.kv_bf16 ? 2 : 4, at = s.position * s.D * elem;
-    if ((rc = kvm_decode_rope_write(qkv, s.cos, s.sin, T, s.hq, s.hkv, s.D, q, static_cast<char*>(k_buf) + at,
+    if ((rc = kvm_decode_rope_write(w.qkv, s.cos, s.sin, s.T, s.hq, s.hkv, s.D, w.q, static_cast<char*>(k_buf) + at,
                                     static_cast<char*>(v_buf) + at, s.head_stride, static_cast<int>(s.kv_bf16),
-                                    rope_scratch)))
+                                    w.rope_scratch)))
         return rc;
     // q as transformers holds it: [1, hq, T, D] over [T, hq, D] memory (heads D apart, tokens hq * D)
-    if ((rc = s.attend(s.kv_bf16 == 2 ? 2 : 0, s.kv_bf16 ? 1 : 0, q, k_buf, v_buf, s.mask, att, s.hq, T, s.D, s.hkv,
-                       s.keys, s.D, s.hq * s.D, s.head_stride, s.D, s.head_stride, s.D, s.mask_st,
+    if ((rc = s.attend(s.kv_bf16 == 2 ? 2 : 0, s.kv_bf16 ? 1 : 0, w.q, k_buf, v_buf, s.mask, w.att, s.hq, s.T, s.D,
+                       s.hkv, s.keys, s.D, s.hq * s.D, s.head_stride, s.D, s.head_stride, s.D, s.mask_st,
                        static_cast<float>(s.scale), static_cast<int>(s.causal), static_cast<int>(s.threads))))
         return rc;
-    if ((rc = run_linear(s, cur->o, att, delta))) return rc;
-    if ((rc = kvm_decode_add_rms_norm(s.h, delta, cur->norm2, T, s.hidden, static_cast<float>(cur->eps2),
-                                      static_cast<int>(s.lanes), sq, x)))
-        return rc;
-    return run_side_by_side(s, {&cur->gate_up, &cur->up}, x, s.gate_up, 2 * s.ffn, parts);
+    return layer_out(s, *cur, w);
 }
 
 // ---- The decode rows of a batched step (engine/batched_step.py), one layer in one call ----
@@ -367,25 +406,11 @@ int kvm_decode_rows_layer(const KvmStep* sp, const KvmLayer* prev, const float* 
                           const KvmRows* c, const KvmRow* rows, int64_t n, int64_t layer) {
     const KvmStep& s = *sp;
     if (s.T < 1 || n != s.T || s.lanes < 0 || (prev == nullptr) != (act == nullptr)) return -2;
-    const int64_t T = s.T, qkv_width = (s.hq + 2 * s.hkv) * s.D;
-    float* delta = s.scratch;                 // [T, hidden]
-    float* x = delta + T * s.hidden;          // [T, hidden]
-    float* qkv = x + T * s.hidden;            // [T, qkv_width]
-    float* att = qkv + T * qkv_width + T * s.hq * s.D;  // [T, hq * D] (kvm_decode_layer's layout)
-    float* sq = att + T * s.hq * s.D;         // [hidden]
-    float* parts = sq + s.hidden + s.hkv * s.D;  // [T, max(qkv_width, 2 ffn)]: unfused linears' rows
+    const LayerScratch w = layer_scratch(s);
     int rc;
-    if (prev != nullptr && (rc = run_linear(s, prev->down, act, delta))) return rc;
-    if ((rc = kvm_decode_add_rms_norm(s.h, prev != nullptr ? delta : nullptr, cur->norm1, T, s.hidden,
-                                      static_cast<float>(cur->eps1), static_cast<int>(s.lanes), sq, x)))
-        return rc;
-    if ((rc = run_side_by_side(s, {&cur->qkv, &cur->k, &cur->v}, x, qkv, qkv_width, parts))) return rc;
-    if ((rc = kvm_decode_rows(c, rows, n, layer, qkv, qkv_width, att))) return rc;
-    if ((rc = run_linear(s, cur->o, att, delta))) return rc;
-    if ((rc = kvm_decode_add_rms_norm(s.h, delta, cur->norm2, T, s.hidden, static_cast<float>(cur->eps2),
-                                      static_cast<int>(s.lanes), sq, x)))
-        return rc;
-    return run_side_by_side(s, {&cur->gate_up, &cur->up}, x, s.gate_up, 2 * s.ffn, parts);
+    if ((rc = layer_in(s, prev, act, *cur, w))) return rc;
+    if ((rc = kvm_decode_rows(c, rows, n, layer, w.qkv, (s.hq + 2 * s.hkv) * s.D, w.att))) return rc;
+    return layer_out(s, *cur, w);
 }
 
 // The floats of scratch kvm_decode_layer needs for a step of these sizes (KvmStep's).
