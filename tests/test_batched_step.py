@@ -235,20 +235,22 @@ def test_a_decode_rows_plan_is_kept_and_rebuilt_when_its_cache_changes(arch, tmp
     """A decode row's C arguments are kept on its cache from step to step (batched_step._RowPlan); a
     cache written by anything else since (here: every layer's buffers moved to a larger copy, as a
     reservation that runs out of room does) gets a new plan, so K/V are written where attention reads.
-    Steps of decode rows only take the C layer loop (kvm_decode_rows_layer), and give each row its bits
-    alone (qwen2: q/k/v biases)."""
+    Steps of several sequences whose caches hold K/V (an empty cache gets its buffers from its first
+    write: the Python loop, as in each sequence's own step), prefill chunks beside decode rows too, take
+    the C layer loop (kvm_decode_rows_layer), and give each row its bits alone (qwen2: q/k/v biases)."""
     from kvmemory.engine.batched_step import PLAN_ATTR, BatchedStep
 
     c_steps = []
     rows_layers = BatchedStep._rows_layers
-    monkeypatch.setattr(BatchedStep, "_rows_layers", lambda self, *a: c_steps.append(1) or rows_layers(self, *a))
+    monkeypatch.setattr(BatchedStep, "_rows_layers",  # each C step's rows per sequence
+                        lambda self, *a: c_steps.append([r.T for r in a[2]]) or rows_layers(self, *a))
 
     eng = Engine.open(str(tiny_ggufs[arch]), tmp_path / "store", chunk=16)
     rng = random.Random(5)
-    reqs = [dict(token_ids=[rng.randrange(3, eng.runner.vocab_size) for _ in range(9 + i)], graft=False,
+    reqs = [dict(token_ids=[rng.randrange(3, eng.runner.vocab_size) for _ in range(20 + 9 * i)], graft=False,
                  max_new_tokens=8, stop_token_ids=(), keep_logits=True) for i in range(3)]
     alone = [eng.forward(**r)[0] for r in reqs]
-    batch = eng.batch(64)
+    batch = eng.batch(40)
     seqs = [batch.add(**r) for r in reqs]
     while not all(s.decoding for s in seqs):
         batch.step()
@@ -269,15 +271,39 @@ def test_a_decode_rows_plan_is_kept_and_rebuilt_when_its_cache_changes(arch, tmp
     for s, ref in zip(seqs, alone):
         assert s.result.generated == ref.generated
         assert s.result.logits_sha256 == ref.logits_sha256
+        assert torch.equal(s.result.prefill_logits, ref.prefill_logits)
         assert torch.equal(s.result.decode_logits, ref.decode_logits)
-    assert len(c_steps) >= 6  # the steps of three decode rows went through the C loop
+    # the steps of three sequences after the first chunks: a chunk at 16 and one at 32 beside decode rows, then
+    # decode rows only (each sequence its own step once the others are done)
+    assert c_steps == [[1, 1, 16], [1, 1, 6]] + [[1, 1, 1]] * 5
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_choices_scored_in_one_shared_step_equal_each_scored_alone(arch, tmp_path, tiny_ggufs):
-    """`Engine.choose` scores every choice (here each its own run) over its own copy of the prompt's K/V
-    in one shared step (runner.score_choices): each score equals the one computed alone over the prompt's
-    cache, grafted or not, and (none starting like another) does not depend on the other choices offered."""
+@pytest.mark.parametrize("arch,way", [("llama", "c"), ("qwen2", "c"), ("llama", "python"), ("llama", "copies")])
+def test_choices_scored_in_one_shared_step_equal_each_scored_alone(arch, way, tmp_path, tiny_ggufs, monkeypatch):
+    """`Engine.choose` scores every choice (here each its own run) in one shared step (runner.score_choices)
+    over the prompt's own cache (each run's K/V written after the prompt's and read before the next run's
+    overwrite them: runner.choice_items), its layers in C (kvm_decode_rows_layer, each choice a short
+    chunk), or through the step's Python loop ("python"), or each over its own copy of the prompt's K/V
+    ("copies"): each score equals the one computed alone over the prompt's cache, grafted or not, and
+    (none starting like another) does not depend on the other choices offered."""
+    from kvmemory.engine.runner import CanonicalRunner as Runner
+
+    c_steps, caches = [], []
+    rows_layers = BatchedStep._rows_layers
+    monkeypatch.setattr(BatchedStep, "_rows_layers", lambda self, *a: c_steps.append(1) or rows_layers(self, *a))
+    if way == "python":
+        monkeypatch.setattr(BatchedStep, "_fast_row", lambda self, *a: None)
+        monkeypatch.setattr(BatchedStep, "_fast_chunk", lambda self, *a: None)
+    if way == "copies":
+        monkeypatch.setattr(Runner, "_choices_in_place", lambda self, *a: False)
+    choice_items = Runner.choice_items
+
+    def spy(self, n, cache, choices):
+        items = choice_items(self, n, cache, choices)
+        caches.append((cache, [it.cache for it in items]))
+        return items
+
+    monkeypatch.setattr(Runner, "choice_items", spy)
     eng = Engine.open(str(tiny_ggufs[arch]), tmp_path / "store", chunk=16)
     rng = random.Random(9)
     V = eng.runner.vocab_size
@@ -285,7 +311,9 @@ def test_choices_scored_in_one_shared_step_equal_each_scored_alone(arch, tmp_pat
     choices = [[rng.randrange(3, V) for _ in range(k)] for k in (1, 2, 3, 5, 4, 1, 3)]
     eng.store_prefix(prompt[:32])
     best, shared, report = eng.choose(prompt, choices)
-    assert report.tokens_grafted == 32
+    assert report.tokens_grafted == 32 and bool(c_steps) == (way != "python")
+    prompt_cache, item_caches = caches[0]
+    assert all((c is prompt_cache) == (way != "copies") for c in item_caches)
     stepper = eng.runner._choice_stepper()
     assert stepper.shared
     stepper.shared = False  # one choice after another over the prompt's own cache

@@ -321,6 +321,7 @@ class Batch:
                 if s.scoring:
                     add_choice_logits(s._scores, s.choices, logits)
                     s._choice_items = None
+                    self.runner.choices_done(len(s.token_ids), s.cache)
                     self._finish(s)
                 elif s.decoding:
                     s._account(logits, prefill=False)

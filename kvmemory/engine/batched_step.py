@@ -22,10 +22,11 @@ sequence's own positions or keys runs per item with exactly the call its own ste
 
 The lean step's C layer loop (llama_step.py, `kvm_decode_layer`) makes the same calls with the same
 arguments as its Python path (tests/test_llama_step.py), so a row computed here equals the one that
-loop computes for a decode step alone. A step of decode rows only makes its layers' calls the same way,
-one C call a layer (`kvm_decode_rows_layer`: a 2 / 4 / 8-row step of the embedded model 28 / 21 / 23 %
-faster on 2 Zen 1 cores). tests/test_batched_step.py asserts it with `torch.equal` on
-every row's logits, for batches of 1 to 16 sequences, grafted and cold, short and long.
+loop computes for a decode step alone. A step whose every sequence takes that loop in its own step (a
+decode row, or a short chunk over a cache that holds K/V: a later prefill chunk, an answer choice) makes
+its layers' calls the same way, one C call a layer (`kvm_decode_rows_layer`: a 2 / 4 / 8-row decode step
+of the embedded model 28 / 21 / 23 % faster on 2 Zen 1 cores). tests/test_batched_step.py asserts it with
+`torch.equal` on every row's logits, for batches of 1 to 16 sequences, grafted and cold, short and long.
 
 Where the step cannot be shared exactly (`why_not` says why: a model the lean step does not compute,
 linears other than GGUF blocks, whose GEMM changes its reduction with the number of rows (torch's and
@@ -211,17 +212,44 @@ class BatchedStep:
         for i, (k, v) in enumerate(zip(plan.k_base, plan.v_base)):
             plan.k_write[i], plan.v_write[i] = k + offset, v + offset
         self._keep.extend((cos, sin, mask))
-        r = decode_ops.Row(row, cos.data_ptr(), sin.data_ptr(), plan.q.data_ptr(), plan.scratch.data_ptr(),
-                           ctypes.addressof(plan.k_write), ctypes.addressof(plan.v_write), ctypes.addressof(plan.k_read),
-                           ctypes.addressof(plan.v_read), mask.data_ptr() if mask is not None else None, at + 1,
+        r = decode_ops.Row(row, 1, 0, cos.data_ptr(), sin.data_ptr(), plan.q.data_ptr(), plan.scratch.data_ptr(),
+                           ctypes.addressof(plan.k_write), ctypes.addressof(plan.v_write),
+                           ctypes.addressof(plan.k_read), ctypes.addressof(plan.v_read), mask.data_ptr() if mask is not None else None, at + 1,
                            mask.stride(2) if mask is not None else 0, threads or torch.get_num_threads(),
                            plan.head_stride)
         return r, bf16
 
+    def _fast_chunk(self, row: int, T: int, room, mask, cos: torch.Tensor,
+                    sin: torch.Tensor) -> tuple[decode_ops.Row, int]:
+        """A short chunk's arguments for `kvm_decode_rows` (T rows from `row` at room's position: its RoPE /
+        attention calls of every layer as its own step's `kvm_decode_layer` makes them), and its K/V code.
+        The caller has checked what `LlamaLeanStep._c_step` needs (room, the mask, few enough rows)."""
+        lean = self.lean
+        cfg, D = lean.cfg, lean.head_dim
+        at, head_stride, kv_dtype, rooms = room
+        code = attention.kv_code(lean.layers[0].self_attn, kv_dtype)
+        # attention's flag and keys, as _c_step passes them: causal without a mask (an empty cache)
+        causal = int(mask is None and lean._c_causal)
+        keys = T if causal else at + T
+        offset = at * D * (2 if code else 4)
+        L = len(rooms)
+        k_read = (ctypes.c_void_p * L)(*[k.data_ptr() for _, k, _ in rooms])
+        v_read = (ctypes.c_void_p * L)(*[v.data_ptr() for _, _, v in rooms])
+        k_write = (ctypes.c_void_p * L)(*[p + offset for p in k_read])
+        v_write = (ctypes.c_void_p * L)(*[p + offset for p in v_read])
+        q = torch.empty((T, cfg.num_attention_heads, D), dtype=torch.float32)
+        scratch = torch.empty(cfg.num_key_value_heads * D, dtype=torch.float32)
+        self._keep.extend((cos, sin, mask, k_read, v_read, k_write, v_write, q, scratch))
+        r = decode_ops.Row(row, T, causal, cos.data_ptr(), sin.data_ptr(), q.data_ptr(), scratch.data_ptr(),
+                           ctypes.addressof(k_write), ctypes.addressof(v_write), ctypes.addressof(k_read),
+                           ctypes.addressof(v_read), mask.data_ptr() if mask is not None else None, keys,
+                           mask.stride(2) if mask is not None else 0, torch.get_num_threads(), head_stride)
+        return r, code
+
     def _rows_layers(self, h: torch.Tensor, rows_c, rows_arg, groups: list[tuple[int, int]]) -> torch.Tensor:
-        """The layers of a step of decode rows only through `kvm_decode_rows_layer` (h updated in place):
-        per layer the calls the loop in `_shared` makes, with its arguments, in one call; SiLU(gate) * up
-        stays torch's, over the same row groups. Returns the last layer's down projection (the delta not
+        """The layers of a step whose every sequence's rows take `kvm_decode_rows`, through
+        `kvm_decode_rows_layer` (h updated in place): per layer the calls the loop in `_shared` makes, with
+        its arguments, in one call; SiLU(gate) * up stays torch's, over the same row groups. Returns the last layer's down projection (the delta not
         yet added to h), as the loop leaves it."""
         lean = self.lean
         cfg = lean.cfg
@@ -270,14 +298,16 @@ class BatchedStep:
             # a decode row over few keys: its attention on one thread (the same bytes, no wait for a core)
             extra = {"threads": 1} if fewq and b - a == 1 and it.position < ONE_THREAD_KEYS else {}
             cos, sin = cos.contiguous(), sin.contiguous()
-            # a decode row with room and the few-query kernel: both calls straight to C with the arguments
-            # kvm_decode_layer passes them (its own step's calls), the pointers worked out once per step
+            # rows with room and the few-query kernel, as its own step's C loop takes them (llama_step.py's
+            # forward: few enough rows, the mask's rows prefixes): both calls straight to C with the
+            # arguments kvm_decode_layer passes them, a decode row's pointers kept on its cache (_RowPlan)
             fast = None
-            if (room is not None and alib is not None and b - a == 1 and lean._c_mask(mask, 1, it.position + 1)
-                    and room[2] in (torch.float32, torch.bfloat16)):
-                fast = self._fast_row(a, plan, mask, cos, sin, extra.get("threads"))
+            if (room is not None and alib is not None and (b - a) * Hq <= few_query_attention.MAX_ROWS * Hkv
+                    and lean._c_mask(mask, b - a, it.position + b - a) and room[2] in (torch.float32, torch.bfloat16)):
+                fast = (self._fast_row(a, plan, mask, cos, sin, extra.get("threads")) if b - a == 1 else
+                        self._fast_chunk(a, b - a, room, mask, cos, sin))
             per_item.append((position_ids, mask, cos, sin, room, extra, fast, plan))
-        # every decode row's rope / attention calls of a layer in one call (kvm_decode_rows), where they
+        # those sequences' rope / attention calls of a layer in one call (kvm_decode_rows), where they
         # share the K/V dtype (one step's caches: they do)
         fast_rows = [pi[6] for pi in per_item if pi[6] is not None]
         rows_c = rows_arg = None
@@ -294,7 +324,7 @@ class BatchedStep:
         scratch = torch.empty(h.shape[-1], dtype=torch.float32)
         groups = self._groups(Ts, lean.ffn)
         delta = None
-        if all_fast:  # decode rows only: each layer's calls in one C call (the same calls, the same bits)
+        if all_fast:  # all in C: each layer's calls in one C call (the same calls, the same bits)
             delta = self._rows_layers(h, rows_c, rows_arg, groups)
         for i, layer in enumerate(() if all_fast else lean.layers):
             a_mod, mlp = layer.self_attn, layer.mlp
@@ -337,10 +367,15 @@ class BatchedStep:
             act = torch.cat([mlp.act_fn(gate[:, s:e]) * up[:, s:e] for s, e in groups], 1)
             delta = mlp.down_proj.forward(act)
         for it, (a, b), pi in zip(items, bounds, per_item):
-            if pi[6] is not None:  # the rows written by C: the layers' views now cover them
-                plan = pi[7]
+            if pi[6] is None:
+                continue
+            plan = pi[7]
+            if plan is not None:  # a decode row written by C: the layers' views now cover it
                 plan.views = [layer_kv.filled(it.position + 1)[0] for layer_kv, _, _ in plan.rooms]
                 plan.at = it.position + 1
+            else:  # a chunk written by C
+                for layer_kv, _, _ in pi[4][3]:
+                    layer_kv.filled(it.position + b - a)
         # the final norm and lm_head over the rows whose logits are wanted, as each item's own step keeps them
         keep = []
         for it, (a, b) in zip(items, bounds):

@@ -54,6 +54,14 @@ class ReservedLayer(DynamicLayer):
         out.filled(n)
         return out
 
+    def make_room(self, tokens: int) -> None:
+        """Room for `tokens` more positions in this layer's buffers (moved into larger ones, as `update`
+        moves them, where they are short); nothing before the first write."""
+        n = self.get_seq_length()
+        if self.k_buf is not None and n + tokens > self.k_buf.shape[-2]:
+            self._reserve(self.keys, self.values, n, n + tokens)
+            self.filled(n)
+
     def adopt(self, k_buf: torch.Tensor, v_buf: torch.Tensor, length: int, whole: torch.Tensor | None = None) -> None:
         """Take buffers whose first `length` positions are already filled (a graft); `whole` is the
         tensor they are views of, when one holds every layer (graft.py)."""

@@ -467,10 +467,36 @@ class CanonicalRunner:
                     and all(isinstance(layer, ReservedLayer) for layer in layers))
 
     def choice_items(self, n: int, cache, choices: Sequence[Sequence[int]]) -> list[StepItem]:
-        """One step item per run of `choice_runs`, at the n positions after the prompt, over its own copy
-        of the prompt's K/V (`add_choice_logits` reads their logits)."""
-        return [StepItem(ids, n, copied(cache, room=ids.shape[1]))
-                for ids in (_run_ids(run, self.device) for run in choice_runs(choices))]
+        """One step item per run of `choice_runs`, at the n positions after the prompt, for a shared step
+        (`add_choice_logits` reads their logits; `choices_done` then sets the cache back to n positions).
+
+        Where every layer of the prompt's cache has room for the longest run in one layout (the lean
+        step's `_c_room`; the buffers are moved into larger ones once where short), every run is over
+        that cache itself: a shared step makes each item's RoPE + K/V write and attention of a layer
+        before the next item's (batched_step.py: kvm_decode_rows, or its Python loop, item by item), so a
+        run writes its K/V at positions n.. and attends over the prompt's n and its own, and the next run
+        overwrites them: the calls, and bits, of a run over a copy of the prompt's K/V without the copies
+        (~3 ms and the prompt's K/V each). Else each run over its own copy."""
+        runs = [_run_ids(run, self.device) for run in choice_runs(choices)]
+        if self._choices_in_place(n, cache, max(ids.shape[1] for ids in runs)):
+            return [StepItem(ids, n, cache) for ids in runs]
+        return [StepItem(ids, n, copied(cache, room=ids.shape[1])) for ids in runs]
+
+    def _choices_in_place(self, n: int, cache, longest: int) -> bool:
+        """Whether runs of up to `longest` tokens can be stepped over the prompt's cache itself (see
+        `choice_items`): it holds n positions and, once given room, every layer has it in one layout."""
+        if not all(layer.get_seq_length() == n for layer in cache.layers):
+            return False
+        for layer in cache.layers:
+            layer.make_room(longest)
+        room = self._lean_step._c_room(cache, longest)
+        return room is not None and room[0] == n
+
+    @staticmethod
+    def choices_done(n: int, cache) -> None:
+        """The prompt's cache back to its n positions after a step of `choice_items` over it."""
+        for layer in cache.layers:
+            layer.filled(n)
 
     @torch.inference_mode()
     def score_choices(self, n: int, cache, next_logits: torch.Tensor, choices: Sequence[Sequence[int]]) -> list[float]:
@@ -501,6 +527,7 @@ class CanonicalRunner:
             stepper = self._choice_stepper()
             if stepper.shared and len(runs) > 1:
                 outs = stepper.step(self.choice_items(n, cache, choices))
+                self.choices_done(n, cache)
             else:
                 outs = []
                 for run in runs:

@@ -272,7 +272,7 @@ int layer_out(const KvmStep& s, const KvmLayer& cur, const LayerScratch& w) {
 extern "C" {
 
 // The version of the calling convention below; decode_ops.py refuses a library of another.
-int kvm_decode_abi_version() { return 7; }  // 7: kvm_decode_rows_layer; 6: kv_bf16 2 (the q8 profile's scores)
+int kvm_decode_abi_version() { return 8; }  // 8: KvmRow's T and causal; 7: kvm_decode_rows_layer; 6: kv_bf16 2 (the q8 profile's scores)
 
 // For each of `rows` rows of n floats: h += delta where delta is not null (the residual add, in place),
 // then out = the RMS norm of h with weight w. `sq` is n floats of scratch (h * h). Returns 0, or -2 for
@@ -349,63 +349,76 @@ int kvm_decode_layer(const KvmStep* sp, const KvmLayer* prev, const float* act, 
     return layer_out(s, *cur, w);
 }
 
-// ---- The decode rows of a batched step (engine/batched_step.py), one layer in one call ----
-// A step of many sequences makes, per layer and decode row, the RoPE + K/V write call and the attention
-// call of that row's own step (csrc: kvm_decode_rope_write, then the few-query attention), ~5 us of Python
-// and ctypes each: 16 rows x 30 layers x 2 is ~5 ms a step. Here one call per layer makes them all, in
-// row order, with the arguments the Python loop passes (so the same bits: tests/test_batched_step.py).
+// ---- The rows of a batched step (engine/batched_step.py), one layer's RoPE + attention in one call ----
+// A step of many sequences makes, per layer and sequence, the RoPE + K/V write call and the attention call
+// of that sequence's own step (csrc: kvm_decode_rope_write, then the few-query attention), ~5 us of Python
+// and ctypes each: 16 sequences x 30 layers x 2 is ~5 ms a step. Here one call per layer makes them all,
+// in order, with the arguments kvm_decode_layer passes for that sequence's own step (so the same bits:
+// tests/test_batched_step.py). A sequence's part is a decode row (T = 1) or a short chunk (T > 1: a
+// prefill chunk, an answer choice's tokens).
 struct KvmRows {  // what every row of the step shares
     AttendFn attend;
     int64_t hq, hkv, D, kv_bf16;
     double scale;
 };
-struct KvmRow {  // one decode row (one sequence's)
-    int64_t at;                   // its index among the step's rows: qkv row `at`, attention output row `at`
-    const float* cos;             // [D], its position's
+struct KvmRow {  // one sequence's rows
+    int64_t at;                   // its first row among the step's rows: qkv row `at`, attention output row `at`
+    int64_t T;                    // its rows (tokens), at consecutive positions
+    int64_t causal;               // the attention call's causal flag (without a mask: an empty cache, T > 1)
+    const float* cos;             // [T, D], its positions'
     const float* sin;
-    float* q;                     // [hq, D] scratch: its RoPE'd q
+    float* q;                     // [T, hq, D] scratch: its RoPE'd q
     float* rope_scratch;          // [hkv * D]
-    void* const* k_write;         // per layer: where its K goes (the buffer at its position)
+    void* const* k_write;         // per layer: where its first K goes (the buffer at its position)
     void* const* v_write;
     const void* const* k_read;    // per layer: the buffer's start (keys 0 .. `keys` - 1 attended)
     const void* const* v_read;
-    const bool* mask;             // [1, keys] or null
+    const bool* mask;             // [T, keys] rows mask_st apart, or null
     int64_t keys, mask_st, threads;
     int64_t head_stride;          // elements between its cache's K (and V) heads: its capacity * D
 };
 
-// Layer `layer`'s RoPE + K/V write and attention for `n` decode rows: qkv [rows, qkv_width], att [rows,
-// hq * D] (row `at` of each). Returns 0, or the first refusal (-2 rope, or the attention kernel's code).
+// Layer `layer`'s RoPE + K/V write and attention for `n` sequences' rows: qkv [rows, qkv_width], att [rows,
+// hq * D] (rows `at` .. `at` + T - 1 of each). Returns 0, or the first refusal (-2 rope or bad sizes, or the
+// attention kernel's code).
 int kvm_decode_rows(const KvmRows* c, const KvmRow* rows, int64_t n, int64_t layer, const float* qkv,
                     int64_t qkv_width, float* att) {
     for (int64_t i = 0; i < n; ++i) {
         const KvmRow& r = rows[i];
-        int rc = kvm_decode_rope_write(qkv + r.at * qkv_width, r.cos, r.sin, 1, c->hq, c->hkv, c->D, r.q,
+        if (r.T < 1 || r.keys < r.T) return -2;
+        int rc = kvm_decode_rope_write(qkv + r.at * qkv_width, r.cos, r.sin, r.T, c->hq, c->hkv, c->D, r.q,
                                        r.k_write[layer], r.v_write[layer], r.head_stride,
                                        static_cast<int>(c->kv_bf16), r.rope_scratch);
         if (rc) return rc;
+        // q as transformers holds it: [1, hq, T, D] over [T, hq, D] memory (kvm_decode_layer's call)
         rc = c->attend(c->kv_bf16 == 2 ? 2 : 0, c->kv_bf16 ? 1 : 0, r.q, r.k_read[layer], r.v_read[layer], r.mask,
-                       att + r.at * c->hq * c->D, c->hq, 1, c->D, c->hkv, r.keys, c->D, c->hq * c->D, r.head_stride,
-                       c->D, r.head_stride, c->D, r.mask_st, static_cast<float>(c->scale), 0, static_cast<int>(r.threads));
+                       att + r.at * c->hq * c->D, c->hq, r.T, c->D, c->hkv, r.keys, c->D, c->hq * c->D, r.head_stride,
+                       c->D, r.head_stride, c->D, r.mask_st, static_cast<float>(c->scale), static_cast<int>(r.causal),
+                       static_cast<int>(r.threads));
         if (rc) return rc;
     }
     return 0;
 }
 
-// ---- A step of decode rows only, one layer in one call ----
-// Where every row of a batched step is a decode row (engine/batched_step.py's `all_fast`), its Python layer
-// loop is ~8 calls a layer (two norms, the linears, kvm_decode_rows), ~0.4 ms of Python a layer beside
-// ~0.6 ms of work for 4 rows on a 2-core CPU. This makes them in one call, in the loop's order, with its
-// arguments: `prev`'s down projection of `act` (the SiLU(gate) * up Python computed from the layer
-// before's gate_up; both null for the first layer), h += delta and the input norm over the s.T rows, q/k/v,
-// each row's RoPE + K/V write and attention (kvm_decode_rows: `rows`, `n` == s.T of them), o, h += o and
-// the post-attention norm, gate/up into s.gate_up. Of `s` it reads linear, T, hq, hkv, D, hidden, ffn,
-// lanes, threads, h, scratch (kvm_decode_layer_scratch's floats) and gate_up. Returns 0, -2 for bad
-// sizes, or what a kernel returned.
+// ---- A step of such rows only, one layer in one call ----
+// Where every sequence of a batched step takes kvm_decode_rows (engine/batched_step.py's `all_fast`), its
+// Python layer loop is ~8 calls a layer (two norms, the linears, kvm_decode_rows), ~0.4 ms of Python a
+// layer beside ~0.6 ms of work for 4 rows on a 2-core CPU. This makes them in one call, in the loop's
+// order, with its arguments: `prev`'s down projection of `act` (the SiLU(gate) * up Python computed from
+// the layer before's gate_up; both null for the first layer), h += delta and the input norm over the s.T
+// rows, q/k/v, each sequence's RoPE + K/V write and attention (kvm_decode_rows: `rows`, `n` of them,
+// their T summing to s.T), o, h += o and the post-attention norm, gate/up into s.gate_up. Of `s` it reads
+// linear, T, hq, hkv, D, hidden, ffn, lanes, threads, h, scratch (kvm_decode_layer_scratch's floats) and
+// gate_up. Returns 0, -2 for bad sizes, or what a kernel returned.
 int kvm_decode_rows_layer(const KvmStep* sp, const KvmLayer* prev, const float* act, const KvmLayer* cur,
                           const KvmRows* c, const KvmRow* rows, int64_t n, int64_t layer) {
     const KvmStep& s = *sp;
-    if (s.T < 1 || n != s.T || s.lanes < 0 || (prev == nullptr) != (act == nullptr)) return -2;
+    int64_t total = 0;
+    for (int64_t i = 0; i < n; ++i) {
+        if (rows[i].at != total) return -2;  // the sequences' rows in order, none left out
+        total += rows[i].T;
+    }
+    if (s.T < 1 || total != s.T || s.lanes < 0 || (prev == nullptr) != (act == nullptr)) return -2;
     const LayerScratch w = layer_scratch(s);
     int rc;
     if ((rc = layer_in(s, prev, act, *cur, w))) return rc;
