@@ -460,8 +460,8 @@ class CanonicalRunner:
         return [float(first[int(c[0])]) for c in choices]
 
     def choices_in_steps(self, cache) -> bool:
-        """Whether the choices after a prompt in `cache` are scored as steps of the lean step (each run of
-        `choice_runs` over its own copy of the prompt's K/V where the step is shared: `choice_items`)."""
+        """Whether the choices after a prompt in `cache` are scored as steps of the lean step (the runs of
+        `choice_runs` in one step after the prompt's K/V where the step is shared: `choice_items`)."""
         layers = getattr(cache, "layers", None)
         return bool(self._lean_step is not None and self.static is None and layers
                     and all(isinstance(layer, ReservedLayer) for layer in layers))
@@ -505,9 +505,9 @@ class CanonicalRunner:
         `cache` holds the prompt's positions and `next_logits` its last logits (a prefill's `extra`);
         the cache is consumed. On the lean step (a llama / qwen2 model over kvmemory's reserved cache)
         the choices' tokens are runs stepped after the prompt's n positions (`choice_runs`: choices that
-        start alike share rows): where rows share steps (batched_step.why_not), every run over its own
-        copy of the prompt's K/V, all in one shared step; else one run after another over the prompt's
-        cache, whose views then go back to its n positions. Either way a choice's score depends on nothing
+        start alike share rows): where rows share steps (batched_step.why_not), all runs in one shared step
+        after the prompt's K/V (`choice_items`); else one run after another over the prompt's cache. Its
+        views then go back to its n positions. Either way a choice's score depends on nothing
         but the prompt's cache, its own tokens and the run that holds them (the same bits both ways;
         a choice no other one extends or starts like is its own run).
         Elsewhere one batched forward scores every choice: the cache is repeated per choice and the
@@ -520,9 +520,9 @@ class CanonicalRunner:
         if T == 0:
             return scores
         if self.choices_in_steps(cache):
-            # the choices' runs in one step after the prompt: every run over its own copy of the prompt's
-            # K/V in one shared step (its logits are the bits of its step alone: batched_step.py), or one
-            # run after another over the prompt's cache, its views then back to n positions
+            # the choices' runs in one shared step after the prompt's K/V (each run's logits are the bits of
+            # its step alone: batched_step.py, choice_items), or one run after another over the prompt's
+            # cache; its views then back to n positions
             runs = choice_runs(choices)
             stepper = self._choice_stepper()
             if stepper.shared and len(runs) > 1:
