@@ -235,9 +235,9 @@ def test_a_decode_rows_plan_is_kept_and_rebuilt_when_its_cache_changes(arch, tmp
     """A decode row's C arguments are kept on its cache from step to step (batched_step._RowPlan); a
     cache written by anything else since (here: every layer's buffers moved to a larger copy, as a
     reservation that runs out of room does) gets a new plan, so K/V are written where attention reads.
-    Steps of several sequences whose caches hold K/V (an empty cache gets its buffers from its first
-    write: the Python loop, as in each sequence's own step), prefill chunks beside decode rows too, take
-    the C layer loop (kvm_decode_rows_layer), and give each row its bits alone (qwen2: q/k/v biases)."""
+    Steps of several sequences, prefill chunks (the first, on an empty cache, causal) beside decode rows
+    too, take the C layer loop (kvm_decode_rows_layer), and give each row its bits alone (qwen2: q/k/v
+    biases)."""
     from kvmemory.engine.batched_step import PLAN_ATTR, BatchedStep
 
     c_steps = []
@@ -273,9 +273,9 @@ def test_a_decode_rows_plan_is_kept_and_rebuilt_when_its_cache_changes(arch, tmp
         assert s.result.logits_sha256 == ref.logits_sha256
         assert torch.equal(s.result.prefill_logits, ref.prefill_logits)
         assert torch.equal(s.result.decode_logits, ref.decode_logits)
-    # the steps of three sequences after the first chunks: a chunk at 16 and one at 32 beside decode rows, then
-    # decode rows only (each sequence its own step once the others are done)
-    assert c_steps == [[1, 1, 16], [1, 1, 6]] + [[1, 1, 1]] * 5
+    # every step of several sequences: the first chunks (on empty caches: causal), the next beside them, the
+    # third sequence's beside decode rows, then decode rows only (one sequence left: its own step)
+    assert c_steps == [[16, 16], [4, 13, 16], [1, 1, 16], [1, 1, 6]] + [[1, 1, 1]] * 5
 
 
 @pytest.mark.parametrize("arch,way", [("llama", "c"), ("qwen2", "c"), ("llama", "python"), ("llama", "copies")])

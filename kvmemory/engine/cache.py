@@ -94,7 +94,13 @@ class ReservedLayer(DynamicLayer):
     def next_position(self, tokens: int, heads: int, head_dim: int, dtype: torch.dtype) -> int | None:
         """Where `update` would write `tokens` more tokens' K/V ([1, heads, tokens, head_dim] in `dtype`)
         without reallocating, for a caller that writes them there itself and then calls `filled` (the
-        lean step: models/llama_step.py); None where `update` would do anything else."""
+        lean step: models/llama_step.py); None where `update` would do anything else. Before the first
+        write the buffers are made here, as `update` makes them at its first write (the lean step
+        computes on the CPU), so a prompt's first chunk is written in place like the others."""
+        if not self.is_initialized and self.k_buf is None:
+            empty = torch.empty(1, heads, 0, head_dim, dtype=dtype)
+            self.lazy_initialization(empty, empty)
+            self._reserve(empty, empty, 0, tokens)
         if not self.is_initialized or not self._views_buffers():
             return None
         n = self.get_seq_length()
