@@ -23,8 +23,8 @@ sequence's own positions or keys runs per item with exactly the call its own ste
 The lean step's C layer loop (llama_step.py, `kvm_decode_layer`) makes the same calls with the same
 arguments as its Python path (tests/test_llama_step.py), so a row computed here equals the one that
 loop computes for a decode step alone. A step whose every sequence takes that loop in its own step (a
-decode row, or a short chunk over a cache that holds K/V: a later prefill chunk, an answer choice) makes
-its layers' calls the same way, one C call a layer (`kvm_decode_rows_layer`: a 2 / 4 / 8-row decode step
+decode row, or a chunk of few enough rows: a short prefill chunk, an answer choice's run) makes its
+layers' calls the same way, one C call a layer (`kvm_decode_rows_layer`: a 2 / 4 / 8-row decode step
 of the embedded model 28 / 21 / 23 % faster on 2 Zen 1 cores). tests/test_batched_step.py asserts it with
 `torch.equal` on every row's logits, for batches of 1 to 16 sequences, grafted and cold, short and long.
 
@@ -214,7 +214,8 @@ class BatchedStep:
         self._keep.extend((cos, sin, mask))
         r = decode_ops.Row(row, 1, 0, cos.data_ptr(), sin.data_ptr(), plan.q.data_ptr(), plan.scratch.data_ptr(),
                            ctypes.addressof(plan.k_write), ctypes.addressof(plan.v_write),
-                           ctypes.addressof(plan.k_read), ctypes.addressof(plan.v_read), mask.data_ptr() if mask is not None else None, at + 1,
+                           ctypes.addressof(plan.k_read), ctypes.addressof(plan.v_read),
+                           mask.data_ptr() if mask is not None else None, at + 1,
                            mask.stride(2) if mask is not None else 0, threads or torch.get_num_threads(),
                            plan.head_stride)
         return r, bf16
@@ -249,8 +250,8 @@ class BatchedStep:
     def _rows_layers(self, h: torch.Tensor, rows_c, rows_arg, groups: list[tuple[int, int]]) -> torch.Tensor:
         """The layers of a step whose every sequence's rows take `kvm_decode_rows`, through
         `kvm_decode_rows_layer` (h updated in place): per layer the calls the loop in `_shared` makes, with
-        its arguments, in one call; SiLU(gate) * up stays torch's, over the same row groups. Returns the last layer's down projection (the delta not
-        yet added to h), as the loop leaves it."""
+        its arguments, in one call; SiLU(gate) * up stays torch's, over the same row groups. Returns the last
+        layer's down projection (the delta not yet added to h), as the loop leaves it."""
         lean = self.lean
         cfg = lean.cfg
         R = h.shape[1]

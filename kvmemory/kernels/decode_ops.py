@@ -69,7 +69,8 @@ class Rows(ctypes.Structure):
 class Row(ctypes.Structure):
     """KvmRow: one sequence's rows of a batched step (a decode row, or T > 1 of a short chunk); the
     per-layer pointers are arrays of c_void_p."""
-    _fields_ = [("at", ctypes.c_int64), ("T", ctypes.c_int64), ("causal", ctypes.c_int64), ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("q", ctypes.c_void_p),
+    _fields_ = [("at", ctypes.c_int64), ("T", ctypes.c_int64), ("causal", ctypes.c_int64), ("cos", ctypes.c_void_p),
+                ("sin", ctypes.c_void_p), ("q", ctypes.c_void_p),
                 ("rope_scratch", ctypes.c_void_p), ("k_write", ctypes.c_void_p), ("v_write", ctypes.c_void_p),
                 ("k_read", ctypes.c_void_p), ("v_read", ctypes.c_void_p), ("mask", ctypes.c_void_p),
                 ("keys", ctypes.c_int64), ("mask_st", ctypes.c_int64), ("threads", ctypes.c_int64),
