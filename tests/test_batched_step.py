@@ -278,6 +278,40 @@ def test_a_decode_rows_plan_is_kept_and_rebuilt_when_its_cache_changes(arch, tmp
     assert c_steps == [[16, 16], [4, 13, 16], [1, 1, 16], [1, 1, 6]] + [[1, 1, 1]] * 5
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_decode_rows_spread_over_threads_keep_their_bits(threads, tmp_path, tiny_ggufs, monkeypatch):
+    """kvm_decode_rows spreads the one-thread decode rows of sequences whose K/V are apart over its team
+    (KvmRows.threads; 1: one after another, as before): each row's calls are the same whichever thread
+    makes them, so every logit equals its sequence alone either way."""
+    from kvmemory.engine import batched_step
+    from kvmemory.kernels import decode_ops
+
+    seen, real = [], decode_ops.Rows
+
+    def rows(*args):
+        out = real(*args)
+        out.threads = threads  # the team, whatever torch's count
+        return out
+
+    eng = Engine.open(str(tiny_ggufs["llama"]), tmp_path / "store", chunk=16)  # the kernels' argtypes: the real Rows
+    rows_layers = BatchedStep._rows_layers
+    monkeypatch.setattr(batched_step.decode_ops, "Rows", rows)
+    monkeypatch.setattr(BatchedStep, "_rows_layers", lambda self, *a: seen.append(
+        (a[1].threads, sum(r.T == 1 and r.threads == 1 for r in a[2]))) or rows_layers(self, *a))
+    rng = random.Random(11)
+    reqs = [dict(token_ids=[rng.randrange(3, eng.runner.vocab_size) for _ in range(5 + 7 * i)], graft=False,
+                 max_new_tokens=6, stop_token_ids=(), keep_logits=True) for i in range(5)]
+    alone = [eng.forward(**r)[0] for r in reqs]
+    batch = eng.batch(64)
+    seqs = [batch.add(**r) for r in reqs]
+    batch.run()
+    assert max(n for t, n in seen if t == threads) >= 4  # steps of several one-thread decode rows in C
+    for s, ref in zip(seqs, alone):
+        assert s.result.logits_sha256 == ref.logits_sha256
+        assert torch.equal(s.result.prefill_logits, ref.prefill_logits)
+        assert torch.equal(s.result.decode_logits, ref.decode_logits)
+
+
 @pytest.mark.parametrize("arch,way", [("llama", "c"), ("qwen2", "c"), ("llama", "python"), ("llama", "copies")])
 def test_choices_scored_in_one_shared_step_equal_each_scored_alone(arch, way, tmp_path, tiny_ggufs, monkeypatch):
     """`Engine.choose` scores every choice (here each its own run) in one shared step (runner.score_choices)

@@ -54,6 +54,27 @@ def test_reserved_layer_writes_in_place_and_regrows():
     assert keys.shape == (2, 2, 12, 4) and torch.equal(keys[1], torch.cat([k, k * 2, k * 3, k], -2)[0])
 
 
+def test_a_layer_marked_filled_makes_its_views_when_read():
+    """mark_filled(end): the views of the first `end` positions are made when next read (a write through
+    update, a crop, the length asked for all see them); only assignments of the views count as writes."""
+    layer = ReservedLayer(capacity=8)
+    k = torch.arange(2 * 2 * 4, dtype=torch.float32).view(1, 2, 2, 4)
+    layer.update(k, k + 1)
+    writes = layer.writes
+    layer.k_buf[:, :, 2:4], layer.v_buf[:, :, 2:4] = k * 2, k * 2 + 1  # as a C step writes them
+    layer.mark_filled(4)
+    assert layer.writes == writes and layer.get_seq_length() == 4
+    assert torch.equal(layer.keys, torch.cat([k, k * 2], -2))
+    assert torch.equal(layer.values, torch.cat([k + 1, k * 2 + 1], -2))
+    assert layer.keys.data_ptr() == layer.k_buf.data_ptr() and layer.writes == writes
+    layer.mark_filled(5)
+    keys, values = layer.update(k[:, :, :1] * 3, k[:, :, :1] * 3)  # appended after the 5 marked, not the 4 seen
+    assert keys.shape[-2] == 6 and torch.equal(keys[:, :, 5:], k[:, :, :1] * 3) and layer.writes > writes
+    layer.mark_filled(6)
+    layer.crop(-3)  # drop the last 3
+    assert layer.get_seq_length() == 3 and torch.equal(layer.values, torch.cat([k + 1, k[:, :, :1] * 2 + 1], -2))
+
+
 def test_room_is_reused_and_stays_exact(store_dir):
     """The second graft reads into the first one's memory; stale positions past the new prompt never
     reach attention, so the logits still equal the recompute's."""

@@ -25,7 +25,10 @@ arguments as its Python path (tests/test_llama_step.py), so a row computed here 
 loop computes for a decode step alone. A step whose every sequence takes that loop in its own step (a
 decode row, or a chunk of few enough rows: a short prefill chunk, an answer choice's run) makes its
 layers' calls the same way, one C call a layer (`kvm_decode_rows_layer`: a 2 / 4 / 8-row decode step
-of the embedded model 28 / 21 / 23 % faster on 2 Zen 1 cores). tests/test_batched_step.py asserts it with
+of the embedded model 28 / 21 / 23 % faster on 2 Zen 1 cores), the rows' attention calls spread over the
+threads where their caches are apart (each row's call the same whichever thread makes it). Rows that
+need no view of their K/V after the step only mark their layers filled (cache.py `mark_filled`: ~10 us
+saved a layer and row). tests/test_batched_step.py asserts it with
 `torch.equal` on every row's logits, for batches of 1 to 16 sequences, grafted and cold, short and long.
 
 Where the step cannot be shared exactly (`why_not` says why: a model the lean step does not compute,
@@ -47,7 +50,7 @@ from kvmemory.kernels import decode_ops, few_query_attention
 from kvmemory.models import attention, gguf_linear
 
 GRAIN = 32768  # torch's at::internal::GRAIN_SIZE: an elementwise op below it runs on one thread
-ONE_THREAD_KEYS = 4096  # a decode row over fewer cached keys runs its attention on one thread
+ONE_THREAD_KEYS = 4096  # a decode row over fewer cached keys runs its attention on one thread (rows side by side)
 
 
 PLAN_ATTR = "_kvmemory_row_plan"  # where a sequence's decode-row plan is kept: on its cache, for the cache's life
@@ -57,16 +60,17 @@ PLAN_ATTR = "_kvmemory_row_plan"  # where a sequence's decode-row plan is kept: 
 class _RowPlan:
     """A decode row's C arguments that stay the same from step to step (the layers' K/V buffers and their
     addresses, the query and rope scratch), kept on the sequence's cache: working them out again each step
-    (a walk over every layer, four pointer arrays) cost about as much as the row's attention. `views`: the
-    keys each layer held when the plan last wrote it; any other write to the cache replaces them, and the
-    plan is then built again."""
+    (a walk over every layer, four pointer arrays) cost about as much as the row's attention. `writes`: each
+    layer's count of view changes (cache.ReservedLayer.writes) when the plan was built; the plan's own
+    writes only mark the layers filled, so any other write to the cache changes a count, and the plan is
+    then built again."""
 
     rooms: list  # each layer's (ReservedLayer, K buffer, V buffer)
     at: int  # the next position to write
     capacity: int  # the buffers' positions
     head_stride: int
     kv_dtype: torch.dtype
-    views: list
+    writes: list
     q: torch.Tensor
     scratch: torch.Tensor
     k_base: list
@@ -176,12 +180,12 @@ class BatchedStep:
 
     def _row_plan(self, cache, position: int) -> _RowPlan | None:
         """The decode-row arguments kept on `cache` since its last step, where nothing has touched it since
-        (every layer still holds the very views that step left, and has room for one more position);
+        (no layer's views changed but by its steps, and it has room for one more position);
         else built again from `_c_room` (None: no room in one kind of buffer)."""
         plan = getattr(cache, PLAN_ATTR, None)
         if (plan is not None and plan.at == position and position < plan.capacity
-                and all(cache.layers[i] is layer and layer.keys is view
-                        for i, ((layer, _, _), view) in enumerate(zip(plan.rooms, plan.views)))):
+                and all(cache.layers[i] is layer and layer.writes == w
+                        for i, ((layer, _, _), w) in enumerate(zip(plan.rooms, plan.writes)))):
             return plan
         room = self.lean._c_room(cache, 1)
         if room is None or room[0] != position:
@@ -191,7 +195,8 @@ class BatchedStep:
         L = len(rooms)
         k_base = [k.data_ptr() for _, k, _ in rooms]
         v_base = [v.data_ptr() for _, _, v in rooms]
-        plan = _RowPlan(rooms, at, rooms[0][1].shape[-2], head_stride, kv_dtype, [layer.keys for layer, _, _ in rooms],
+        writes = [layer.writes for layer, _, _ in rooms]
+        plan = _RowPlan(rooms, at, rooms[0][1].shape[-2], head_stride, kv_dtype, writes,
                         torch.empty((1, 1, cfg.num_attention_heads, self.lean.head_dim), dtype=torch.float32),
                         torch.empty(cfg.num_key_value_heads * self.lean.head_dim, dtype=torch.float32),
                         k_base, v_base, (ctypes.c_void_p * L)(*k_base), (ctypes.c_void_p * L)(*v_base),
@@ -229,9 +234,7 @@ class BatchedStep:
         cfg, D = lean.cfg, lean.head_dim
         at, head_stride, kv_dtype, rooms = room
         code = attention.kv_code(lean.layers[0].self_attn, kv_dtype)
-        # attention's flag and keys, as _c_step passes them: causal without a mask (an empty cache)
-        causal = int(mask is None and lean._c_causal)
-        keys = T if causal else at + T
+        causal, keys = lean._c_attention(T, mask, at)  # as _c_step passes them
         offset = at * D * (2 if code else 4)
         L = len(rooms)
         k_read = (ctypes.c_void_p * L)(*[k.data_ptr() for _, k, _ in rooms])
@@ -278,11 +281,8 @@ class BatchedStep:
         embeds = m.embed_tokens.forward(torch.cat([it.ids for it in items], 1))  # [1, R, hidden]
         per_item = []
         fewq = lean.cfg._attn_implementation == attention.FEWQ
-        alib = few_query_attention.load() if fewq and lean.c_layers is not None else None
-        scale = {layer.self_attn.scaling for layer in lean.layers}
-        causal = {bool(getattr(layer.self_attn, "is_causal", True)) for layer in lean.layers}
-        if len(scale) != 1 or len(causal) != 1:
-            alib = None
+        # the few-query kernel where the lean step's C loop runs (_c_layers has checked one scaling and causal flag)
+        alib = few_query_attention.load() if lean.c_layers is not None else None
         Hq, Hkv = lean.cfg.num_attention_heads, lean.cfg.num_key_value_heads
         for it, (a, b) in zip(items, bounds):
             e = embeds[:, a:b]
@@ -299,12 +299,11 @@ class BatchedStep:
             # a decode row over few keys: its attention on one thread (the same bytes, no wait for a core)
             extra = {"threads": 1} if fewq and b - a == 1 and it.position < ONE_THREAD_KEYS else {}
             cos, sin = cos.contiguous(), sin.contiguous()
-            # rows with room and the few-query kernel, as its own step's C loop takes them (llama_step.py's
+            # rows with room and the few-query kernel, as its own step's C loop takes them (LlamaLeanStep._c_takes:
             # forward: few enough rows, the mask's rows prefixes): both calls straight to C with the
             # arguments kvm_decode_layer passes them, a decode row's pointers kept on its cache (_RowPlan)
             fast = None
-            if (room is not None and alib is not None and (b - a) * Hq <= few_query_attention.MAX_ROWS * Hkv
-                    and lean._c_mask(mask, b - a, it.position + b - a) and room[2] in (torch.float32, torch.bfloat16)):
+            if lean._c_takes(b - a, mask, room):
                 fast = (self._fast_row(a, plan, mask, cos, sin, extra.get("threads")) if b - a == 1 else
                         self._fast_chunk(a, b - a, room, mask, cos, sin))
             per_item.append((position_ids, mask, cos, sin, room, extra, fast, plan))
@@ -315,7 +314,7 @@ class BatchedStep:
         if fast_rows and len({f[1] for f in fast_rows}) == 1:
             a0 = lean.layers[0].self_attn
             rows_c = decode_ops.Rows(ctypes.cast(alib.kvm_fewq_attention, ctypes.c_void_p).value, Hq, Hkv,
-                                     lean.head_dim, fast_rows[0][1], a0.scaling)
+                                     lean.head_dim, fast_rows[0][1], a0.scaling, torch.get_num_threads())
             rows_arg = (decode_ops.Row * len(fast_rows))(*[f[0] for f in fast_rows])
             self._keep.extend((rows_c, rows_arg))
         elif fast_rows:  # caches of different layouts: each row through the calls below, as a chunk's
@@ -371,12 +370,13 @@ class BatchedStep:
             if pi[6] is None:
                 continue
             plan = pi[7]
-            if plan is not None:  # a decode row written by C: the layers' views now cover it
-                plan.views = [layer_kv.filled(it.position + 1)[0] for layer_kv, _, _ in plan.rooms]
+            if plan is not None:  # a decode row written by C: the layers now hold it (views made when read)
+                for layer_kv, _, _ in plan.rooms:
+                    layer_kv.mark_filled(it.position + 1)
                 plan.at = it.position + 1
             else:  # a chunk written by C
                 for layer_kv, _, _ in pi[4][3]:
-                    layer_kv.filled(it.position + b - a)
+                    layer_kv.mark_filled(it.position + b - a)
         # the final norm and lm_head over the rows whose logits are wanted, as each item's own step keeps them
         keep = []
         for it, (a, b) in zip(items, bounds):

@@ -33,15 +33,58 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 
 class ReservedLayer(DynamicLayer):
-    """A full-attention layer writing into reserved room; `keys` / `values` view the filled part."""
+    """A full-attention layer writing into reserved room; `keys` / `values` view the filled part.
+
+    After `mark_filled(end)` the views are made when next read: a batched step of 16 decode rows
+    (engine/batched_step.py) marks 480 layers filled, ~10 us each to slice, and the next step's kernels
+    read the buffers through pointers, not the views. `writes` counts every other change of the views
+    (a write through `update`, a crop, new buffers: any assignment of `keys` / `values`), so a caller
+    that keeps pointers into the buffers knows whether anything else has touched them."""
 
     def __init__(self, capacity: int = 0, kv_dtype: torch.dtype | None = None, **kwargs):
+        self._end: int | None = None  # filled positions whose views are not made yet (mark_filled)
+        self.writes = 0
         super().__init__(**kwargs)
         self.capacity = int(capacity)  # positions to reserve at the first write
         self.kv_dtype = kv_dtype  # the dtype K/V are kept in (None: the activations'), rounded once on write
         self.k_buf: torch.Tensor | None = None  # [B, H_kv, capacity, D]
         self.v_buf: torch.Tensor | None = None
         self.whole: torch.Tensor | None = None  # the one tensor every layer's buffers live in (a graft's)
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        if self._end is not None:
+            self._make_views()
+        return self._keys
+
+    @keys.setter
+    def keys(self, t: torch.Tensor | None) -> None:
+        if self._end is not None:  # the values' pending view first, as it would have been made
+            self._make_views()
+        self._keys = t
+        self.writes += 1
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        if self._end is not None:
+            self._make_views()
+        return self._values
+
+    @values.setter
+    def values(self, t: torch.Tensor | None) -> None:
+        if self._end is not None:
+            self._make_views()
+        self._values = t
+        self.writes += 1
+
+    def _make_views(self) -> None:
+        end, self._end = self._end, None
+        self._keys, self._values = self.k_buf[:, :, :end], self.v_buf[:, :, :end]
+
+    def get_seq_length(self) -> int:
+        if self._end is not None:  # without making the views (create_causal_mask asks every step)
+            return self._end
+        return super().get_seq_length()
 
     def with_room(self, room: int) -> ReservedLayer:
         """A new layer holding a copy of this one's filled positions (the same bytes, the same dtype) in
@@ -116,6 +159,10 @@ class ReservedLayer(DynamicLayer):
         the positions up to `end` (see `next_position`)."""
         self.keys, self.values = self.k_buf[:, :, :end], self.v_buf[:, :, :end]
         return self.keys, self.values
+
+    def mark_filled(self, end: int) -> None:
+        """As `filled`, the views made when next read (and `writes` left as it is: see the class)."""
+        self._end = end
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:

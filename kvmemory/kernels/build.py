@@ -69,15 +69,15 @@ class Build:
 _ATTENTION = ("few_query_attention.cpp", ("bfloat16.h", "parallel.h", "simd.h"))
 _QLINEAR = ("quantized_linear.cpp", ("parallel.h", "simd.h", "q8_dot.h"))
 _SHA256 = ("sha256_lanes.cpp", ())
-_DECODE = ("decode_ops.cpp", ("bfloat16.h",))
+_DECODE = ("decode_ops.cpp", ("bfloat16.h", "parallel.h"))
 
 BUILDS: tuple[Build, ...] = (
     Build("fewq", "avx512", "AVX512", *_ATTENTION, COMMON + AVX512 + ("-fopenmp",)),
     Build("fewq", "avx2", "AVX2", *_ATTENTION, COMMON + AVX2 + ("-fopenmp",)),
     Build("qlinear", "avx512", "AVX512", *_QLINEAR, COMMON + AVX512 + NO_CONTRACT + ("-fopenmp",)),
     Build("qlinear", "avx2", "AVX2", *_QLINEAR, COMMON + AVX2 + NO_CONTRACT + ("-fopenmp",)),
-    Build("decode", "avx512", "AVX512", *_DECODE, COMMON + AVX512 + NO_CONTRACT),
-    Build("decode", "avx2", "AVX2", *_DECODE, COMMON + AVX2 + NO_CONTRACT),
+    Build("decode", "avx512", "AVX512", *_DECODE, COMMON + AVX512 + NO_CONTRACT + ("-fopenmp",)),
+    Build("decode", "avx2", "AVX2", *_DECODE, COMMON + AVX2 + NO_CONTRACT + ("-fopenmp",)),
     Build("sha256", "avx512", "AVX512", *_SHA256, COMMON + ("-fno-exceptions", "-mavx512f", "-mavx512bw")),
     Build("sha256", "sha-ni", "SHA-NI", *_SHA256,
           COMMON + ("-fno-exceptions", "-msha", "-msse4.1", "-mssse3", "-DKVM_SHA_NI")),

@@ -63,7 +63,7 @@ class Layer(ctypes.Structure):
 class Rows(ctypes.Structure):
     """KvmRows: what the decode rows of a batched step share (kvm_decode_rows)."""
     _fields_ = [("attend", ctypes.c_void_p)] + [(n, ctypes.c_int64) for n in ("hq", "hkv", "D", "kv_bf16")] + [
-        ("scale", ctypes.c_double)]
+        ("scale", ctypes.c_double), ("threads", ctypes.c_int64)]
 
 
 class Row(ctypes.Structure):

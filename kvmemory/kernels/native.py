@@ -48,7 +48,7 @@ _NEEDS = {
 # Each kernel's title (for messages) and the calling convention its Python side speaks.
 TITLES = {"fewq": "few-query attention kernel", "qlinear": "GGUF-block linear kernel",
           "decode": "decode-step norm / RoPE kernel", "sha256": "multi-lane SHA-256"}
-ABI = {"fewq": 2, "qlinear": 4, "decode": 8, "sha256": 1}
+ABI = {"fewq": 2, "qlinear": 4, "decode": 9, "sha256": 1}
 # What runs where a kernel does not (each caller's fallback; the execution profile records which ran).
 FALLBACKS = {"fewq": "attention runs on SDPA (kvmemory_sdpa)",
              "qlinear": "linears run on oneDNN-packed float32 weights (onednn-packed)",

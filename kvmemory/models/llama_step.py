@@ -177,6 +177,26 @@ class LlamaLeanStep:
             rooms.append((layer, k, v))
         return (*first, rooms)
 
+    def _c_rows(self, T: int) -> bool:
+        """Whether the C loop can take T new rows: its layers are C's, and T rows fit the few-query
+        kernel (MAX_ROWS query rows per K/V head)."""
+        cfg = self.cfg
+        return (self.c_layers is not None
+                and T * cfg.num_attention_heads <= few_query_attention.MAX_ROWS * cfg.num_key_value_heads)
+
+    def _c_takes(self, T: int, mask: torch.Tensor | None, room) -> bool:
+        """Whether the C loop takes T rows at `room` (`_c_room`'s answer; None: no room) under `mask`: few
+        enough rows, K/V in a dtype the kernels read, the mask as `_c_mask` takes it. The lean step's
+        `step` and the batched step ask the same."""
+        return (room is not None and self._c_rows(T) and room[2] in (torch.float32, torch.bfloat16)
+                and self._c_mask(mask, T, room[0] + T))
+
+    def _c_attention(self, T: int, mask: torch.Tensor | None, position: int) -> tuple[int, int]:
+        """(causal flag, keys) of the C loop's attention for T rows at `position`, as few_query_forward
+        passes them: causal without a mask (only on an empty cache, where the keys are the tokens' own)."""
+        causal = int(T > 1 and mask is None and self._c_causal)
+        return causal, (T if causal else position + T)
+
     @staticmethod
     def _c_mask(mask: torch.Tensor | None, T: int, S: int) -> bool:
         """Whether the kernel takes `mask` as the Python loop passes it (few_query_attention.attend): none,
@@ -197,14 +217,12 @@ class LlamaLeanStep:
         position, head_stride, kv_dtype, rooms = room
         T = h.shape[1]
         cfg = self.cfg
-        # attention's flag and keys, as few_query_forward passes them: causal without a mask (only on an
-        # empty cache, where the keys are the tokens' own)
-        causal = int(T > 1 and mask is None and self._c_causal)
-        keys = T if causal else position + T
+        causal, keys = self._c_attention(T, mask, position)
         kv = attention.kv_code(self.layers[0].self_attn, kv_dtype)  # the cache's dtype, and the scores' mode
         step = decode_ops.Step(
             *self._c_fns, T, cfg.num_attention_heads, cfg.num_key_value_heads, self.head_dim, cfg.hidden_size,
-            self.ffn, self.width, torch.get_num_threads(), position, head_stride, kv, causal, keys, mask.data_ptr() if mask is not None else None, mask.stride(2) if mask is not None else 0,
+            self.ffn, self.width, torch.get_num_threads(), position, head_stride, kv, causal, keys,
+            mask.data_ptr() if mask is not None else None, mask.stride(2) if mask is not None else 0,
             self._c_scale, cos.data_ptr(), sin.data_ptr(), h.data_ptr(), None, None)
         fn = self.kernel.kvm_decode_layer
 
@@ -212,7 +230,7 @@ class LlamaLeanStep:
             layer, k, v = rooms[i]
             rc = fn(step_ref, prev, act, cur, k.data_ptr(), v.data_ptr())
             if rc == 0:
-                layer.filled(position + T)
+                layer.mark_filled(position + T)
             return rc
 
         return self._run_c_layers(step, call)
@@ -316,10 +334,8 @@ class LlamaLeanStep:
         scratch = torch.empty(h.shape[-1], dtype=torch.float32)
         delta = None  # the last block's output, not yet added to h
         mark("embedding, mask, rope tables")
-        room = (self._c_room(cache, T) if self.c_layers is not None and marks is None
-                and T * self.cfg.num_attention_heads <= few_query_attention.MAX_ROWS * self.cfg.num_key_value_heads
-                else None)
-        if room is not None and not self._c_mask(mask, T, room[0] + T):
+        room = self._c_room(cache, T) if marks is None and self._c_rows(T) else None
+        if not self._c_takes(T, mask, room):
             room = None
         if room is not None:
             delta = self._c_step(h, cos, sin, mask, room)
